@@ -1,0 +1,1 @@
+"""Triton kernels and their pure-torch references, one module per conversion family."""

@@ -1,0 +1,150 @@
+"""Pure-torch building blocks shared by every reference conversion.
+
+These are the element-level rules of DESIGN.md's numerics table, written once in torch so that the
+reference conversions (and the tests) agree with each other by construction. The Triton kernels
+re-implement the same rules as ``@triton.jit`` device functions and are tested bit for bit against
+the references built from these.
+
+Exponent conventions: an E8M0 byte ``b`` means ``2^(b - 127)`` (byte 0xFF is NaN); an FP8 tile
+scale is the float32 ``2^S``. Every function takes and returns plain tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MXFP4_BLOCK = 32
+FP8_TILE = 128
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# E8M0 exponent range: bytes 0..254.
+MX_EXP_MIN = -127
+MX_EXP_MAX = 127
+# FP8 tile-scale exponent range. The floor is float32's smallest *normal* power of two so that a
+# GEMM that flushes denormal scales to zero never sees one; the ceiling is E8M0's.
+FP8_EXP_MIN = -126
+FP8_EXP_MAX = 127
+
+# E4M3 NaN is canonicalised to 0x7F (positive, all ones): the sign of a NaN is not meaningful and a
+# canonical byte lets kernel and reference outputs be compared as raw bytes.
+E4M3_NAN_BYTE = 0x7F
+
+# The 8 magnitudes of E2M1, indexed by the 3 low bits of a code (bit 3 is the sign).
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# RNE decision points between neighbouring E2M1 magnitudes, and whether a value exactly on the
+# point rounds up. A tie rounds to the code whose mantissa bit is 0 (the even code):
+#   0.25 -> 0 (code 0), 0.75 -> 1 (code 2), 1.25 -> 1 (code 2), 1.75 -> 2 (code 4),
+#   2.5 -> 2 (code 4), 3.5 -> 4 (code 6), 5 -> 4 (code 6).
+_E2M1_TIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+              (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_values(device=None) -> torch.Tensor:
+    """float32 [16]: the value of every E2M1 code 0..15 (codes 8..15 are the negatives)."""
+    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """v: float32 [...] already divided by the block scale -> uint8 [...] E2M1 codes in 0..15.
+
+    Round-to-nearest-even on the E2M1 grid, saturating at +-6. The sign bit is kept, so a negative
+    value that rounds to zero gives code 8 (-0). NaN inputs are not expected here (their block is
+    marked NaN by its scale); they encode as +0 (code 0).
+    """
+    a = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for point, tie_up in _E2M1_TIES:
+        code += (a >= point if tie_up else a > point).to(torch.uint8)
+    return code | (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """codes: uint8 [...] in 0..15 -> float32 [...] E2M1 values."""
+    return e2m1_values(codes.device)[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes: uint8 [..., K] (K even) -> uint8 [..., K/2]; element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """data: uint8 [..., K/2] -> uint8 [..., K] codes; element 2i from the low nibble."""
+    return torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
+
+
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """e: int32 [...] in [-149, 127] -> float32 [...] exactly 2^e (subnormal below -126).
+
+    Built from the bit pattern, not ``exp2``, so that no libm rounding can creep in.
+    """
+    e = e.to(torch.int32)
+    normal = ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
+    # 2^e for e < -126 is the subnormal with the single mantissa bit 2^(e + 149).
+    sub_bits = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    return torch.where(e >= -126, normal, sub_bits.view(torch.float32))
+
+
+def ceil_log2_ratio(amax: torch.Tensor, m_limit_bits: int, log2_hi: int) -> torch.Tensor:
+    """Smallest integer X with amax <= (1 + m_limit) * 2^(log2_hi + X), computed on the bits.
+
+    amax: float32 [...], finite, >= 0 -> int32 [...]. ``m_limit_bits`` is the 23-bit mantissa
+    field of the bound's significand: 6 = 1.5 * 2^2 gives (0x400000, 2); 448 = 1.75 * 2^8 gives
+    (0x600000, 8). Writing amax = m * 2^e with m in [1, 2): the answer is e - log2_hi when
+    m <= 1 + m_limit, else one more. This is ceil(log2(amax / bound)) evaluated exactly, where a
+    float division amax / 6 could round down onto a power of two and make the scale clip.
+    amax == 0 and float32 subnormals give a very small result that callers clamp.
+    """
+    bits = amax.view(torch.int32)
+    biased = bits >> 23
+    mant = bits & 0x7FFFFF
+    x = biased - 127 - log2_hi + (mant > m_limit_bits).to(torch.int32)
+    # Zero and subnormal amax: below every clamp floor used here.
+    return torch.where(biased == 0, torch.full_like(x, -1000), x)
+
+
+def mx_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """amax: float32 [...] finite -> int32 [...] E = clamp(ceil(log2(amax / 6)), -127, 127) (RCEIL)."""
+    return ceil_log2_ratio(amax, 0x400000, 2).clamp(MX_EXP_MIN, MX_EXP_MAX)
+
+
+def fp8_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """amax: float32 [...] finite -> int32 [...] S = clamp(ceil(log2(amax / 448)), -126, 127)."""
+    return ceil_log2_ratio(amax, 0x600000, 8).clamp(FP8_EXP_MIN, FP8_EXP_MAX)
+
+
+def encode_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """v: float32 [...] already divided by the tile scale, |v| <= 448 or non-finite
+    -> float8_e4m3fn [...]: RNE (into subnormals and to signed zero), saturating at +-448; NaN and
+    +-Inf give the canonical NaN byte 0x7F.
+    """
+    finite = torch.isfinite(v)
+    q = torch.where(finite, v.clamp(-E4M3_MAX, E4M3_MAX), torch.zeros_like(v)).to(torch.float8_e4m3fn)
+    nan = torch.full_like(q.view(torch.uint8), E4M3_NAN_BYTE)
+    return torch.where(finite, q.view(torch.uint8), nan).view(torch.float8_e4m3fn)
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """x: float32 [...] -> float32 [...] |x| with NaN and Inf replaced by 0 (for amax of finite values)."""
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+
+
+def tile_amax(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x: float32 [M, K] -> float32 [M, ceil(K/tile)]: max |finite x| per tile (a short last tile is fine)."""
+    m, k = x.shape
+    n = -(-k // tile)
+    pad = torch.zeros(m, n * tile, dtype=torch.float32, device=x.device)
+    pad[:, :k] = finite_abs(x)
+    return pad.view(m, n, tile).amax(dim=-1)
+
+
+def tile_any_nonfinite(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x: float32 [M, K] (K % tile == 0) -> bool [M, K/tile]: whether a tile holds NaN or Inf."""
+    m, k = x.shape
+    return (~torch.isfinite(x)).view(m, k // tile, tile).any(dim=-1)

@@ -1,0 +1,24 @@
+"""moe_fp4: MXFP4 activation storage and all-to-all transport for FP8 MoE training on Hopper."""
+
+from moe_fp4.api import (
+    dequantize_fp8,
+    dequantize_mxfp4,
+    mxfp4_to_fp8,
+    mxfp4_to_fp8_colwise,
+    quantize_fp8,
+    quantize_mxfp4,
+)
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8BlockTensor",
+    "MXFP4Tensor",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "mxfp4_to_fp8",
+    "mxfp4_to_fp8_colwise",
+    "quantize_fp8",
+    "quantize_mxfp4",
+]

@@ -1,0 +1,109 @@
+"""Public conversions: validate the input, then run the implementation for its device.
+
+Every function here has a twin with the same signature in :mod:`moe_fp4.reference` (pure torch,
+no validation). Today every device runs the reference; the Triton kernels plug in here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp4 import reference as _impl
+from moe_fp4.formats import (
+    HIGH_PRECISION_DTYPES,
+    FP8BlockTensor,
+    MXFP4Tensor,
+    check_fp8_scale_values,
+    check_values_enabled,
+)
+from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
+
+
+def _check_high_precision(x, fn: str, multiple: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{fn}: expected a bfloat16/float16/float32 tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{fn}: expected a tensor of shape [..., K], got a 0-d tensor")
+    if x.shape[-1] % multiple != 0:
+        raise ValueError(f"{fn}: the last dimension K = {x.shape[-1]} must be a multiple of {multiple}")
+    if not x.is_contiguous():
+        raise ValueError(f"{fn}: the input must be contiguous (got strides {x.stride()}); call .contiguous() first")
+
+
+def _check_out_dtype(dtype, fn: str) -> None:
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{fn}: output dtype must be bfloat16, float16 or float32, got {dtype}")
+
+
+def _check_container(t, cls, fn: str) -> None:
+    if not isinstance(t, cls):
+        raise TypeError(f"{fn}: expected {cls.__name__}, got {type(t).__name__}")
+
+
+def _check_fp8(t: FP8BlockTensor, fn: str, full_tiles: bool) -> None:
+    _check_container(t, FP8BlockTensor, fn)
+    if full_tiles and t.k % FP8_TILE != 0:
+        raise ValueError(f"{fn}: K = {t.k} must be a multiple of {FP8_TILE} (whole 1x128 tiles)")
+    if check_values_enabled(t.scale):
+        check_fp8_scale_values(t.scale, f"{fn}: FP8BlockTensor.scale")
+
+
+def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor) -> MXFP4Tensor:
+    """Quantize to MXFP4 in 32-element blocks along the last dimension.
+
+    x: bf16/fp16/fp32 [..., K] (K % 32 == 0, contiguous), or an FP8BlockTensor [M, K] (K % 128 == 0),
+    which is converted directly on its codes (no BF16/FP32 tensor is formed)
+    -> MXFP4Tensor (data uint8 [M, K/2], scale uint8 [M, K/32]) of x's logical shape and dtype.
+    """
+    if isinstance(x, FP8BlockTensor):
+        _check_fp8(x, "quantize_mxfp4", full_tiles=True)
+    else:
+        _check_high_precision(x, "quantize_mxfp4", MXFP4_BLOCK)
+    return _impl.quantize_mxfp4(x)
+
+
+def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """q: MXFP4Tensor [M, K] -> dtype tensor of q.shape (exact in float32; NaN blocks give NaN)."""
+    _check_container(q, MXFP4Tensor, "dequantize_mxfp4")
+    _check_out_dtype(dtype, "dequantize_mxfp4")
+    return _impl.dequantize_mxfp4(q, dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> FP8BlockTensor:
+    """Quantize to FP8 E4M3 in 1x128 tiles along the last dimension with power-of-two scales.
+
+    x: bf16/fp16/fp32 [..., K] (K % 128 == 0, contiguous)
+    -> FP8BlockTensor (data float8_e4m3fn [M, K], scale float32 [M, K/128] M-major).
+    """
+    _check_high_precision(x, "quantize_fp8", FP8_TILE)
+    return _impl.quantize_fp8(x)
+
+
+def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """t: FP8BlockTensor [M, K] -> dtype tensor of t.shape (data * scale, exact in float32)."""
+    _check_fp8(t, "dequantize_fp8", full_tiles=False)
+    _check_out_dtype(dtype, "dequantize_fp8")
+    return _impl.dequantize_fp8(t, dtype)
+
+
+def mxfp4_to_fp8(q: MXFP4Tensor) -> FP8BlockTensor:
+    """Direct MXFP4 -> FP8 row-wise: q [M, K] (K % 128 == 0) -> FP8BlockTensor [M, K].
+
+    Each 1x128 tile (four MXFP4 blocks) gets S = max(E) - 6. Exact for blocks within 14 binades of
+    the tile's largest block; blocks further below round (RNE) into E4M3 subnormals or to signed zero.
+    """
+    _check_container(q, MXFP4Tensor, "mxfp4_to_fp8")
+    if q.k % FP8_TILE != 0:
+        raise ValueError(f"mxfp4_to_fp8: K = {q.k} must be a multiple of {FP8_TILE} (whole 1x128 tiles)")
+    return _impl.mxfp4_to_fp8(q)
+
+
+def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
+    """Scaling-aware row -> column conversion: q [M, K] (any M) -> FP8BlockTensor [K, M] holding q^T,
+    quantized in 1x128 tiles along M (the last tile may be short) from each column's true amax.
+    Bit-identical to dequantize -> transpose -> quantize_fp8 along tokens.
+    """
+    _check_container(q, MXFP4Tensor, "mxfp4_to_fp8_colwise")
+    return _impl.mxfp4_to_fp8_colwise(q)

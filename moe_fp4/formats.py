@@ -1,0 +1,214 @@
+"""The two quantized formats: MXFP4 (storage and transport) and FP8 1x128 (GEMM operands).
+
+Both are frozen dataclasses whose ``__post_init__`` checks every structural invariant (dtypes,
+shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
+*values* (scales are powers of two, no NaN scale where NaN is not allowed) read the data, so they
+live in :func:`check_fp8_scale_values` / :func:`check_mxfp4_scale_values`, which the public
+conversion functions call on CPU tensors always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moe_fp4.kernels.numerics import (
+    E8M0_NAN,
+    FP8_EXP_MAX,
+    FP8_EXP_MIN,
+    FP8_TILE,
+    MXFP4_BLOCK,
+)
+
+HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(cls, msg: str):
+    raise cls(msg)
+
+
+def check_values_enabled(t: torch.Tensor) -> bool:
+    """Value checks (which read the data) run on CPU always, on GPUs only when asked for."""
+    return t.device.type != "cuda" or os.environ.get("MOE_FP4_CHECK_VALUES", "0") == "1"
+
+
+def _check_logical(shape, dtype, m: int, k: int, what: str) -> torch.Size:
+    shape = torch.Size(shape)
+    if len(shape) == 0:
+        _fail(ValueError, f"{what}: logical shape must have at least one dimension, got {tuple(shape)}")
+    if shape[-1] != k or math.prod(shape) != m * k:
+        _fail(ValueError, f"{what}: logical shape {tuple(shape)} does not match the stored [M={m}, K={k}] "
+                          f"(need shape[-1] == K and prod(shape) == M*K)")
+    if dtype not in HIGH_PRECISION_DTYPES:
+        _fail(TypeError, f"{what}: original dtype must be one of bfloat16/float16/float32, got {dtype}")
+    return shape
+
+
+@dataclass(frozen=True)
+class MXFP4Tensor:
+    """A tensor quantized to MXFP4 along its last dimension.
+
+    data:  uint8 [M, K/2], row-major; element 2i in the low nibble, 2i+1 in the high nibble
+           (the layout of ``torch.float4_e2m1fn_x2``). E2M1 codes: bit 3 sign, bits 0-2 magnitude.
+    scale: uint8 [M, K/32], row-major E8M0: byte b means 2^(b-127); 0xFF marks a block that held
+           NaN or Inf (it decodes to NaN).
+    shape: the logical shape to restore ([..., K], prod(shape[:-1]) == M).
+    dtype: the dtype the tensor had before quantization (restored by default on dequantize).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        d, s = self.data, self.scale
+        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
+            _fail(TypeError, "MXFP4Tensor: data and scale must be torch.Tensors")
+        if d.dtype != torch.uint8:
+            _fail(TypeError, f"MXFP4Tensor: data must be uint8 (two E2M1 codes per byte), got {d.dtype}")
+        if s.dtype != torch.uint8:
+            _fail(TypeError, f"MXFP4Tensor: scale must be uint8 (E8M0 bytes), got {s.dtype}")
+        if d.dim() != 2 or s.dim() != 2:
+            _fail(ValueError, f"MXFP4Tensor: data and scale must be 2-D, got {tuple(d.shape)} and {tuple(s.shape)}")
+        m, half_k = d.shape
+        k = 2 * half_k
+        if k % MXFP4_BLOCK != 0:
+            _fail(ValueError, f"MXFP4Tensor: K = 2 * data.shape[1] = {k} must be a multiple of {MXFP4_BLOCK}")
+        if tuple(s.shape) != (m, k // MXFP4_BLOCK):
+            _fail(ValueError, f"MXFP4Tensor: scale shape {tuple(s.shape)} must be [M, K/32] = {(m, k // MXFP4_BLOCK)}")
+        if not d.is_contiguous() or not s.is_contiguous():
+            _fail(ValueError, "MXFP4Tensor: data and scale must be contiguous (row-major)")
+        if d.device != s.device:
+            _fail(ValueError, f"MXFP4Tensor: data on {d.device} but scale on {s.device}; they must share a device")
+        object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "MXFP4Tensor"))
+
+    @property
+    def m(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return 2 * self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: K/2 data bytes + K/32 scale bytes per row (4.25 bits per element)."""
+        return self.data.numel() + self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
+        from moe_fp4.api import dequantize_mxfp4
+
+        return dequantize_mxfp4(self, self.dtype if dtype is None else dtype)
+
+    def to(self, device) -> "MXFP4Tensor":
+        return MXFP4Tensor(self.data.to(device), self.scale.to(device), self.shape, self.dtype)
+
+    def check_finite(self) -> "MXFP4Tensor":
+        """Raise ValueError if any block is NaN (scale byte 0xFF); return self. Reads the scales
+        (a device sync on GPU): for inputs that must not carry NaN, e.g. received from another rank."""
+        check_mxfp4_scale_values(self.scale, allow_nan=False)
+        return self
+
+
+@dataclass(frozen=True)
+class FP8BlockTensor:
+    """A tensor quantized to FP8 E4M3 in 1x128 tiles along its last dimension.
+
+    data:  float8_e4m3fn [M, K], row-major.
+    scale: float32 [M, ceil(K/128)], a power of two 2^S (S in [-126, 127]) per tile, stored M-major
+           (strides (1, M)): the layout ``torch.nn.functional.scaled_mm`` takes for
+           ``ScalingType.BlockWise1x128``, so a GEMM consumes it without a copy. The value of a tile
+           element is ``data * scale``. A short last tile (K % 128 != 0) is allowed; it appears in the
+           column-wise (transposed) tensors whose K is a token count.
+    shape: the logical shape to restore ([..., K]).
+    dtype: the dtype of the tensor before quantization (restored by default on dequantize).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        d, s = self.data, self.scale
+        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
+            _fail(TypeError, "FP8BlockTensor: data and scale must be torch.Tensors")
+        if d.dtype != torch.float8_e4m3fn:
+            _fail(TypeError, f"FP8BlockTensor: data must be float8_e4m3fn, got {d.dtype}")
+        if s.dtype != torch.float32:
+            _fail(TypeError, f"FP8BlockTensor: scale must be float32 (power-of-two values), got {s.dtype}")
+        if d.dim() != 2 or s.dim() != 2:
+            _fail(ValueError, f"FP8BlockTensor: data and scale must be 2-D, got {tuple(d.shape)} and {tuple(s.shape)}")
+        m, k = d.shape
+        tiles = -(-k // FP8_TILE)
+        if tuple(s.shape) != (m, tiles):
+            _fail(ValueError, f"FP8BlockTensor: scale shape {tuple(s.shape)} must be [M, ceil(K/128)] = {(m, tiles)}")
+        if not d.is_contiguous():
+            _fail(ValueError, "FP8BlockTensor: data must be contiguous (row-major)")
+        if not s.t().is_contiguous():
+            _fail(ValueError, f"FP8BlockTensor: scale must be M-major (strides (1, M), i.e. scale.t() contiguous), "
+                              f"got strides {s.stride()}")
+        if d.device != s.device:
+            _fail(ValueError, f"FP8BlockTensor: data on {d.device} but scale on {s.device}; they must share a device")
+        object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "FP8BlockTensor"))
+
+    @property
+    def m(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: K data bytes + 4 bytes per 1x128 tile scale per row."""
+        return self.data.numel() + 4 * self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
+        from moe_fp4.api import dequantize_fp8
+
+        return dequantize_fp8(self, self.dtype if dtype is None else dtype)
+
+    def to(self, device) -> "FP8BlockTensor":
+        scale = self.scale.t().to(device).t()
+        return FP8BlockTensor(self.data.to(device), scale, self.shape, self.dtype)
+
+
+def empty_fp8_scale(m: int, tiles: int, device) -> torch.Tensor:
+    """-> float32 [m, tiles] with strides (1, m): the M-major layout FP8BlockTensor requires."""
+    return torch.empty(tiles, m, dtype=torch.float32, device=device).t()
+
+
+def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scale") -> None:
+    """Raise ValueError unless every scale is a power of two 2^S with S in [-126, 127] (reads the data)."""
+    if scale.numel() == 0:
+        return
+    bits = scale.contiguous().view(torch.int32)
+    mant_zero = (bits & 0x7FFFFF) == 0
+    exp = ((bits >> 23) & 0xFF) - 127
+    ok = mant_zero & (bits >= 0) & (exp >= FP8_EXP_MIN) & (exp <= FP8_EXP_MAX)
+    if not bool(ok.all()):
+        bad = scale.flatten()[(~ok).flatten().nonzero()[0]].item()
+        _fail(ValueError, f"{what}: every scale must be a positive power of two 2^S with S in "
+                          f"[{FP8_EXP_MIN}, {FP8_EXP_MAX}]; found {bad!r}")
+
+
+def check_mxfp4_scale_values(scale: torch.Tensor, allow_nan: bool = True, what: str = "MXFP4Tensor.scale") -> None:
+    """Raise ValueError if a scale byte is 0xFF (NaN) where NaN is not allowed (reads the data)."""
+    if not allow_nan and scale.numel() and bool((scale == E8M0_NAN).any()):
+        _fail(ValueError, f"{what}: holds the E8M0 NaN byte 0xFF, which is not allowed here")
