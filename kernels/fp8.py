@@ -1,13 +1,31 @@
-"""Row-wise FP8 1x128 producers and FP8 dequantize: pure-torch references.
+"""Row-wise FP8 1x128 producers (from BF16/FP16/FP32, fused with MXFP4, and from MXFP4) and FP8
+dequantize: Triton kernels, launchers, and pure-torch references.
 
-Functions take and return plain 2-D tensors; ``moe_fp4.api`` wraps them in the containers. FP8
-scales come back in the M-major layout of ``FP8BlockTensor`` (strides (1, M)).
+Each launcher ``name`` has a twin ``name_ref`` with the same signature on plain 2-D tensors;
+``moe_fp4._ops`` wraps them in the containers. FP8 scales come back in the M-major layout of
+``FP8BlockTensor`` (strides (1, M)). A program covers [BLOCK_M rows, TILES x 128 columns] viewed as
+[BLOCK_M, TILES, 4, 16] pair words: the FP8 tile amax is a max over the last two axes, the MXFP4
+block amax over the last one, so one load serves both formats.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
+from moe_fp4.kernels.triton_numerics import (
+    e2m1_decode_scaled,
+    e4m3_rne,
+    fp8_scale_exp,
+    hw_fp8_cvt,
+    load_pairs_as_f32_bits,
+    mx_encode_pairs,
+    mx_scale_exp,
+    pair_view,
+    pow2_f32,
+)
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -21,6 +39,7 @@ from moe_fp4.kernels.numerics import (
     fp8_scale_exponent,
     tile_amax,
     unpack_nibbles,
+    with_canonical_nan,
 )
 
 BLOCKS_PER_TILE = FP8_TILE // MXFP4_BLOCK
@@ -55,11 +74,19 @@ def quantize_fp8_rowwise_ref(x: torch.Tensor):
     return data, m_major(exp2_int(s))
 
 
+def quantize_fp8_and_mxfp4_ref(x: torch.Tensor):
+    """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((data, scale) FP8 1x128, (data, scale) MXFP4):
+    both quantizations of the same input, each bit-identical to its standalone twin (the Triton
+    kernel reads x once and writes both)."""
+    return quantize_fp8_rowwise_ref(x), quantize_mxfp4_rowwise_ref(x)
+
+
 def dequantize_fp8_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     """data: float8_e4m3fn [M, K], scale: float32 [M, ceil(K/128)] -> dtype [M, K] = data * scale
     (exact in float32 unless the product exceeds float32's range, only possible for scales > 2^120)."""
     m, k = data.shape
-    return (data.float() * _repeat_tiles(scale, k)).to(dtype)
+    q = data.float()
+    return with_canonical_nan((q * _repeat_tiles(scale, k)).to(dtype), torch.isnan(q))
 
 
 def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
@@ -89,3 +116,135 @@ def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
     v = vals * exp2_int(shift)[..., None]
     v = torch.where(nan_block[..., None], torch.full_like(v, float("nan")), v)
     return encode_e4m3(v.view(m, k)), m_major(exp2_int(s))
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
+                         stride_xm, stride_fm, stride_mm, stride_msm,
+                         IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr, HW_CVT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
+    pid_m = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = pid_t * TILES + tl.arange(0, TILES)
+    b = tl.arange(0, 4)
+    p = tl.arange(0, 16)
+    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    mask4 = mask_t[:, :, None, None]
+    pair = (t * 64)[None, :, None, None] + (b * 16)[None, None, :, None] + p[None, None, None, :]
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
+    a_lo = lo & 0x7FFFFFFF
+    a_hi = hi & 0x7FFFFFFF
+    # FP8 scale from the finite values only (non-finite bits are >= 0x7F800000)
+    fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
+    S = fp8_scale_exp(tl.max(tl.max(fin, axis=3), axis=2))                       # [BM, TILES]
+    mult = pow2_f32(-tl.minimum(S, 126))[:, :, None, None]  # S <= 120 for finite data: 2^-S is normal
+    q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult, HW_CVT)
+    q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult, HW_CVT)
+    word = (q_lo | (q_hi << 8)).to(tl.int16)
+    tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
+    tl.store(fscale_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
+    if WRITE_MXFP4:
+        amax_bits = tl.max(tl.maximum(a_lo, a_hi), axis=3)                         # [BM, TILES, 4]
+        nan_blk = amax_bits >= 0x7F800000
+        E = mx_scale_exp(amax_bits)
+        mmult = pow2_f32(-tl.minimum(E, 126))
+        # mx_encode_pairs works on [BM, NB, 16]: flatten the (tile, block) axes.
+        NB: tl.constexpr = TILES * 4
+        packed, sc = mx_encode_pairs(
+            tl.reshape(lo, (BLOCK_M, NB, 16)), tl.reshape(hi, (BLOCK_M, NB, 16)),
+            tl.reshape(a_lo, (BLOCK_M, NB, 16)), tl.reshape(a_hi, (BLOCK_M, NB, 16)),
+            tl.reshape(E, (BLOCK_M, NB)), tl.reshape(nan_blk, (BLOCK_M, NB)), tl.reshape(mmult, (BLOCK_M, NB)),
+            False)  # RCEIL scaling of finite data never exceeds 6: no saturation needed
+        kb = pid_t * TILES * 4 + tl.arange(0, TILES * 4)
+        mask_b = (rows < M)[:, None] & (kb < NT * 4)[None, :]
+        mpair = (kb * 16)[None, :, None] + p[None, None, :]
+        tl.store(mx_ptr + rows[:, None, None] * stride_mm + mpair, packed.to(tl.uint8), mask=mask_b[:, :, None])
+        tl.store(mscale_ptr + rows[:, None] * stride_msm + kb[None, :], sc.to(tl.uint8), mask=mask_b)
+
+
+@triton.jit
+def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
+                         HW_CVT: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = pid_t * TILES + tl.arange(0, TILES)
+    b = tl.arange(0, 4)
+    p = tl.arange(0, 16)
+    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    mask3 = mask_t[:, :, None]
+    mask4 = mask3[:, :, :, None]
+    pair = (t * 64)[None, :, None, None] + (b * 16)[None, None, :, None] + p[None, None, None, :]
+    byte = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + (t * 4)[None, :, None] + b[None, None, :],
+                 mask=mask3, other=0).to(tl.int32)                                  # [BM, TILES, 4]
+    nan = sb == 255
+    emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
+    S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, TILES]
+    # c * 2^(E - S) as exact fp32 bits: decode with the shifted byte E - S + 127 (<= 133). Bytes
+    # below 0 would be values under 2^-127 * 6, which round to zero in E4M3 just like byte 0's.
+    shifted = tl.maximum(sb - S[:, :, None], 0)[:, :, :, None]
+    v_lo = e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True)
+    v_hi = e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True)
+    nan4 = nan[:, :, :, None]
+    q_lo = tl.where(nan4, 0x7F, e4m3_rne(v_lo, HW_CVT))
+    q_hi = tl.where(nan4, 0x7F, e4m3_rne(v_hi, HW_CVT))
+    tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, (q_lo | (q_hi << 8)).to(tl.int16), mask=mask4)
+    tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
+
+
+def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles: int, num_warps: int):
+    m, k = x.shape
+    dev = x.device
+    fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+    fscale = torch.empty(k // FP8_TILE, m, dtype=torch.float32, device=dev).t()
+    mx = torch.empty(m, k // 2, dtype=torch.uint8, device=dev) if write_mxfp4 else None
+    ms = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=dev) if write_mxfp4 else None
+    if m and k:
+        words, kind = pair_view(x.contiguous())
+        nt = k // FP8_TILE
+        tiles = min(tiles, triton.next_power_of_2(nt))
+        fw = fp8.view(torch.int16)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
+        _quantize_fp8_kernel[grid](
+            words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
+            words.stride(0), fw.stride(0), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
+            IN_KIND=kind, WRITE_MXFP4=write_mxfp4, HW_CVT=hw_fp8_cvt(x),
+            BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+    return (fp8, fscale), (mx, ms)
+
+
+def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 8, tiles: int = 2, num_warps: int = 4):
+    """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
+    M-major); bit-identical to quantize_fp8_rowwise_ref."""
+    return _launch_quantize_fp8(x, False, block_m, tiles, num_warps)[0]
+
+
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 8, tiles: int = 2, num_warps: int = 4):
+    """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
+    read of x; bit-identical to quantize_fp8_and_mxfp4_ref."""
+    return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)
+
+
+def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 8, tiles: int = 2,
+                         num_warps: int = 4):
+    """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
+    float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref."""
+    m, half_k = data.shape
+    k = 2 * half_k
+    out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)
+    oscale = torch.empty(k // FP8_TILE, m, dtype=torch.float32, device=data.device).t()
+    if m and k:
+        nt = k // FP8_TILE
+        tiles = min(tiles, triton.next_power_of_2(nt))
+        ow = out.view(torch.int16)
+        _mxfp4_to_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
+            data, scale, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
+            HW_CVT=hw_fp8_cvt(data), BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+    return out, oscale

@@ -1,12 +1,28 @@
-"""MXFP4 quantize / dequantize: pure-torch references (the Triton kernels join them here).
+"""MXFP4 quantize / dequantize: Triton kernels, their launchers, and pure-torch references.
 
-Functions take and return plain 2-D tensors; ``moe_fp4.api`` wraps them in the containers.
+Each launcher ``name`` has a twin ``name_ref`` with the same signature on plain 2-D tensors (plus
+tuning keywords on the launcher); ``moe_fp4._ops`` wraps them in the containers. The kernels read
+and write *pair words* (two bf16/fp16 in an int32, two fp32 in an int64, two E4M3 in an int16), so
+the two elements that share an MXFP4 byte come out of one load with a shift and a mask, no split.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from moe_fp4.kernels.triton_numerics import (
+    ceil_log2_ratio_bits,
+    e2m1_decode_scaled,
+    e4m3_to_f32_bits,
+    load_pairs_as_f32_bits,
+    mx_encode_pairs,
+    mx_scale_exp,
+    pair_view,
+    pow2_f32,
+    words_view,
+)
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -14,6 +30,7 @@ from moe_fp4.kernels.numerics import (
     MX_EXP_MAX,
     MX_EXP_MIN,
     MXFP4_BLOCK,
+    NAN_BITS,
     ceil_log2_ratio,
     decode_e2m1,
     encode_e2m1,
@@ -21,6 +38,7 @@ from moe_fp4.kernels.numerics import (
     mx_scale_exponent,
     pack_nibbles,
     unpack_nibbles,
+    with_canonical_nan,
 )
 
 
@@ -84,6 +102,199 @@ def dequantize_mxfp4_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     k = 2 * half_k
     vals = decode_e2m1(unpack_nibbles(data)).view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
     e = scale.to(torch.int32) - E8M0_BIAS
-    out = vals * exp2_int(e.clamp(max=MX_EXP_MAX))[..., None]
-    out = torch.where((scale == E8M0_NAN)[..., None], torch.full_like(out, float("nan")), out)
-    return out.view(m, k).to(dtype)
+    out = (vals * exp2_int(e.clamp(max=MX_EXP_MAX))[..., None]).to(dtype)
+    return with_canonical_nan(out, (scale == E8M0_NAN)[..., None]).view(m, k)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_mxfp4_kernel(
+    x_ptr, data_ptr, scale_ptr,
+    M, KB,                      # rows, number of 32-blocks per row
+    stride_xm,                  # row stride of x in pair words
+    stride_dm, stride_sm,       # row strides of data (bytes) and scale (bytes)
+    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)   # [BM] int64
+    kb = pid_k * NB + tl.arange(0, NB)                                          # [NB] block index
+    p = tl.arange(0, 16)                                                        # pair inside block
+    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]                             # [BM, NB]
+    mask3 = mask2[:, :, None]
+    pair = (kb * 16)[None, :, None] + p[None, None, :]                          # [1, NB, 16]
+
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+
+    # amax on the bits: |x| bits are monotone in |x|; NaN/Inf (>= 0x7F800000) are the largest.
+    lo_abs = lo & 0x7FFFFFFF
+    hi_abs = hi & 0x7FFFFFFF
+    amax_bits = tl.max(tl.maximum(lo_abs, hi_abs), axis=2)                      # [BM, NB]
+    nan_blk = amax_bits >= 0x7F800000
+    E = mx_scale_exp(amax_bits)
+    # 2^-E: for finite amax E <= 126 (amax < 2^128 gives at most 254 - 129 + 1), so -E is in
+    # [-126, 127] and 2^-E is a normal float32. The min() only matters for NaN blocks (overwritten).
+    mult = pow2_f32(-tl.minimum(E, 126))
+    # No saturation needed: E = ceil(log2(amax / 6)) unclamped gives |x| * 2^-E <= 6 exactly, the
+    # -127 floor only makes |v| smaller, and the 127 ceiling is unreachable for finite input.
+    packed, scale = mx_encode_pairs(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, False)
+
+    tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
+    tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], scale.to(tl.uint8), mask=mask2)
+
+
+@triton.jit
+def _f32_bits_to_out(bits, nan, OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr):
+    """int32 fp32 bits (exact value) -> int32 holding the output dtype's bit pattern (16 or 32 bits)."""
+    if OUT_KIND == 0:
+        # Decoded values have at most 1 mantissa bit (normal) or bits >= 2^21 (subnormal), so bf16
+        # (the top 16 bits of fp32) holds them exactly: truncation is exact, no rounding needed.
+        out = (bits >> 16) & 0xFFFF
+    elif OUT_KIND == 1:
+        out = bits.to(tl.float32, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        out = bits
+    return tl.where(nan, NAN_BITS, out)
+
+@triton.jit
+def _dequantize_mxfp4_kernel(
+    data_ptr, scale_ptr, out_ptr,
+    M, KB, stride_dm, stride_sm, stride_om,     # stride_om in output pair words
+    OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    kb = pid_k * NB + tl.arange(0, NB)
+    p = tl.arange(0, 16)
+    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
+    mask3 = mask2[:, :, None]
+    pair = (kb * 16)[None, :, None] + p[None, None, :]
+
+    b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
+    nan = (s == 255)[:, :, None]
+    s3 = s[:, :, None]
+    lo = _f32_bits_to_out(e2m1_decode_scaled(b & 15, s3), nan, OUT_KIND, NAN_BITS)
+    hi = _f32_bits_to_out(e2m1_decode_scaled(b >> 4, s3), nan, OUT_KIND, NAN_BITS)
+    if OUT_KIND == 2:
+        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    else:
+        word = (hi << 16) | lo
+    tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask3)
+
+
+@triton.jit
+def _fp8_to_mxfp4_kernel(
+    q_ptr, s_ptr, data_ptr, scale_ptr,
+    M, KB,
+    stride_qm,                  # row stride of the FP8 data in int16 pair words
+    stride_sm, stride_st,       # FP8 scale strides (elements): row, tile
+    stride_dm, stride_om,       # MXFP4 data / scale row strides (bytes)
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    kb = pid_k * NB + tl.arange(0, NB)
+    p = tl.arange(0, 16)
+    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
+    mask3 = mask2[:, :, None]
+    pair = (kb * 16)[None, :, None] + p[None, None, :]
+
+    w = tl.load(q_ptr + rows[:, None, None] * stride_qm + pair, mask=mask3, other=0).to(tl.int32)
+    b_lo = w & 0xFF                     # element 2i is the first (low) byte: little endian
+    b_hi = (w >> 8) & 0xFF
+    # max |q| on the codes: E4M3 magnitude bytes (b & 0x7F) are monotone in |q|; NaN is 0x7F.
+    qmax_code = tl.max(tl.maximum(b_lo & 0x7F, b_hi & 0x7F), axis=2)           # [BM, NB]
+    nan_blk = qmax_code == 0x7F
+    # Tile scale 2^S (float32 power of two, normal): S from its exponent field.
+    sbits = tl.load(s_ptr + rows[:, None] * stride_sm + (kb // 4).to(tl.int64)[None, :] * stride_st,
+                    mask=mask2, other=1.0).to(tl.int32, bitcast=True)
+    S = (sbits >> 23) - 127
+    # E = clamp(S + ceil(log2(qmax/6)), -127, 127). qmax is never subnormal in float32 (E4M3's
+    # smallest is 2^-9), but qmax == 0 must give E = -127 whatever S is: the reference's e_rel is
+    # -1000 clamped to -255; ceil_log2_ratio_bits would give -129 (not low enough for S >= -1).
+    e_rel = ceil_log2_ratio_bits(e4m3_to_f32_bits(qmax_code), 0x400000, 2)
+    e_rel = tl.where(qmax_code == 0, -255, e_rel)
+    E = tl.minimum(tl.maximum(S + e_rel, -127), 127)
+    # v = q * 2^(S - E); S - E is in [-7, 11] for a nonzero block (see quantize_mxfp4_from_fp8_ref),
+    # larger for a zero block (value irrelevant: zeros stay signed zeros); cap at 127 so 2^(S-E)
+    # stays a normal float32, and q * 2^(S-E) is then exact.
+    mult = pow2_f32(tl.minimum(S - E, 127))
+    lo = e4m3_to_f32_bits(b_lo)
+    hi = e4m3_to_f32_bits(b_hi)
+    # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
+    packed, scale = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E, nan_blk, mult, True)
+    tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
+    tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
+
+
+def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32])."""
+    assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
+    m, k = x.shape
+    x = x.contiguous()
+    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if m == 0 or k == 0:
+        return data, scale
+    block_k = min(block_k, triton.next_power_of_2(k))
+    words, kind = pair_view(x)
+    kb = k // MXFP4_BLOCK
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    _quantize_mxfp4_kernel[grid](
+        words, data, scale, m, kb, words.stride(0), data.stride(0), scale.stride(0),
+        IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return data, scale
+
+
+def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                     block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+    """data uint8 [M, K/2], scale uint8 [M, K/32] -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref)."""
+    m, half_k = data.shape
+    k = 2 * half_k
+    assert k % MXFP4_BLOCK == 0 and scale.shape == (m, k // MXFP4_BLOCK)
+    out = torch.empty(m, k, dtype=dtype, device=data.device)
+    if m == 0 or k == 0:
+        return out
+    data = data.contiguous()
+    scale = scale.contiguous()
+    words, kind = pair_view(out)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    _dequantize_mxfp4_kernel[grid](
+        data, scale, words, m, k // MXFP4_BLOCK, data.stride(0), scale.stride(0), words.stride(0),
+        OUT_KIND=kind, NAN_BITS=NAN_BITS[dtype],
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
+def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
+                            block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+    """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
+    -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref."""
+    m, k = data.shape
+    assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)
+    assert scale.dtype == torch.float32
+    out = torch.empty(m, k // 2, dtype=torch.uint8, device=data.device)
+    oscale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=data.device)
+    if m == 0 or k == 0:
+        return out, oscale
+    words = words_view(data.contiguous().view(torch.uint8), torch.int16)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    _fp8_to_mxfp4_kernel[grid](
+        words, scale, out, oscale, m, k // MXFP4_BLOCK, words.stride(0),
+        scale.stride(0), scale.stride(1), out.stride(0), oscale.stride(0),
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out, oscale

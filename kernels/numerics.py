@@ -130,6 +130,18 @@ def encode_e4m3(v: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, q.view(torch.uint8), nan).view(torch.float8_e4m3fn)
 
 
+# Canonical quiet NaN per output dtype: outputs are compared as raw bytes, and torch's own float32 ->
+# bfloat16 cast gives different NaN bits on different CPU code paths (0x7FC0 or 0xFFFF).
+NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def with_canonical_nan(out: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
+    """out: bf16/fp16/fp32 [...], nan: bool broadcastable to out -> out with NAN_BITS where nan."""
+    canon = torch.tensor(NAN_BITS[out.dtype], dtype=_INT_OF[out.dtype], device=out.device).view(out.dtype)
+    return torch.where(nan, canon, out)
+
+
 def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """x: float32 [...] -> float32 [...] |x| with NaN and Inf replaced by 0 (for amax of finite values)."""
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))

@@ -3,9 +3,11 @@
 from moe_fp4.api import (
     dequantize_fp8,
     dequantize_mxfp4,
+    fp8_to_fp8_colwise,
     mxfp4_to_fp8,
     mxfp4_to_fp8_colwise,
     quantize_fp8,
+    quantize_fp8_and_mxfp4,
     quantize_mxfp4,
 )
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
@@ -17,8 +19,10 @@ __all__ = [
     "MXFP4Tensor",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "fp8_to_fp8_colwise",
     "mxfp4_to_fp8",
     "mxfp4_to_fp8_colwise",
     "quantize_fp8",
+    "quantize_fp8_and_mxfp4",
     "quantize_mxfp4",
 ]

@@ -1,14 +1,17 @@
 """Public conversions: validate the input, then run the implementation for its device.
 
 Every function here has a twin with the same signature in :mod:`moe_fp4.reference` (pure torch,
-no validation). Today every device runs the reference; the Triton kernels plug in here.
+no validation). CUDA tensors run the Triton kernels; CPU tensors run the reference, or the Triton
+kernels under the interpreter when ``TRITON_INTERPRET=1`` is set (before triton is imported).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_fp4 import reference as _impl
+import os
+
+from moe_fp4 import _ops
 from moe_fp4.formats import (
     HIGH_PRECISION_DTYPES,
     FP8BlockTensor,
@@ -17,6 +20,14 @@ from moe_fp4.formats import (
     check_values_enabled,
 )
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
+
+
+# Read once, like triton.jit itself, which decides at decoration time whether to interpret.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or _INTERPRET
 
 
 def _check_high_precision(x, fn: str, multiple: int) -> None:
@@ -61,14 +72,14 @@ def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor) -> MXFP4Tensor:
         _check_fp8(x, "quantize_mxfp4", full_tiles=True)
     else:
         _check_high_precision(x, "quantize_mxfp4", MXFP4_BLOCK)
-    return _impl.quantize_mxfp4(x)
+    return _ops.quantize_mxfp4(x, use_triton=_use_triton(x.data if isinstance(x, FP8BlockTensor) else x))
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: MXFP4Tensor [M, K] -> dtype tensor of q.shape (exact in float32; NaN blocks give NaN)."""
     _check_container(q, MXFP4Tensor, "dequantize_mxfp4")
     _check_out_dtype(dtype, "dequantize_mxfp4")
-    return _impl.dequantize_mxfp4(q, dtype)
+    return _ops.dequantize_mxfp4(q, dtype, use_triton=_use_triton(q.data))
 
 
 def quantize_fp8(x: torch.Tensor) -> FP8BlockTensor:
@@ -78,14 +89,14 @@ def quantize_fp8(x: torch.Tensor) -> FP8BlockTensor:
     -> FP8BlockTensor (data float8_e4m3fn [M, K], scale float32 [M, K/128] M-major).
     """
     _check_high_precision(x, "quantize_fp8", FP8_TILE)
-    return _impl.quantize_fp8(x)
+    return _ops.quantize_fp8(x, use_triton=_use_triton(x))
 
 
 def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """t: FP8BlockTensor [M, K] -> dtype tensor of t.shape (data * scale, exact in float32)."""
     _check_fp8(t, "dequantize_fp8", full_tiles=False)
     _check_out_dtype(dtype, "dequantize_fp8")
-    return _impl.dequantize_fp8(t, dtype)
+    return _ops.dequantize_fp8(t, dtype)
 
 
 def mxfp4_to_fp8(q: MXFP4Tensor) -> FP8BlockTensor:
@@ -97,7 +108,7 @@ def mxfp4_to_fp8(q: MXFP4Tensor) -> FP8BlockTensor:
     _check_container(q, MXFP4Tensor, "mxfp4_to_fp8")
     if q.k % FP8_TILE != 0:
         raise ValueError(f"mxfp4_to_fp8: K = {q.k} must be a multiple of {FP8_TILE} (whole 1x128 tiles)")
-    return _impl.mxfp4_to_fp8(q)
+    return _ops.mxfp4_to_fp8(q, use_triton=_use_triton(q.data))
 
 
 def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
@@ -106,4 +117,22 @@ def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
     Bit-identical to dequantize -> transpose -> quantize_fp8 along tokens.
     """
     _check_container(q, MXFP4Tensor, "mxfp4_to_fp8_colwise")
-    return _impl.mxfp4_to_fp8_colwise(q)
+    return _ops.mxfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))
+
+
+def quantize_fp8_and_mxfp4(x: torch.Tensor) -> tuple[FP8BlockTensor, MXFP4Tensor]:
+    """Fused FP8 row-wise + MXFP4 quantization of one input, for a tensor that feeds an FP8 GEMM now
+    and is saved for backward: x bf16/fp16/fp32 [..., K] (K % 128 == 0, contiguous)
+    -> (FP8BlockTensor [M, K], MXFP4Tensor [M, K]), each identical to its standalone quantization.
+    """
+    _check_high_precision(x, "quantize_fp8_and_mxfp4", FP8_TILE)
+    return _ops.quantize_fp8_and_mxfp4(x, use_triton=_use_triton(x))
+
+
+def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
+    """FP8 row -> column conversion for the FP8 baseline's weight gradient: t [M, K] (K % 128 == 0,
+    any M) -> FP8BlockTensor [K, M] holding t^T in 1x128 tiles along M. Bit-identical to dequantize ->
+    transpose -> quantize_fp8 along tokens.
+    """
+    _check_fp8(t, "fp8_to_fp8_colwise", full_tiles=True)
+    return _ops.fp8_to_fp8_colwise(t, use_triton=_use_triton(t.data))

@@ -1,7 +1,14 @@
-"""GPU tests are marked `gpu` and skip cleanly where no CUDA device is present."""
+"""Test setup. Without a CUDA device the Triton kernels run under the interpreter on CPU tensors:
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, ahead of every
+test module. GPU tests are marked `gpu` and skip cleanly where no CUDA device is present."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

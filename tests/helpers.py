@@ -42,7 +42,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Raw-byte equality (NaN == NaN when the bits agree; +0 != -0)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

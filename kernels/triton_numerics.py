@@ -1,0 +1,218 @@
+"""Triton device functions shared by every kernel: the element rules of numerics.py, written once.
+
+Each function here mirrors a pure-torch rule in ``numerics.py`` and is tested bit for bit against it
+(exhaustively where the domain allows). Kernels import these; nothing here launches anything.
+Conventions: "bits" are int32 float32 bit patterns; E8M0 bytes and exponents are int32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def ceil_log2_ratio_bits(amax_bits, M_LIMIT: tl.constexpr, LOG2_HI: tl.constexpr):
+    """int32 fp32-bits of amax (finite, >= 0) -> int32 smallest X with amax <= (1+m_limit)*2^(LOG2_HI+X).
+
+    Same as numerics.ceil_log2_ratio except that zero / subnormal amax (biased exponent 0) gives
+    -127 - LOG2_HI + {0,1} instead of -1000: every caller clamps to a floor >= that value (see callers).
+    """
+    biased = amax_bits >> 23
+    mant = amax_bits & 0x7FFFFF
+    return biased - 127 - LOG2_HI + (mant > M_LIMIT).to(tl.int32)
+
+
+@triton.jit
+def mx_scale_exp(amax_bits):
+    """RCEIL E8M0 exponent: clamp(ceil(log2(amax/6)), -127, 127) from the fp32 bits of amax.
+
+    6 = 1.5 * 2^2 -> mantissa limit 0x400000, log2_hi 2. Zero and subnormal amax have biased
+    exponent 0 -> raw value -129 or -128 -> clamped to -127, exactly as the reference's -1000 is.
+    """
+    e = ceil_log2_ratio_bits(amax_bits, 0x400000, 2)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def pow2_f32(e):
+    """int32 e in [-126, 127] -> float32 2^e built from the exponent field (a normal number)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_rne_mag(u, SAT: tl.constexpr):
+    """u: int32 bits of |v| (finite, >= 0) -> int32 E2M1 magnitude code 0..7, round-to-nearest-even.
+
+    SAT=True saturates everything above 6 to code 7. SAT=False is for callers that have proven
+    |v| <= 6 (RCEIL scaling of finite data does: amax <= 6 * 2^E); larger inputs then give garbage.
+
+    |v| >= 2: E2M1 there is "a float with 1 mantissa bit" (2, 3, 4, 6), so RNE the 23-bit mantissa to
+    its top bit (bit 22) in integer arithmetic: add 0x1FFFFF + (bit 22 of u), shift right by 22; a
+    carry out of the mantissa bumps the exponent, as it should. r = (biased_exp << 1) | m1 and
+    code = r - 252 (the -252 is folded into the same 3-input add as -(252 << 22)):
+        2.0 = 0x40000000 -> r = 256 -> code 4      3.0 = 0x40400000 -> 257 -> code 5
+        4.0 = 0x40800000 -> r = 258 -> code 6      6.0 = 0x40C00000 -> 259 -> code 7
+      ties: 2.5 = 0x40200000 (bit22 = 0): + 0x1FFFFF = 0x403FFFFF, >> 22 = 256 -> code 4 (2.0)
+            3.5 = 0x40600000 (bit22 = 1): + 0x200000 = 0x40800000, >> 22 = 258 -> code 6 (4.0)
+            5.0 = 0x40A00000 (bit22 = 0): + 0x1FFFFF = 0x40BFFFFF, >> 22 = 258 -> code 6 (4.0)
+      non-ties round normally: nextafter(2.5) = 0x40200001 -> 0x40400000 -> 257 -> code 5 (3.0).
+    |v| < 2: the grid 0, 0.5, 1, 1.5, 2 is uniform (step 0.5) and codes 0..4 are just 2|v| rounded,
+    so one float add does the RNE: 2^22 + |v| is rounded by the FPU to a multiple of 0.5 (the ulp of
+    [2^22, 2^23)), ties to even, and bits(2^22 + k * 0.5) = 0x4A800000 + k puts k = code in the low
+    bits. Ties: 0.25 -> k = 0 (0x4A800000 is even), 0.75 -> 2, 1.25 -> 2, 1.75 -> 4 (2.0): exactly
+    the E2M1 RNE rule; nextafter(0.25) -> k = 1. It is one correctly rounded operation on an exact
+    operand, so FMA contraction with the preceding x * 2^-E (exact) cannot change it, and neither can
+    flush-to-zero (a subnormal |v| gives k = 0 either way). On sm_90 this replaces the two compares
+    and selects of a pure-integer variant and lets LLVM keep 32-bit ops (the
+    compare version got narrowed to 16x2 SIMD with many PRMTs): 27.8 -> 17.2 SASS per element.
+    """
+    c_norm = (u + ((u >> 22) & 1) + (0x1FFFFF - (252 << 22))) >> 22
+    if SAT:
+        c_norm = tl.minimum(c_norm, 7)
+    c_sub = (u.to(tl.float32, bitcast=True) + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
+    return tl.where(u < 0x40000000, c_sub, c_norm)
+
+
+@triton.jit
+def e2m1_decode_scaled(code, sbyte):
+    """int32 E2M1 code 0..15, int32 E8M0 byte 0..254 (broadcastable) -> int32 fp32 bits of
+    code_value * 2^(sbyte-127): exact (float32 subnormals included), +-Inf on overflow (byte 254 with
+    |value| >= 2). Integer only: no float multiply, so neither a denormal multiplier (2^-127 for
+    byte 0) nor flush-to-zero can change the result.
+
+    Magnitude m = code & 7 has value {0, .5, 1, 1.5, 2, 3, 4, 6}. For m >= 2, bits(value) =
+    (m + 252) << 22 (m = 2 -> 0x3F800000, m = 7 -> 0x40C00000) and scaling by 2^(s-127) adds s - 127 to
+    the exponent field, so   bits = (m << 22) + base,  base = (2s - 2) << 22   (one IMAD per element),
+    clamped (unsigned) at 0x7F800000 (+Inf: byte 254, m >= 4), valid while the result is normal. Below that the
+    values are linear in m:  bits = m * lin,  lin = bits(0.5 * 2^(s-127)):
+      s >= 2 : lin = (s - 1) << 23 (normal), used for m in {0, 1};
+      s == 1 : lin = 0x400000 (2^-127, subnormal), used for m in {0, 1} (m = 2 is 2^-126, normal);
+      s == 0 : lin = 0x200000 (2^-128), used for m in {0..3}: 0.5, 1, 1.5 times 2^-127 are the
+               subnormals m << 21 (a subnormal's bit pattern is value / 2^-149); m = 4 is 2^-126.
+    The per-block quantities (base, lin, threshold) cost nothing per element; per element it is
+    and, imad, min, imad, compare, select and the sign: (code & 8) << 28 (code 8 -> -0.0).
+    """
+    base = (2 * sbyte - 2) << 22
+    lin = tl.where(sbyte >= 2, (sbyte - 1) << 23, 0x200000 << tl.minimum(sbyte, 1))
+    thr = tl.where(sbyte == 0, 4, 2)
+    m = code & 7
+    # (m << 22) + base reaches 513 << 22 = 0x80400000 for byte 254: past int32, not past uint32, so
+    # the clamp to +Inf is an unsigned min.
+    big = tl.minimum(((m << 22) + base).to(tl.uint32, bitcast=True), 0x7F800000).to(tl.int32, bitcast=True)
+    bits = tl.where(m >= thr, big, m * lin)
+    return bits | ((code & 8) << 28)
+
+
+@triton.jit
+def e4m3_to_f32_bits(b):
+    """int32 E4M3 byte 0..255 (not NaN) -> int32 fp32 bits of its exact value.
+
+    Normal (exponent field f >= 1, b7 = b & 0x7F >= 8): value = 1.mmm * 2^(f-7) -> fp32 exponent
+    f + 120, so bits = (b7 << 20) + (120 << 23). Subnormal/zero (b7 < 8): value = mmm * 2^-9; the same
+    formula gives y = 2^-7 * (1 + mmm/8), and 2 * y - 2^-6 = mmm * 2^-9 exactly (one rounding of an
+    exact, representable result whether or not it is contracted to an FMA). No int->float convert.
+    """
+    b7 = b & 0x7F
+    normal = (b7 << 20) + (120 << 23)
+    subn = (normal.to(tl.float32, bitcast=True) * 2.0 - 0.015625).to(tl.int32, bitcast=True)
+    bits = tl.where(b7 >= 8, normal, subn)
+    return bits | ((b & 0x80) << 24)
+
+
+@triton.jit
+def mx_encode_pairs(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mult, SAT: tl.constexpr):
+    """lo_bits/hi_bits: int32 [BM, NB, 16] fp32 bits of elements 2i / 2i+1 (unscaled), lo_abs/hi_abs
+    the same with the sign bit cleared; E: int32 [BM, NB] block exponent; nan_blk: bool [BM, NB];
+    mult: float32 [BM, NB], the exact power of two to scale by (a normal float32)
+    -> (packed int32 [BM, NB, 16] bytes 0..255, scale int32 [BM, NB] bytes 0..255).
+    Magnitudes are encoded from |x| * mult; the two sign bits go straight from bit 31 of the inputs to
+    bits 3 and 7 of the byte."""
+    m3 = mult[:, :, None]
+    u_lo = (lo_abs.to(tl.float32, bitcast=True) * m3).to(tl.int32, bitcast=True)
+    u_hi = (hi_abs.to(tl.float32, bitcast=True) * m3).to(tl.int32, bitcast=True)
+    packed = (e2m1_rne_mag(u_lo, SAT) | (e2m1_rne_mag(u_hi, SAT) << 4)
+              | ((lo_bits >> 28) & 8) | ((hi_bits >> 24) & 0x80))
+    packed = tl.where(nan_blk[:, :, None], 0, packed)
+    scale = tl.where(nan_blk, 255, E + 127)
+    return packed, scale
+
+
+@triton.jit
+def load_pairs_as_f32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
+    """Load pair words and return (lo, hi) int32 fp32 bit patterns of elements 2i and 2i+1."""
+    if IN_KIND == 0:
+        w = tl.load(ptr + offs, mask=mask, other=0)            # int32: [hi bf16 | lo bf16]
+        lo = w << 16                                           # bf16 bits are the fp32 top half
+        hi = w & -65536                                        # 0xFFFF0000
+    elif IN_KIND == 1:
+        w = tl.load(ptr + offs, mask=mask, other=0)            # int32: [hi fp16 | lo fp16]
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        w = tl.load(ptr + offs, mask=mask, other=0)            # int64: [hi fp32 | lo fp32]
+        lo = w.to(tl.int32)                                    # truncation keeps the low word
+        hi = (w >> 32).to(tl.int32)
+    return lo, hi
+
+
+def words_view(x: torch.Tensor, wtype: torch.dtype) -> torch.Tensor:
+    """Contiguous x viewed as wider words (x.clone() first if its storage offset is not aligned)."""
+    try:
+        return x.view(wtype)
+    except RuntimeError:
+        return x.clone().view(wtype)
+
+
+def pair_view(x: torch.Tensor):
+    """-> (pair-word view, IN_KIND / OUT_KIND). x must be contiguous [M, K], K even."""
+    if x.dtype == torch.bfloat16:
+        return words_view(x, torch.int32), 0
+    if x.dtype == torch.float16:
+        return words_view(x, torch.int32), 1
+    if x.dtype == torch.float32:
+        return words_view(x, torch.int64), 2
+    raise TypeError(f"unsupported dtype {x.dtype}")
+
+
+@triton.jit
+def fp8_scale_exp(amax_bits):
+    """FP8 tile exponent: clamp(ceil(log2(amax/448)), -126, 127) from the fp32 bits of amax (finite).
+
+    448 = 1.75 * 2^8 -> mantissa limit 0x600000, log2_hi 8. Zero and subnormal amax give -135 or
+    -134 before the clamp, so they land on -126 like the reference's -1000.
+    """
+    return tl.minimum(tl.maximum(ceil_log2_ratio_bits(amax_bits, 0x600000, 8), -126), 127)
+
+
+@triton.jit
+def e4m3_rne(v, HW_CVT: tl.constexpr):
+    """float32 v (|v| <= 448, or non-finite) -> int32 E4M3 byte: round-to-nearest-even into
+    subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.
+
+    HW_CVT uses the sm_89+ conversion (cvt.rn.satfinite.e4m3x2.f32: the same RNE and saturation);
+    the interpreter's float8 cast does not round to nearest even, so the CPU path is integer:
+      normal |v| >= 2^-6: RNE the 23-bit mantissa to 3 bits on the bits (add 0x7FFFF plus the kept
+        lsb, shift by 20); the fp32 exponent 127+e becomes E4M3's 7+e, so the code is r - (120 << 3).
+        E.g. 1.0625 = 0x3F880000 (a tie, kept lsb 0) -> (0x3F880000 + 0x7FFFF) >> 20 = 1016 -> 56 (1.0);
+        448 = 0x43E00000 -> 1086 - 960 = 126 = 0x7E, and the min() saturates anything above it.
+      subnormal |v| < 2^-6 (steps of 2^-9): |v| * 512 is exact, and adding 2^23 makes the float adder
+        round it to an integer with RNE; the integer is the low mantissa bits (0x4B000000 = bits(2^23)).
+        E.g. 3 * 2^-10 -> 1.5 -> 2 (tie to even); 2^-10 -> 0.5 -> 0.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    u = bits & 0x7FFFFFFF
+    if HW_CVT:
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
+        c_norm = tl.minimum(r - 960, 126)
+        c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+        code = tl.where(u < 0x3C800000, c_sub, c_norm) | ((bits >> 24) & 0x80)
+    return tl.where(u >= 0x7F800000, 0x7F, code)
+
+
+def hw_fp8_cvt(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device may use the hardware FP32 -> E4M3 conversion (sm_89 and newer)."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
+

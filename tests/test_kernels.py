@@ -1,0 +1,220 @@
+"""Every Triton kernel against its pure-torch twin, raw bytes equal (rtol=0, atol=0).
+
+On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1) on small
+shapes; the `gpu`-marked tests repeat the comparisons at MoE sizes on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from helpers import INPUT_KINDS, make_input, same_bits
+from moe_fp4.kernels import fp8 as K8
+from moe_fp4.kernels import mxfp4 as KMX
+from moe_fp4.kernels import transpose as KT
+from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3, exp2_int
+from moe_fp4.kernels.triton_numerics import e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIGH = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 128), (7, 256), (33, 384), (130, 128)]  # odd M, partial program tiles, M > one token tile
+
+
+def _check(got, want):
+    """got/want: (tensor, ...) nested tuples; every leaf equal as raw bytes, strides of scales too."""
+    if isinstance(want, torch.Tensor):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert same_bits(got, want)
+        if want.dtype == torch.float32:  # FP8 scales: the M-major layout scaled_mm needs
+            assert got.t().is_contiguous() == want.t().is_contiguous()
+        return
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        _check(g, w)
+
+
+def _with_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1)[3 % x.numel()] = float("nan")
+    x.view(-1)[-1] = float("inf")
+    if x.shape[0] > 2:
+        x[2, 100 % x.shape[1]] = float("-inf")
+    return x
+
+
+def _random_mxfp4(m: int, k: int, seed: int):
+    """Arbitrary MXFP4 bytes: every code, scale bytes over the whole E8M0 range (NaN 0xFF included),
+    so tiles mix blocks hundreds of binades apart (the underflow paths)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(0, 256, (m, k // 32), generator=g, dtype=torch.uint8)
+    narrow = torch.randint(120, 135, (m, k // 32), generator=g, dtype=torch.uint8)  # realistic spread
+    scale = torch.where(torch.rand(m, k // 32, generator=g) < 0.5, scale, narrow)
+    return data.to(DEVICE), scale.to(DEVICE)
+
+
+def _random_fp8(m: int, k: int, seed: int, s_min=-126, s_max=119):
+    """Arbitrary E4M3 bytes (NaN included) with power-of-two tile scales 2^S, S in [s_min, s_max]
+    (119 keeps every value a finite float32, where the FP32 definitions apply)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.randint(s_min, s_max + 1, (k // 128, m), generator=g, dtype=torch.int32)
+    return data.to(DEVICE), exp2_int(s).to(DEVICE).t()
+
+
+# ---- element rules, exhaustively, through tiny probe kernels ------------------------------------
+
+@triton.jit
+def _probe_e2m1_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(v_ptr + i, mask=i < n, other=0)
+    code = e2m1_rne_mag(bits & 0x7FFFFFFF, True) | ((bits >> 28) & 8)
+    tl.store(out_ptr + i, code.to(tl.uint8), mask=i < n)
+
+
+@triton.jit
+def _probe_e4m3_kernel(v_ptr, out_ptr, n, HW_CVT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+    tl.store(out_ptr + i, e4m3_rne(v, HW_CVT).to(tl.uint8), mask=i < n)
+
+
+@triton.jit
+def _probe_decode_kernel(code_ptr, byte_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(code_ptr + i, mask=i < n, other=0).to(tl.int32)
+    b = tl.load(byte_ptr + i, mask=i < n, other=0).to(tl.int32)
+    tl.store(out_ptr + i, e2m1_decode_scaled(c, b), mask=i < n)
+
+
+def _probe(kernel, n, *args, **kw):
+    kernel[(triton.cdiv(n, 1024),)](*args, n, BLOCK=1024, **kw)
+
+
+def test_e2m1_rne_matches_reference_on_a_fine_grid():
+    # every multiple of 2^-12 in [0, 8] both signs (all ties and their neighbours), plus saturation
+    v = torch.arange(0, 8 * 4096 + 1, dtype=torch.float32) / 4096
+    v = torch.cat([v, -v, torch.tensor([1e30, -7.0, 6.5, 2.0**-140])]).to(DEVICE)
+    out = torch.empty(v.numel(), dtype=torch.uint8, device=DEVICE)
+    _probe(_probe_e2m1_kernel, v.numel(), v.view(torch.int32), out)
+    assert torch.equal(out, encode_e2m1(v))
+
+
+@pytest.mark.parametrize("hw", [False] + ([True] if DEVICE == "cuda" else []))
+def test_e4m3_rne_matches_reference_including_subnormal_ties(hw):
+    mags = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (mags[:-1] + mags[1:]) / 2
+    v = torch.cat([mags, mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    v = torch.cat([v, -v, torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-42, -1e-30, 448.0])]).to(DEVICE)
+    out = torch.empty(v.numel(), dtype=torch.uint8, device=DEVICE)
+    _probe(_probe_e4m3_kernel, v.numel(), v, out, HW_CVT=hw)
+    assert torch.equal(out, encode_e4m3(v).view(torch.uint8))
+
+
+def test_e2m1_decode_every_code_times_every_scale_byte():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2 * 255)  # each 32-block holds every code twice
+    bytes_ = torch.arange(255, dtype=torch.uint8).repeat_interleave(32)  # 0xFF (NaN) is handled by callers
+    out = torch.empty(codes.numel(), dtype=torch.int32, device=DEVICE)
+    _probe(_probe_decode_kernel, codes.numel(), codes.to(DEVICE), bytes_.to(DEVICE), out)
+    packed = (codes[0::2] | (codes[1::2] << 4)).view(-1, 16)
+    want = KMX.dequantize_mxfp4_ref(packed, bytes_[0::32].view(-1, 1), torch.float32).flatten()
+    assert same_bits(out.view(torch.float32).cpu(), want)
+
+
+# ---- kernels vs references --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HIGH)
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_high_precision_quantizers(shape, kind, dtype):
+    x = make_input(shape, kind, dtype, seed=shape[0] * 31 + shape[1], device=DEVICE)
+    if kind == "gaussian":
+        x = _with_nonfinite(x)
+    _check(KMX.quantize_mxfp4_rowwise(x), KMX.quantize_mxfp4_rowwise_ref(x))
+    _check(K8.quantize_fp8_rowwise(x), K8.quantize_fp8_rowwise_ref(x))
+    _check(K8.quantize_fp8_and_mxfp4(x), K8.quantize_fp8_and_mxfp4_ref(x))
+
+
+@pytest.mark.parametrize("k", [32, 96, 160])
+def test_mxfp4_quantizer_on_k_not_a_multiple_of_the_program_tile(k):
+    x = make_input((5, k), "outlier_channels", torch.bfloat16, seed=k, device=DEVICE)
+    _check(KMX.quantize_mxfp4_rowwise(x), KMX.quantize_mxfp4_rowwise_ref(x))
+
+
+@pytest.mark.parametrize("dtype", HIGH)
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (33, 384), (130, 128)])
+def test_mxfp4_dequantize(shape, dtype):
+    data, scale = _random_mxfp4(*shape, seed=shape[0])
+    _check(KMX.dequantize_mxfp4(data, scale, dtype), KMX.dequantize_mxfp4_ref(data, scale, dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mxfp4_to_fp8_rowwise_and_colwise(shape):
+    for seed, (data, scale) in enumerate([_random_mxfp4(*shape, seed=7),
+                                          KMX.quantize_mxfp4_rowwise_ref(make_input(shape, "mixed_magnitudes", seed=1, device=DEVICE))]):
+        _check(K8.mxfp4_to_fp8_rowwise(data, scale), K8.mxfp4_to_fp8_rowwise_ref(data, scale))
+        _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+
+
+@pytest.mark.parametrize("m", [1, 100, 128, 257])
+def test_colwise_partial_token_tiles(m):
+    data, scale = _random_mxfp4(m, 64, seed=m)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+    fdata, fscale = _random_fp8(m, 128, seed=m)
+    _check(KT.fp8_to_fp8_colwise(fdata, fscale), KT.fp8_to_fp8_colwise_ref(fdata, fscale))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_inputs(shape):
+    for data, scale in [_random_fp8(*shape, seed=3), _random_fp8(*shape, seed=4, s_min=-126, s_max=-100),
+                        K8.quantize_fp8_rowwise_ref(make_input(shape, "mixed_magnitudes", seed=2, device=DEVICE))]:
+        _check(KMX.quantize_mxfp4_from_fp8(data, scale), KMX.quantize_mxfp4_from_fp8_ref(data, scale))
+        _check(KT.fp8_to_fp8_colwise(data, scale), KT.fp8_to_fp8_colwise_ref(data, scale))
+
+
+def test_zero_sized_and_all_zero():
+    for m in (0, 3):
+        x = torch.zeros(m, 256, dtype=torch.bfloat16, device=DEVICE)
+        _check(K8.quantize_fp8_and_mxfp4(x), K8.quantize_fp8_and_mxfp4_ref(x))
+        d, s = KMX.quantize_mxfp4_rowwise_ref(x)
+        _check(KMX.dequantize_mxfp4(d, s, torch.bfloat16), KMX.dequantize_mxfp4_ref(d, s, torch.bfloat16))
+        _check(K8.mxfp4_to_fp8_rowwise(d, s), K8.mxfp4_to_fp8_rowwise_ref(d, s))
+        _check(KT.mxfp4_to_fp8_colwise(d, s), KT.mxfp4_to_fp8_colwise_ref(d, s))
+        fd, fs = K8.quantize_fp8_rowwise_ref(x)
+        _check(KMX.quantize_mxfp4_from_fp8(fd, fs), KMX.quantize_mxfp4_from_fp8_ref(fd, fs))
+        _check(KT.fp8_to_fp8_colwise(fd, fs), KT.fp8_to_fp8_colwise_ref(fd, fs))
+
+
+# ---- real sizes on a GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,hidden", [(4096, 7168), (16384, 2048), (4097, 4096)])
+def test_gpu_every_kernel_at_moe_sizes(tokens, hidden):
+    x = make_input((tokens, hidden), "outlier_channels", torch.bfloat16, seed=1, device="cuda")
+    x = _with_nonfinite(x)
+    _check(KMX.quantize_mxfp4_rowwise(x), KMX.quantize_mxfp4_rowwise_ref(x))
+    _check(K8.quantize_fp8_rowwise(x), K8.quantize_fp8_rowwise_ref(x))
+    _check(K8.quantize_fp8_and_mxfp4(x), K8.quantize_fp8_and_mxfp4_ref(x))
+    d, s = _random_mxfp4(tokens, hidden, seed=2)
+    for dtype in HIGH:
+        _check(KMX.dequantize_mxfp4(d, s, dtype), KMX.dequantize_mxfp4_ref(d, s, dtype))
+    _check(K8.mxfp4_to_fp8_rowwise(d, s), K8.mxfp4_to_fp8_rowwise_ref(d, s))
+    _check(KT.mxfp4_to_fp8_colwise(d, s), KT.mxfp4_to_fp8_colwise_ref(d, s))
+    fd, fs = _random_fp8(tokens, hidden, seed=3)
+    _check(KMX.quantize_mxfp4_from_fp8(fd, fs), KMX.quantize_mxfp4_from_fp8_ref(fd, fs))
+    _check(KT.fp8_to_fp8_colwise(fd, fs), KT.fp8_to_fp8_colwise_ref(fd, fs))
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets_past_2_31_elements():
+    # 2^31 + 2^20 bf16 elements (4 GiB): row * stride overflows int32 in the last rows.
+    m, k = (2**31 + 2**20) // 7168 + 1, 7168
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    q = KMX.quantize_mxfp4_rowwise(x)
+    tail = slice(m - 64, m)
+    _check((q[0][tail], q[1][tail]), KMX.quantize_mxfp4_rowwise_ref(x[tail]))
+    f = K8.quantize_fp8_rowwise(x)
+    assert same_bits(f[0][tail], K8.quantize_fp8_rowwise_ref(x[tail])[0])
