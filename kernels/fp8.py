@@ -19,7 +19,6 @@ from moe_fp4.kernels.triton_numerics import (
     e2m1_decode_scaled,
     e4m3_rne,
     fp8_scale_exp,
-    hw_fp8_cvt,
     load_pairs_as_f32_bits,
     mx_encode_pairs,
     mx_scale_exp,
@@ -125,7 +124,7 @@ def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          stride_xm, stride_fm, stride_mm, stride_msm,
-                         IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr, HW_CVT: tl.constexpr,
+                         IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
     pid_m = tl.program_id(0)
@@ -144,8 +143,8 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
     S = fp8_scale_exp(tl.max(tl.max(fin, axis=3), axis=2))                       # [BM, TILES]
     mult = pow2_f32(-tl.minimum(S, 126))[:, :, None, None]  # S <= 120 for finite data: 2^-S is normal
-    q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult, HW_CVT)
-    q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult, HW_CVT)
+    q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult)
+    q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
     word = (q_lo | (q_hi << 8)).to(tl.int16)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
@@ -170,7 +169,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
 
 @triton.jit
 def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
-                         HW_CVT: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+                         BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -193,8 +192,8 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     v_lo = e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True)
     v_hi = e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True)
     nan4 = nan[:, :, :, None]
-    q_lo = tl.where(nan4, 0x7F, e4m3_rne(v_lo, HW_CVT))
-    q_hi = tl.where(nan4, 0x7F, e4m3_rne(v_hi, HW_CVT))
+    q_lo = tl.where(nan4, 0x7F, e4m3_rne(v_lo))
+    q_hi = tl.where(nan4, 0x7F, e4m3_rne(v_hi))
     tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, (q_lo | (q_hi << 8)).to(tl.int16), mask=mask4)
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
@@ -215,24 +214,24 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
         _quantize_fp8_kernel[grid](
             words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
             words.stride(0), fw.stride(0), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
-            IN_KIND=kind, WRITE_MXFP4=write_mxfp4, HW_CVT=hw_fp8_cvt(x),
+            IN_KIND=kind, WRITE_MXFP4=write_mxfp4,
             BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
     return (fp8, fscale), (mx, ms)
 
 
-def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 8, tiles: int = 2, num_warps: int = 4):
+def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 16, tiles: int = 4, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
     M-major); bit-identical to quantize_fp8_rowwise_ref."""
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 8, tiles: int = 2, num_warps: int = 4):
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 16, tiles: int = 4, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)
 
 
-def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 8, tiles: int = 2,
+def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 16, tiles: int = 4,
                          num_warps: int = 4):
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
     float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref."""
@@ -246,5 +245,5 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
         ow = out.view(torch.int16)
         _mxfp4_to_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
             data, scale, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
-            HW_CVT=hw_fp8_cvt(data), BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+            BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
     return out, oscale

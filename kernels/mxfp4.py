@@ -236,7 +236,7 @@ def _fp8_to_mxfp4_kernel(
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
-def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 8, block_k: int = 1024, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32])."""
     assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
     m, k = x.shape
@@ -257,7 +257,7 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 16, block_k: int = 25
 
 
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+                     block_m: int = 4, block_k: int = 1024, num_warps: int = 4):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref)."""
     m, half_k = data.shape
     k = 2 * half_k
@@ -279,7 +279,7 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
-                            block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+                            block_m: int = 4, block_k: int = 1024, num_warps: int = 4):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref."""
     m, k = data.shape

@@ -17,7 +17,6 @@ from moe_fp4.kernels.triton_numerics import (
     e4m3_rne,
     e4m3_to_f32_bits,
     fp8_scale_exp,
-    hw_fp8_cvt,
     pow2_f32,
 )
 from moe_fp4.kernels.numerics import (
@@ -89,7 +88,7 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 
 @triton.jit
 def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
-                                 HW_CVT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr):
+                                 BLOCK_T: tl.constexpr, NB: tl.constexpr):
     # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -116,13 +115,16 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
     v_lo = e2m1_decode_scaled(c_lo, tl.maximum(sb[:, :, None] - S_lo[None, :, :], 0)).to(tl.float32, bitcast=True)
     v_hi = e2m1_decode_scaled(c_hi, tl.maximum(sb[:, :, None] - S_hi[None, :, :], 0)).to(tl.float32, bitcast=True)
-    q_lo = tl.where(nan, 0x7F, e4m3_rne(v_lo, HW_CVT)).to(tl.uint8)
-    q_hi = tl.where(nan, 0x7F, e4m3_rne(v_hi, HW_CVT)).to(tl.uint8)
-    # transposed store: element (token, column k) goes to out[k, token]; k = 32 kb + 2p (+1 for hi)
-    col = (kb * 32)[None, :, None] + 2 * p[None, None, :]
-    off = col.to(tl.int64) * M + tok[:, None, None]
-    tl.store(o_ptr + off, q_lo, mask=mask3)
-    tl.store(o_ptr + off + M, q_hi, mask=mask3)
+    q_lo = tl.where(nan, 0x7F, e4m3_rne(v_lo)).to(tl.uint8)
+    q_hi = tl.where(nan, 0x7F, e4m3_rne(v_hi)).to(tl.uint8)
+    # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
+    # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
+    # the fastest axis, so each output row segment is written by consecutive threads.
+    col = (kb * 32)[:, None, None] + 2 * p[None, :, None]
+    off = col.to(tl.int64) * M + tok[None, None, :]
+    mask_t = tl.permute(mask3, (1, 2, 0))
+    tl.store(o_ptr + off, tl.permute(q_lo, (1, 2, 0)), mask=mask_t)
+    tl.store(o_ptr + off + M, tl.permute(q_hi, (1, 2, 0)), mask=mask_t)
     mask_c = (kb < KB)[:, None]
     soff = pid_t.to(tl.int64) * K + (kb * 32)[:, None] + 2 * p[None, :]
     tl.store(os_ptr + soff, pow2_f32(S_lo), mask=mask_c)
@@ -131,7 +133,7 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
 
 @triton.jit
 def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
-                               HW_CVT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     # A program: BLOCK_T (=128) tokens x BLOCK_K (<= 128, inside one row tile) columns.
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -146,13 +148,13 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
     absval = tl.abs(qf) * srow                         # exact: a 4-bit significand times 2^S_r
     S = fp8_scale_exp(tl.max(absval, axis=0).to(tl.int32, bitcast=True))        # [BLOCK_K]
     shift = tl.minimum(tl.maximum(s_r - S[None, :], -126), 127)
-    q = tl.where(nan, 0x7F, e4m3_rne(qf * pow2_f32(shift), HW_CVT)).to(tl.uint8)
-    off = cols[None, :].to(tl.int64) * M + tok[:, None]
-    tl.store(o_ptr + off, q, mask=mask)
+    q = tl.where(nan, 0x7F, e4m3_rne(qf * pow2_f32(shift))).to(tl.uint8)
+    off = cols[:, None].to(tl.int64) * M + tok[None, :]   # [BLOCK_K, T]: tokens fastest, see above
+    tl.store(o_ptr + off, tl.trans(q), mask=tl.trans(mask))
     tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S), mask=cols < K)
 
 
-def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, num_warps: int = 4):
+def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 1, num_warps: int = 4):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
     [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref."""
     m, half_k = data.shape
@@ -165,11 +167,11 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, n
         nb = min(nb, triton.next_power_of_2(kb))
         _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
             data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
-            HW_CVT=hw_fp8_cvt(data), BLOCK_T=FP8_TILE, NB=nb, num_warps=num_warps)
+            BLOCK_T=FP8_TILE, NB=nb, num_warps=num_warps)
     return out, oscale
 
 
-def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 64, num_warps: int = 4):
+def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 32, num_warps: int = 4):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] M-major -> (data
     float8_e4m3fn [K, M], scale float32 [K, ceil(M/128)] M-major); bit-identical to
     fp8_to_fp8_colwise_ref."""
@@ -180,5 +182,5 @@ def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 6
     if m and k:
         _fp8_to_fp8_colwise_kernel[(nt, triton.cdiv(k, block_k))](
             data.view(torch.uint8), m_major(scale), out.view(torch.uint8), oscale, m, k,
-            HW_CVT=hw_fp8_cvt(data), BLOCK_T=FP8_TILE, BLOCK_K=block_k, num_warps=num_warps)
+            BLOCK_T=FP8_TILE, BLOCK_K=block_k, num_warps=num_warps)
     return out, oscale

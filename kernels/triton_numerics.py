@@ -186,33 +186,26 @@ def fp8_scale_exp(amax_bits):
 
 
 @triton.jit
-def e4m3_rne(v, HW_CVT: tl.constexpr):
+def e4m3_rne(v):
     """float32 v (|v| <= 448, or non-finite) -> int32 E4M3 byte: round-to-nearest-even into
     subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.
 
-    HW_CVT uses the sm_89+ conversion (cvt.rn.satfinite.e4m3x2.f32: the same RNE and saturation);
-    the interpreter's float8 cast does not round to nearest even, so the CPU path is integer:
+    Integer arithmetic on the bits, on every device: the interpreter's float8 cast does not round to
+    nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a quarter of the
+    elements in these kernels (H200, 2026-11-22), so neither is used.
       normal |v| >= 2^-6: RNE the 23-bit mantissa to 3 bits on the bits (add 0x7FFFF plus the kept
         lsb, shift by 20); the fp32 exponent 127+e becomes E4M3's 7+e, so the code is r - (120 << 3).
         E.g. 1.0625 = 0x3F880000 (a tie, kept lsb 0) -> (0x3F880000 + 0x7FFFF) >> 20 = 1016 -> 56 (1.0);
         448 = 0x43E00000 -> 1086 - 960 = 126 = 0x7E, and the min() saturates anything above it.
       subnormal |v| < 2^-6 (steps of 2^-9): |v| * 512 is exact, and adding 2^23 makes the float adder
         round it to an integer with RNE; the integer is the low mantissa bits (0x4B000000 = bits(2^23)).
-        E.g. 3 * 2^-10 -> 1.5 -> 2 (tie to even); 2^-10 -> 0.5 -> 0.
+        E.g. 3 * 2^-10 -> 1.5 -> 2 (tie to even); 2^-10 -> 0.5 -> 0. The multiply is exact, so FMA
+        contraction cannot change the rounding.
     """
     bits = v.to(tl.int32, bitcast=True)
     u = bits & 0x7FFFFFFF
-    if HW_CVT:
-        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
-        c_norm = tl.minimum(r - 960, 126)
-        c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-        code = tl.where(u < 0x3C800000, c_sub, c_norm) | ((bits >> 24) & 0x80)
+    r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
+    c_norm = tl.minimum(r - 960, 126)
+    c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(u < 0x3C800000, c_sub, c_norm) | ((bits >> 24) & 0x80)
     return tl.where(u >= 0x7F800000, 0x7F, code)
-
-
-def hw_fp8_cvt(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device may use the hardware FP32 -> E4M3 conversion (sm_89 and newer)."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
-

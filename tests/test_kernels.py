@@ -76,10 +76,10 @@ def _probe_e2m1_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _probe_e4m3_kernel(v_ptr, out_ptr, n, HW_CVT: tl.constexpr, BLOCK: tl.constexpr):
+def _probe_e4m3_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    tl.store(out_ptr + i, e4m3_rne(v, HW_CVT).to(tl.uint8), mask=i < n)
+    tl.store(out_ptr + i, e4m3_rne(v).to(tl.uint8), mask=i < n)
 
 
 @triton.jit
@@ -103,14 +103,13 @@ def test_e2m1_rne_matches_reference_on_a_fine_grid():
     assert torch.equal(out, encode_e2m1(v))
 
 
-@pytest.mark.parametrize("hw", [False] + ([True] if DEVICE == "cuda" else []))
-def test_e4m3_rne_matches_reference_including_subnormal_ties(hw):
+def test_e4m3_rne_matches_reference_including_subnormal_ties():
     mags = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (mags[:-1] + mags[1:]) / 2
     v = torch.cat([mags, mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
     v = torch.cat([v, -v, torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-42, -1e-30, 448.0])]).to(DEVICE)
     out = torch.empty(v.numel(), dtype=torch.uint8, device=DEVICE)
-    _probe(_probe_e4m3_kernel, v.numel(), v, out, HW_CVT=hw)
+    _probe(_probe_e4m3_kernel, v.numel(), v, out)
     assert torch.equal(out, encode_e4m3(v).view(torch.uint8))
 
 
