@@ -1,6 +1,7 @@
 """Tile-size sweep for every Triton kernel on one shape, each timed next to a copy of the same bytes.
 
     python bench/tune.py --tokens 32768 --hidden 7168 --json tune.json
+    ncu --section SpeedOfLight python bench/tune.py --once   # each kernel once, defaults, for a profiler
 
 Prints, per kernel, every configuration's time and %copy (bytes read + written, data and scales,
 against a device-to-device copy of the same byte count measured in the same run), best first. Use
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ops", nargs="*", default=None, help="only these kernels")
+    ap.add_argument("--once", action="store_true", help="run each kernel once with its defaults (for ncu)")
     a = ap.parse_args()
     torch.manual_seed(0)
     x = torch.randn(a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16)
@@ -57,6 +60,12 @@ def main() -> None:
         ("fp8_to_fp8_colwise", lambda **c: KT.fp8_to_fp8_colwise(*f8, **c), f8,
          _grid(block_k=[32, 64, 128], num_warps=[4, 8])),
     ]
+    ops = [op for op in ops if a.ops is None or op[0] in a.ops]
+    if a.once:
+        for name, run, _, _ in ops:
+            run()
+        torch.cuda.synchronize()
+        return
     results = []
     for name, run, inputs, configs in ops:
         moved = _bytes(inputs) + _bytes(run(**configs[0]))

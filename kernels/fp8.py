@@ -17,6 +17,7 @@ import triton.language as tl
 from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.triton_numerics import (
     e2m1_decode_scaled,
+    e2m1_to_e4m3_normal,
     e4m3_rne,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
@@ -186,14 +187,21 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     nan = sb == 255
     emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
     S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, TILES]
-    # c * 2^(E - S) as exact fp32 bits: decode with the shifted byte E - S + 127 (<= 133). Bytes
-    # below 0 would be values under 2^-127 * 6, which round to zero in E4M3 just like byte 0's.
-    shifted = tl.maximum(sb - S[:, :, None], 0)[:, :, :, None]
-    v_lo = e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True)
-    v_hi = e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True)
+    e_rel = sb - 127 - S[:, :, None]                                               # E - S <= 6
     nan4 = nan[:, :, :, None]
-    q_lo = tl.where(nan4, 0x7F, e4m3_rne(v_lo))
-    q_hi = tl.where(nan4, 0x7F, e4m3_rne(v_hi))
+    if tl.min(tl.where(nan | ~mask3, 127, e_rel)) >= -5:
+        # Every block within 11 binades of its tile's largest: every value is an E4M3 normal or zero.
+        e4 = e_rel[:, :, :, None]
+        q_lo = e2m1_to_e4m3_normal(byte & 15, e4)
+        q_hi = e2m1_to_e4m3_normal(byte >> 4, e4)
+    else:
+        # General path: c * 2^(E - S) as exact fp32 bits (decode with the shifted byte E - S + 127;
+        # below 0 the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
+        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None]
+        q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True))
+        q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True))
+    q_lo = tl.where(nan4, 0x7F, q_lo)
+    q_hi = tl.where(nan4, 0x7F, q_hi)
     tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, (q_lo | (q_hi << 8)).to(tl.int16), mask=mask4)
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
@@ -231,7 +239,7 @@ def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 16, tiles: int = 4, n
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)
 
 
-def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 16, tiles: int = 4,
+def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 8, tiles: int = 4,
                          num_warps: int = 4):
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
     float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref."""

@@ -15,6 +15,7 @@ import triton.language as tl
 from moe_fp4.kernels.triton_numerics import (
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
+    e2m1_rne_mag,
     e4m3_to_f32_bits,
     load_pairs_as_f32_bits,
     mx_encode_pairs,
@@ -227,11 +228,27 @@ def _fp8_to_mxfp4_kernel(
     # v = q * 2^(S - E); S - E is in [-7, 11] for a nonzero block (see quantize_mxfp4_from_fp8_ref),
     # larger for a zero block (value irrelevant: zeros stay signed zeros); cap at 127 so 2^(S-E)
     # stays a normal float32, and q * 2^(S-E) is then exact.
-    mult = pow2_f32(tl.minimum(S - E, 127))
-    lo = e4m3_to_f32_bits(b_lo)
-    hi = e4m3_to_f32_bits(b_hi)
-    # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
-    packed, scale = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E, nan_blk, mult, True)
+    sh = E - S                                                                  # [BM, NB]
+    zero_blk = qmax_code == 0
+    if tl.min(tl.where(nan_blk | zero_blk | ~mask2, 127, sh)) >= -4:
+        # Fast path, taken when no block sits more than 4 binades above its tile scale's reach:
+        # |q| * 2^-sh has the float32 bits (b7 << 20) + ((120 - sh) << 23) for a normal E4M3 byte
+        # (exponent field f: 1.mmm * 2^(f - 7) -> fp32 exponent f + 120, then minus sh). For a
+        # subnormal or zero byte the same formula gives at most 1.875 * 2^(-7 - sh) <= 0.234 < 0.25,
+        # which encodes as 0 exactly like the true value (at most 7 * 2^-9 * 2^4 = 0.22) does.
+        # (An all-zero block has E = -127 and any sh: 7 makes its +-0 bytes encode as +-0 too.)
+        base = ((120 - tl.where(zero_blk, 7, sh)) << 23)[:, :, None]
+        mag_lo = e2m1_rne_mag(((b_lo & 0x7F) << 20) + base, True)
+        mag_hi = e2m1_rne_mag(((b_hi & 0x7F) << 20) + base, True)
+        packed = mag_lo | (mag_hi << 4) | ((b_lo & 0x80) >> 4) | (b_hi & 0x80)
+        packed = tl.where(nan_blk[:, :, None], 0, packed)
+        scale = tl.where(nan_blk, 255, E + 127)
+    else:
+        mult = pow2_f32(tl.minimum(-sh, 127))
+        lo = e4m3_to_f32_bits(b_lo)
+        hi = e4m3_to_f32_bits(b_hi)
+        # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
+        packed, scale = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E, nan_blk, mult, True)
     tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 

@@ -14,6 +14,7 @@ import triton.language as tl
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref, m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.triton_numerics import (
     e2m1_decode_scaled,
+    e2m1_to_e4m3_normal,
     e4m3_rne,
     e4m3_to_f32_bits,
     fp8_scale_exp,
@@ -113,10 +114,18 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
     S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
-    v_lo = e2m1_decode_scaled(c_lo, tl.maximum(sb[:, :, None] - S_lo[None, :, :], 0)).to(tl.float32, bitcast=True)
-    v_hi = e2m1_decode_scaled(c_hi, tl.maximum(sb[:, :, None] - S_hi[None, :, :], 0)).to(tl.float32, bitcast=True)
-    q_lo = tl.where(nan, 0x7F, e4m3_rne(v_lo)).to(tl.uint8)
-    q_hi = tl.where(nan, 0x7F, e4m3_rne(v_hi)).to(tl.uint8)
+    rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
+    rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
+    lowest = tl.minimum(tl.min(tl.where(nan | ~mask3, 127, rel_lo)), tl.min(tl.where(nan | ~mask3, 127, rel_hi)))
+    if lowest >= -5:
+        # No row block more than 11 binades under its column maximum: values are normals or zero.
+        q_lo = e2m1_to_e4m3_normal(c_lo, rel_lo)
+        q_hi = e2m1_to_e4m3_normal(c_hi, rel_hi)
+    else:
+        q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
+        q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
+    q_lo = tl.where(nan, 0x7F, q_lo).to(tl.uint8)
+    q_hi = tl.where(nan, 0x7F, q_hi).to(tl.uint8)
     # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
     # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
     # the fastest axis, so each output row segment is written by consecutive threads.

@@ -209,3 +209,20 @@ def e4m3_rne(v):
     c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
     code = tl.where(u < 0x3C800000, c_sub, c_norm) | ((bits >> 24) & 0x80)
     return tl.where(u >= 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def e2m1_to_e4m3_normal(code, e_rel):
+    """int32 E2M1 code 0..15 and e_rel = E - S (its block exponent minus the FP8 tile exponent)
+    -> int32 E4M3 byte of c * 2^e_rel, valid when that value is zero or an E4M3 normal, i.e.
+    floor(log2|c|) + e_rel in [-6, 8] (callers check e_rel >= -5 for the whole program; e_rel <= 6
+    holds by the choice of S).
+
+    A nonzero E2M1 magnitude m is 1.f * 2^e with (e, f) = (-1, 0), (0, 0), (0, .5), (1, 0), (1, .5),
+    (2, 0), (2, .5) for m = 1..7, so its E4M3 byte at shift e_rel is ((e + e_rel + 7) << 3) | (f * 8):
+    48 + 4m + 8 e_rel for m >= 2 (m = 2: 1.0 -> 56 = 0x38), and 48 + 8 e_rel for m = 1 (0.5 -> 0x30).
+    One add and a shift per element instead of a decode and a rounding: no rounding can occur.
+    """
+    m = code & 7
+    byte = (m << 2) + 48 + (e_rel << 3) - ((m == 1).to(tl.int32) << 2)
+    return tl.where(m == 0, 0, byte) | ((code & 8) << 4)

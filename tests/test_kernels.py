@@ -217,3 +217,35 @@ def test_gpu_int64_offsets_past_2_31_elements():
     _check((q[0][tail], q[1][tail]), KMX.quantize_mxfp4_rowwise_ref(x[tail]))
     f = K8.quantize_fp8_rowwise(x)
     assert same_bits(f[0][tail], K8.quantize_fp8_rowwise_ref(x[tail])[0])
+
+
+@pytest.mark.parametrize("gap", [10, 11, 12, 13, 20])
+def test_fast_and_general_paths_meet_at_the_normal_range_edge(gap):
+    """A block `gap` binades under the tile's (row) or column's largest: up to 11 the kernels take the
+    add-and-shift path, beyond it the general decode-and-round path; both must equal the reference."""
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128) % 16        # every code, both signs
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).repeat(64, 1)          # 128 tokens x 128 columns
+    scale = torch.full((128, 4), 130, dtype=torch.uint8)
+    scale[1::2, 1] = 130 - gap                                             # row-wise: one low block per tile
+    scale[64:, :] = 130 - gap                                              # column-wise: low tokens
+    data, scale = data.to(DEVICE), scale.to(DEVICE)
+    _check(K8.mxfp4_to_fp8_rowwise(data, scale), K8.mxfp4_to_fp8_rowwise_ref(data, scale))
+    _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+
+
+def test_fp8_to_mxfp4_every_block_maximum_with_every_smaller_byte():
+    """Rows of 128: the block maximum is each E4M3 magnitude byte in turn and the other 31 elements
+    run through every smaller byte (subnormals included), both signs, at tile scales that send the
+    kernel down both its paths."""
+    rows = []
+    for top in range(1, 127):
+        smaller = torch.arange(top + 1, dtype=torch.uint8)
+        block = smaller[torch.arange(32) % (top + 1)]
+        block[0] = top
+        row = block.repeat(4)
+        row[64:] |= 0x80
+        rows.append(row)
+    data = torch.stack(rows).view(torch.float8_e4m3fn).to(DEVICE)
+    for s in (-126, -20, 0, 119):
+        scale = torch.full((1, data.shape[0]), 2.0**s).t().to(DEVICE)
+        _check(KMX.quantize_mxfp4_from_fp8(data, scale), KMX.quantize_mxfp4_from_fp8_ref(data, scale))
