@@ -204,11 +204,19 @@ def e4m3_rne(v):
     """
     bits = v.to(tl.int32, bitcast=True)
     u = bits & 0x7FFFFFFF
-    r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
-    c_norm = tl.minimum(r - 960, 126)
-    c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(u < 0x3C800000, c_sub, c_norm) | ((bits >> 24) & 0x80)
+    code = e4m3_rne_mag(u, True) | ((bits >> 24) & 0x80)
     return tl.where(u >= 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def e4m3_rne_mag(u, SAT: tl.constexpr):
+    """u: int32 bits of a finite |v| -> int32 E4M3 magnitude byte 0..126 (see e4m3_rne). SAT=False
+    is for callers that have proven |v| <= 448 (RCEIL scaling does): it saves the min."""
+    c_norm = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - 960
+    if SAT:
+        c_norm = tl.minimum(c_norm, 126)
+    c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(u < 0x3C800000, c_sub, c_norm)
 
 
 @triton.jit
