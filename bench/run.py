@@ -1,8 +1,9 @@
 """The main job: moe_fp4 against the FP8 baseline.
 
 Today it compares the formats themselves on one MoE-sized token batch: bytes per token on the wire
-and in storage, and round-trip error, for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4.
-The kernel, MoE-layer and end-to-end throughput comparisons land with their issues; the script says
+and in storage, and round-trip error, for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4; on
+a GPU it then times every conversion kernel against a device copy of the same bytes (one shape).
+The MoE-layer and end-to-end throughput comparisons land with their issues; the script says
 "not yet" for them instead of failing.
 
     python bench/run.py            # GPU if there is one, a small CPU run otherwise
@@ -14,6 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import runpy
+import sys
 
 import torch
 
@@ -57,7 +61,19 @@ def main() -> None:
     exact = sqnr_db(mx.dequantize(torch.float32).t(), col.dequantize(torch.float32))
     print(f"\nMXFP4 rows -> FP8 columns for wgrad: SQNR vs the MXFP4 values {exact:.2f} dB (inf = exact)")
 
-    print("\nnot yet: Triton kernel bandwidth vs memory copy (bench/kernels.py, issue 3)")
+    if device == "cuda":
+        print("\nkernel bandwidth vs a copy of the same bytes (one shape; all shapes: bench/kernels.py):", flush=True)
+        kernels_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+        argv, sys.argv = sys.argv, [kernels_py, "--tokens", str(tokens), "--hidden", str(a.hidden), "--ref", "none"]
+        try:
+            runpy.run_path(kernels_py, run_name="__main__")
+        except SystemExit as e:
+            if e.code:
+                raise
+        finally:
+            sys.argv = argv
+    else:
+        print("\nkernel bandwidth: needs a GPU (python bench/kernels.py)")
     print("not yet: MoE layer step time and memory, fp4 vs fp8 vs bf16 (bench/moe_layer.py, issue 4)")
     if a.json:
         with open(a.json, "w") as f:
