@@ -29,6 +29,13 @@ def _bytes(obj) -> int:
     return sum(_bytes(o) for o in obj)
 
 
+def _copy_ms(moved: int) -> float:
+    """Median ms of a device copy moving `moved` bytes (it reads moved/2 and writes moved/2)."""
+    src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+
+
 def _grid(**axes):
     keys = list(axes)
     return [dict(zip(keys, vals)) for vals in itertools.product(*axes.values())]
@@ -69,9 +76,7 @@ def main() -> None:
     results = []
     for name, run, inputs, configs in ops:
         moved = _bytes(inputs) + _bytes(run(**configs[0]))
-        src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_copy = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+        t_copy = _copy_ms(moved)
         rows = []
         for cfg in configs:
             try:
@@ -81,12 +86,12 @@ def main() -> None:
                 continue
             rows.append({"op": name, **cfg, "time_us": t * 1e3, "pct_copy": 100 * t_copy / t})
         rows.sort(key=lambda r: r["time_us"])
-        print(f"\n{name}  ({moved / 1e6:.0f} MB moved, copy {t_copy * 1e3:.1f} us = {moved / t_copy / 1e6:.0f} GB/s)", flush=True)
+        print(f"\n{name}  ({moved / 1e6:.0f} MB moved, copy {t_copy * 1e3:.1f} us = "
+              f"{moved / t_copy / 1e6:.0f} GB/s)", flush=True)
         for r in rows[:6]:
             cfg = {k: v for k, v in r.items() if k not in ("op", "time_us", "pct_copy")}
             print(f"  {r['time_us']:8.1f} us  {r['pct_copy']:5.1f}% copy  {cfg}", flush=True)
         results += rows
-        del src, dst
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

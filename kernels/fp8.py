@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.triton_numerics import (
+    tile_program,
     e2m1_decode_scaled,
     e2m1_to_e4m3_normal,
     e4m3_rne,
@@ -129,15 +130,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
-    pid_m = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    t = pid_t * TILES + tl.arange(0, TILES)
-    b = tl.arange(0, 4)
-    p = tl.arange(0, 16)
-    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
-    mask4 = mask_t[:, :, None, None]
-    pair = (t * 64)[None, :, None, None] + (b * 16)[None, None, :, None] + p[None, None, None, :]
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
     a_lo = lo & 0x7FFFFFFF
     a_hi = hi & 0x7FFFFFFF
@@ -169,9 +162,9 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
             tl.reshape(a_lo, (BLOCK_M, NB, 16)), tl.reshape(a_hi, (BLOCK_M, NB, 16)),
             tl.reshape(E, (BLOCK_M, NB)), tl.reshape(nan_blk, (BLOCK_M, NB)), tl.reshape(mmult, (BLOCK_M, NB)),
             False)  # RCEIL scaling of finite data never exceeds 6: no saturation needed
-        kb = pid_t * TILES * 4 + tl.arange(0, TILES * 4)
+        kb = tl.program_id(1) * NB + tl.arange(0, NB)
         mask_b = (rows < M)[:, None] & (kb < NT * 4)[None, :]
-        mpair = (kb * 16)[None, :, None] + p[None, None, :]
+        mpair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
         tl.store(mx_ptr + rows[:, None, None] * stride_mm + mpair, packed.to(tl.uint8), mask=mask_b[:, :, None])
         tl.store(mscale_ptr + rows[:, None] * stride_msm + kb[None, :], sc.to(tl.uint8), mask=mask_b)
 
@@ -179,18 +172,9 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
 @triton.jit
 def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    t = pid_t * TILES + tl.arange(0, TILES)
-    b = tl.arange(0, 4)
-    p = tl.arange(0, 16)
-    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
-    mask3 = mask_t[:, :, None]
-    mask4 = mask3[:, :, :, None]
-    pair = (t * 64)[None, :, None, None] + (b * 16)[None, None, :, None] + p[None, None, None, :]
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     byte = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + (t * 4)[None, :, None] + b[None, None, :],
+    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :],
                  mask=mask3, other=0).to(tl.int32)                                  # [BM, TILES, 4]
     nan = sb == 255
     emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block

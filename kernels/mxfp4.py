@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
+    block_program,
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
     e2m1_rne_mag,
@@ -120,14 +121,7 @@ def _quantize_mxfp4_kernel(
     IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)   # [BM] int64
-    kb = pid_k * NB + tl.arange(0, NB)                                          # [NB] block index
-    p = tl.arange(0, 16)                                                        # pair inside block
-    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]                             # [BM, NB]
-    mask3 = mask2[:, :, None]
-    pair = (kb * 16)[None, :, None] + p[None, None, :]                          # [1, NB, 16]
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
 
@@ -168,14 +162,7 @@ def _dequantize_mxfp4_kernel(
     OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    kb = pid_k * NB + tl.arange(0, NB)
-    p = tl.arange(0, 16)
-    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    mask3 = mask2[:, :, None]
-    pair = (kb * 16)[None, :, None] + p[None, None, :]
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
@@ -200,14 +187,7 @@ def _fp8_to_mxfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    kb = pid_k * NB + tl.arange(0, NB)
-    p = tl.arange(0, 16)
-    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    mask3 = mask2[:, :, None]
-    pair = (kb * 16)[None, :, None] + p[None, None, :]
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     w = tl.load(q_ptr + rows[:, None, None] * stride_qm + pair, mask=mask3, other=0).to(tl.int32)
     b_lo = w & 0xFF                     # element 2i is the first (low) byte: little endian

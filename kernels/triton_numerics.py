@@ -234,3 +234,28 @@ def e2m1_to_e4m3_normal(code, e_rel):
     m = code & 7
     byte = (m << 2) + 48 + (e_rel << 3) - ((m == 1).to(tl.int32) << 2)
     return tl.where(m == 0, 0, byte) | ((code & 8) << 4)
+
+
+@triton.jit
+def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as pair
+    words [BLOCK_M, NB, 16] -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1],
+    pair-word column [1, NB, 16]). Row offsets are int64: rows * stride can pass 2^31."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
+    pair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    return rows, kb, mask2, mask2[:, :, None], pair
+
+
+@triton.jit
+def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """This program's [BLOCK_M rows, TILES FP8 tiles of 128] of a row-major [M, 128 NT] tensor, seen
+    as pair words [BLOCK_M, TILES, 4 blocks, 16] -> (rows int64 [BM], tile index [TILES],
+    mask [BM, TILES], mask [BM, TILES, 1], mask [BM, TILES, 1, 1], pair-word column [1, TILES, 4, 16])."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 4) * 16)[None, None, :, None]
+            + tl.arange(0, 16)[None, None, None, :])
+    return rows, t, mask_t, mask_t[:, :, None], mask_t[:, :, None, None], pair

@@ -35,6 +35,22 @@ def check_values_enabled(t: torch.Tensor) -> bool:
     return t.device.type != "cuda" or os.environ.get("MOE_FP4_CHECK_VALUES", "0") == "1"
 
 
+def _check_data_and_scale(t, data_dtype, data_desc: str, scale_dtype, scale_desc: str):
+    """Checks both containers share: tensors, dtypes, 2-D, one device. -> (data, scale)."""
+    what, d, s = type(t).__name__, t.data, t.scale
+    if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
+        _fail(TypeError, f"{what}: data and scale must be torch.Tensors")
+    if d.dtype != data_dtype:
+        _fail(TypeError, f"{what}: data must be {data_desc}, got {d.dtype}")
+    if s.dtype != scale_dtype:
+        _fail(TypeError, f"{what}: scale must be {scale_desc}, got {s.dtype}")
+    if d.dim() != 2 or s.dim() != 2:
+        _fail(ValueError, f"{what}: data and scale must be 2-D, got {tuple(d.shape)} and {tuple(s.shape)}")
+    if d.device != s.device:
+        _fail(ValueError, f"{what}: data on {d.device} but scale on {s.device}; they must share a device")
+    return d, s
+
+
 def _check_logical(shape, dtype, m: int, k: int, what: str) -> torch.Size:
     shape = torch.Size(shape)
     if len(shape) == 0:
@@ -65,15 +81,8 @@ class MXFP4Tensor:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        d, s = self.data, self.scale
-        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
-            _fail(TypeError, "MXFP4Tensor: data and scale must be torch.Tensors")
-        if d.dtype != torch.uint8:
-            _fail(TypeError, f"MXFP4Tensor: data must be uint8 (two E2M1 codes per byte), got {d.dtype}")
-        if s.dtype != torch.uint8:
-            _fail(TypeError, f"MXFP4Tensor: scale must be uint8 (E8M0 bytes), got {s.dtype}")
-        if d.dim() != 2 or s.dim() != 2:
-            _fail(ValueError, f"MXFP4Tensor: data and scale must be 2-D, got {tuple(d.shape)} and {tuple(s.shape)}")
+        d, s = _check_data_and_scale(self, torch.uint8, "uint8 (two E2M1 codes per byte)",
+                                     torch.uint8, "uint8 (E8M0 bytes)")
         m, half_k = d.shape
         k = 2 * half_k
         if k % MXFP4_BLOCK != 0:
@@ -82,8 +91,6 @@ class MXFP4Tensor:
             _fail(ValueError, f"MXFP4Tensor: scale shape {tuple(s.shape)} must be [M, K/32] = {(m, k // MXFP4_BLOCK)}")
         if not d.is_contiguous() or not s.is_contiguous():
             _fail(ValueError, "MXFP4Tensor: data and scale must be contiguous (row-major)")
-        if d.device != s.device:
-            _fail(ValueError, f"MXFP4Tensor: data on {d.device} but scale on {s.device}; they must share a device")
         object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "MXFP4Tensor"))
 
     @property
@@ -139,15 +146,8 @@ class FP8BlockTensor:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        d, s = self.data, self.scale
-        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
-            _fail(TypeError, "FP8BlockTensor: data and scale must be torch.Tensors")
-        if d.dtype != torch.float8_e4m3fn:
-            _fail(TypeError, f"FP8BlockTensor: data must be float8_e4m3fn, got {d.dtype}")
-        if s.dtype != torch.float32:
-            _fail(TypeError, f"FP8BlockTensor: scale must be float32 (power-of-two values), got {s.dtype}")
-        if d.dim() != 2 or s.dim() != 2:
-            _fail(ValueError, f"FP8BlockTensor: data and scale must be 2-D, got {tuple(d.shape)} and {tuple(s.shape)}")
+        d, s = _check_data_and_scale(self, torch.float8_e4m3fn, "float8_e4m3fn",
+                                     torch.float32, "float32 (power-of-two values)")
         m, k = d.shape
         tiles = -(-k // FP8_TILE)
         if tuple(s.shape) != (m, tiles):
@@ -157,8 +157,6 @@ class FP8BlockTensor:
         if not s.t().is_contiguous():
             _fail(ValueError, f"FP8BlockTensor: scale must be M-major (strides (1, M), i.e. scale.t() contiguous), "
                               f"got strides {s.stride()}")
-        if d.device != s.device:
-            _fail(ValueError, f"FP8BlockTensor: data on {d.device} but scale on {s.device}; they must share a device")
         object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "FP8BlockTensor"))
 
     @property

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import moe_fp4
-from helpers import INPUT_KINDS, dequant_transpose_quantize, make_input, pow2_ceil_exponent, same_bits, sqnr_db, same_values
+from helpers import (INPUT_KINDS, dequant_transpose_quantize, make_input, pow2_ceil_exponent, same_bits,
+                     same_values, sqnr_db)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 # Round-trip SQNR floors for N(0, 1) data, set 1.5 dB under what this suite's inputs measure
