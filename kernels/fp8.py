@@ -151,22 +151,15 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
     if WRITE_MXFP4:
+        # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
         amax_bits = tl.max(tl.maximum(a_lo, a_hi), axis=3)                         # [BM, TILES, 4]
         nan_blk = amax_bits >= 0x7F800000
         E = mx_scale_exp(amax_bits)
-        mmult = pow2_f32(-tl.minimum(E, 126))
-        # mx_encode_pairs works on [BM, NB, 16]: flatten the (tile, block) axes.
-        NB: tl.constexpr = TILES * 4
-        packed, sc = mx_encode_pairs(
-            tl.reshape(lo, (BLOCK_M, NB, 16)), tl.reshape(hi, (BLOCK_M, NB, 16)),
-            tl.reshape(a_lo, (BLOCK_M, NB, 16)), tl.reshape(a_hi, (BLOCK_M, NB, 16)),
-            tl.reshape(E, (BLOCK_M, NB)), tl.reshape(nan_blk, (BLOCK_M, NB)), tl.reshape(mmult, (BLOCK_M, NB)),
-            False)  # RCEIL scaling of finite data never exceeds 6: no saturation needed
-        kb = tl.program_id(1) * NB + tl.arange(0, NB)
-        mask_b = (rows < M)[:, None] & (kb < NT * 4)[None, :]
-        mpair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
-        tl.store(mx_ptr + rows[:, None, None] * stride_mm + mpair, packed.to(tl.uint8), mask=mask_b[:, :, None])
-        tl.store(mscale_ptr + rows[:, None] * stride_msm + kb[None, :], sc.to(tl.uint8), mask=mask_b)
+        # RCEIL scaling of finite data never exceeds 6: no saturation needed.
+        packed, sc = mx_encode_pairs(lo, hi, a_lo, a_hi, E, nan_blk, pow2_f32(-tl.minimum(E, 126)), False)
+        tl.store(mx_ptr + rows[:, None, None, None] * stride_mm + pair, packed.to(tl.uint8), mask=mask4)
+        blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        tl.store(mscale_ptr + rows[:, None, None] * stride_msm + blk, sc.to(tl.uint8), mask=mask3)
 
 
 @triton.jit
@@ -174,7 +167,8 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     byte = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :],
+    blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
+    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk,
                  mask=mask3, other=0).to(tl.int32)                                  # [BM, TILES, 4]
     nan = sb == 255
     emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
@@ -219,13 +213,13 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
     return (fp8, fscale), (mx, ms)
 
 
-def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 16, tiles: int = 4, num_warps: int = 4):
+def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 8, tiles: int = 4, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
     M-major); bit-identical to quantize_fp8_rowwise_ref."""
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 16, tiles: int = 4, num_warps: int = 4):
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 32, tiles: int = 1, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)

@@ -122,18 +122,19 @@ def e4m3_to_f32_bits(b):
 
 @triton.jit
 def mx_encode_pairs(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mult, SAT: tl.constexpr):
-    """lo_bits/hi_bits: int32 [BM, NB, 16] fp32 bits of elements 2i / 2i+1 (unscaled), lo_abs/hi_abs
-    the same with the sign bit cleared; E: int32 [BM, NB] block exponent; nan_blk: bool [BM, NB];
-    mult: float32 [BM, NB], the exact power of two to scale by (a normal float32)
-    -> (packed int32 [BM, NB, 16] bytes 0..255, scale int32 [BM, NB] bytes 0..255).
-    Magnitudes are encoded from |x| * mult; the two sign bits go straight from bit 31 of the inputs to
-    bits 3 and 7 of the byte."""
-    m3 = mult[:, :, None]
-    u_lo = (lo_abs.to(tl.float32, bitcast=True) * m3).to(tl.int32, bitcast=True)
-    u_hi = (hi_abs.to(tl.float32, bitcast=True) * m3).to(tl.int32, bitcast=True)
+    """lo_bits/hi_bits: int32 [..., 16] fp32 bits of elements 2i / 2i+1 (unscaled), lo_abs/hi_abs
+    the same with the sign bit cleared, the last axis running over the 16 pairs of a 32-block;
+    E: int32 [...] block exponent; nan_blk: bool [...]; mult: float32 [...], the exact power of two
+    to scale by (a normal float32) -> (packed int32 [..., 16] bytes 0..255, scale int32 [...]).
+    Any number of leading axes, so the fused FP8 + MXFP4 kernel encodes its [BM, TILES, 4, 16] view
+    without a reshape. Magnitudes are encoded from |x| * mult; the two sign bits go straight from
+    bit 31 of the inputs to bits 3 and 7 of the byte."""
+    m_e = tl.expand_dims(mult, -1)
+    u_lo = (lo_abs.to(tl.float32, bitcast=True) * m_e).to(tl.int32, bitcast=True)
+    u_hi = (hi_abs.to(tl.float32, bitcast=True) * m_e).to(tl.int32, bitcast=True)
     packed = (e2m1_rne_mag(u_lo, SAT) | (e2m1_rne_mag(u_hi, SAT) << 4)
               | ((lo_bits >> 28) & 8) | ((hi_bits >> 24) & 0x80))
-    packed = tl.where(nan_blk[:, :, None], 0, packed)
+    packed = tl.where(tl.expand_dims(nan_blk, -1), 0, packed)
     scale = tl.where(nan_blk, 255, E + 127)
     return packed, scale
 
