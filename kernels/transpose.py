@@ -116,7 +116,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
     rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
     rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
-    lowest = tl.minimum(tl.min(tl.where(nan | ~mask3, 127, rel_lo)), tl.min(tl.where(nan | ~mask3, 127, rel_hi)))
+    # A lower bound of every E_row - S_col, from per-block and per-column values only.
+    lowest = tl.min(tl.where((sb == 255) | ~mask2, 1000, sb - 127)) - tl.maximum(tl.max(S_lo), tl.max(S_hi))
     if lowest >= -5:
         # No row block more than 11 binades under its column maximum: values are normals or zero.
         q_lo = e2m1_to_e4m3_normal(c_lo, rel_lo)
