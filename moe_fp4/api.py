@@ -7,9 +7,9 @@ kernels under the interpreter when ``TRITON_INTERPRET=1`` is set (before triton 
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 from moe_fp4 import _ops
 from moe_fp4.formats import (

@@ -3,8 +3,9 @@
 Both are frozen dataclasses whose ``__post_init__`` checks every structural invariant (dtypes,
 shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
 *values* (scales are powers of two, no NaN scale where NaN is not allowed) read the data, so they
-live in :func:`check_fp8_scale_values` / :func:`check_mxfp4_scale_values`, which the public
-conversion functions call on CPU tensors always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1``.
+live in :func:`check_fp8_scale_values`, which the public conversion functions call on CPU tensors
+always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1``, and :func:`check_mxfp4_finite`, behind
+``MXFP4Tensor.check_finite()``.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class MXFP4Tensor:
     def check_finite(self) -> "MXFP4Tensor":
         """Raise ValueError if any block is NaN (scale byte 0xFF); return self. Reads the scales
         (a device sync on GPU): for inputs that must not carry NaN, e.g. received from another rank."""
-        check_mxfp4_scale_values(self.scale, allow_nan=False)
+        check_mxfp4_finite(self.scale)
         return self
 
 
@@ -206,7 +207,8 @@ def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scal
                           f"[{FP8_EXP_MIN}, {FP8_EXP_MAX}]; found {bad!r}")
 
 
-def check_mxfp4_scale_values(scale: torch.Tensor, allow_nan: bool = True, what: str = "MXFP4Tensor.scale") -> None:
-    """Raise ValueError if a scale byte is 0xFF (NaN) where NaN is not allowed (reads the data)."""
-    if not allow_nan and scale.numel() and bool((scale == E8M0_NAN).any()):
+def check_mxfp4_finite(scale: torch.Tensor, what: str = "MXFP4Tensor.scale") -> None:
+    """Raise ValueError if a scale byte is 0xFF (a NaN block), for inputs where NaN is not allowed
+    (reads the data)."""
+    if scale.numel() and bool((scale == E8M0_NAN).any()):
         _fail(ValueError, f"{what}: holds the E8M0 NaN byte 0xFF, which is not allowed here")
