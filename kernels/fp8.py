@@ -50,6 +50,11 @@ BLOCKS_PER_TILE = FP8_TILE // MXFP4_BLOCK
 _MIN_SHIFT = -149
 
 
+def empty_m_major(m: int, tiles: int, device) -> torch.Tensor:
+    """-> float32 [m, tiles] with strides (1, m): the scale layout of FP8BlockTensor."""
+    return torch.empty(tiles, m, dtype=torch.float32, device=device).t()
+
+
 def m_major(scale: torch.Tensor) -> torch.Tensor:
     """scale: float32 [M, T] (any strides) -> the same values with strides (1, M)."""
     return scale.t().contiguous().t()
@@ -196,7 +201,7 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
     m, k = x.shape
     dev = x.device
     fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
-    fscale = torch.empty(k // FP8_TILE, m, dtype=torch.float32, device=dev).t()
+    fscale = empty_m_major(m, k // FP8_TILE, dev)
     mx = torch.empty(m, k // 2, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     ms = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     if m and k:
@@ -232,7 +237,7 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)
-    oscale = torch.empty(k // FP8_TILE, m, dtype=torch.float32, device=data.device).t()
+    oscale = empty_m_major(m, k // FP8_TILE, data.device)
     if m and k:
         nt = k // FP8_TILE
         tiles = min(tiles, triton.next_power_of_2(nt))

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.fp8 import dequantize_fp8_ref, m_major, quantize_fp8_rowwise_ref
+from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.triton_numerics import (
     e2m1_decode_scaled,
     e2m1_to_e4m3_normal,
@@ -172,7 +172,7 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 1, n
     kb = k // MXFP4_BLOCK
     out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
     nt = triton.cdiv(m, FP8_TILE)
-    oscale = torch.empty(nt, k, dtype=torch.float32, device=data.device).t()
+    oscale = empty_m_major(k, nt, data.device)
     if m and k:
         nb = min(nb, triton.next_power_of_2(kb))
         _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
@@ -188,7 +188,7 @@ def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 3
     m, k = data.shape
     out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
     nt = triton.cdiv(m, FP8_TILE)
-    oscale = torch.empty(nt, k, dtype=torch.float32, device=data.device).t()
+    oscale = empty_m_major(k, nt, data.device)
     if m and k:
         _fp8_to_fp8_colwise_kernel[(nt, triton.cdiv(k, block_k))](
             data.view(torch.uint8), m_major(scale), out.view(torch.uint8), oscale, m, k,

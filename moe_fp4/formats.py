@@ -188,11 +188,6 @@ class FP8BlockTensor:
         return FP8BlockTensor(self.data.to(device), scale, self.shape, self.dtype)
 
 
-def empty_fp8_scale(m: int, tiles: int, device) -> torch.Tensor:
-    """-> float32 [m, tiles] with strides (1, m): the M-major layout FP8BlockTensor requires."""
-    return torch.empty(tiles, m, dtype=torch.float32, device=device).t()
-
-
 def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scale") -> None:
     """Raise ValueError unless every scale is a power of two 2^S with S in [-126, 127] (reads the data)."""
     if scale.numel() == 0:

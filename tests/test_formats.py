@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_fp4
-from moe_fp4.formats import empty_fp8_scale
+from moe_fp4.kernels.fp8 import empty_m_major
 
 
 def _mx(m=2, k=64, **over):
@@ -17,7 +17,7 @@ def _mx(m=2, k=64, **over):
 
 
 def _f8(m=2, k=256, **over):
-    scale = empty_fp8_scale(m, -(-k // 128), "cpu")
+    scale = empty_m_major(m, -(-k // 128), "cpu")
     scale.fill_(1.0)
     args = dict(data=torch.zeros(m, k, dtype=torch.float8_e4m3fn), scale=scale, shape=torch.Size((m, k)),
                 dtype=torch.bfloat16)
@@ -107,11 +107,11 @@ def test_fp8_container_validation():
     with pytest.raises(TypeError, match="scale must be float32"):
         _f8(scale=torch.ones(2, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"must be \[M, ceil\(K/128\)\]"):
-        _f8(scale=empty_fp8_scale(2, 3, "cpu"))
+        _f8(scale=empty_m_major(2, 3, "cpu"))
     with pytest.raises(ValueError, match="M-major"):
         _f8(scale=torch.ones(2, 2))  # row-major: strides (2, 1)
     with pytest.raises(ValueError, match="must share a device"):
-        _f8(scale=empty_fp8_scale(2, 2, "meta"))
+        _f8(scale=empty_m_major(2, 2, "meta"))
 
 
 @pytest.mark.parametrize("bad", [0.75, 3.0, -1.0, 0.0, float("nan"), float("inf"), 2.0**-127, 2.0**-140])
