@@ -120,6 +120,10 @@ class MXFP4Tensor:
     def to(self, device) -> "MXFP4Tensor":
         return MXFP4Tensor(self.data.to(device), self.scale.to(device), self.shape, self.dtype)
 
+    def rows(self, start: int, stop: int) -> "MXFP4Tensor":
+        """-> MXFP4Tensor [stop - start, K] of rows start..stop-1 of the [M, K] view (views, no copy)."""
+        return MXFP4Tensor(self.data[start:stop], self.scale[start:stop], (stop - start, self.k), self.dtype)
+
     def check_finite(self) -> "MXFP4Tensor":
         """Raise ValueError if any block is NaN (scale byte 0xFF); return self. Reads the scales
         (a device sync on GPU): for inputs that must not carry NaN, e.g. received from another rank."""
@@ -186,6 +190,12 @@ class FP8BlockTensor:
     def to(self, device) -> "FP8BlockTensor":
         scale = self.scale.t().to(device).t()
         return FP8BlockTensor(self.data.to(device), scale, self.shape, self.dtype)
+
+    def rows(self, start: int, stop: int) -> "FP8BlockTensor":
+        """-> FP8BlockTensor [stop - start, K] of rows start..stop-1 of the [M, K] view. The data is a
+        view; the scales are copied (a row range of an M-major scale is not M-major: its stride is M)."""
+        scale = self.scale[start:stop].t().contiguous().t()
+        return FP8BlockTensor(self.data[start:stop], scale, (stop - start, self.k), self.dtype)
 
 
 def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scale") -> None:

@@ -1,0 +1,169 @@
+"""FP8 blockwise GEMMs for the expert MLPs (DeepSeek-V3 recipe: E4M3, power-of-two scales).
+
+Operands:
+- activations: :class:`~moe_fp4.formats.FP8BlockTensor` [M, K], 1x128 tiles along K (the contraction);
+- weights: :class:`FP8WeightTensor` [N, K] in 128x128 blocks. A 128x128 block grid is the same for W
+  and W^T, so one quantization serves fprop (x W^T) and dgrad (dy W) (``.t()`` transposes the codes);
+- weight gradients contract over tokens: both operands are FP8BlockTensors quantized in 1x128 tiles
+  *along tokens* (``quantize_fp8_colwise``, ``fp8_to_fp8_colwise``, ``mxfp4_to_fp8_colwise``).
+
+:func:`fp8_mm_nt` computes ``a @ b^T`` with ``torch.nn.functional.scaled_mm`` on sm90+ GPUs. Elsewhere
+(CPU, older GPUs) it emulates the FP8 GEMM: both operands are dequantized exactly to float32 and
+multiplied in float32, so every code path runs in CI with the same quantized values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, _fail
+from moe_fp4.kernels.numerics import FP8_TILE, encode_e4m3, exp2_int, finite_abs, fp8_scale_exponent
+
+WEIGHT_BLOCK = 128
+
+
+class GemmBackend(enum.Enum):
+    SCALED_MM = "scaled_mm"  # cuBLAS blockwise FP8 through torch.nn.functional.scaled_mm (sm90+)
+    EMULATED = "emulated"    # exact dequantization to float32, float32 matmul
+
+
+def gemm_backend(device: torch.device) -> GemmBackend:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return GemmBackend.SCALED_MM
+    return GemmBackend.EMULATED
+
+
+@dataclass(frozen=True)
+class FP8WeightTensor:
+    """Weights quantized to FP8 E4M3 in 128x128 blocks with power-of-two scales.
+
+    data:  float8_e4m3fn [N, K] or [E, N, K] (one matrix per expert), contiguous.
+    scale: float32 [ceil(N/128), ceil(K/128)] or [E, ...], contiguous (row-major): 2^S per block.
+           This is the layout ``scaled_mm`` takes for ``BlockWise128x128`` (passed as ``scale.t()``
+           alongside ``data.t()``).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        d, s = self.data, self.scale
+        if d.dtype != torch.float8_e4m3fn or s.dtype != torch.float32:
+            _fail(TypeError, f"FP8WeightTensor: need float8_e4m3fn data and float32 scale, got {d.dtype}, {s.dtype}")
+        if d.dim() not in (2, 3) or s.dim() != d.dim():
+            _fail(ValueError, f"FP8WeightTensor: data [N, K] or [E, N, K] with a scale of the same rank, "
+                              f"got {tuple(d.shape)} and {tuple(s.shape)}")
+        blocks = (*d.shape[:-2], -(-d.shape[-2] // WEIGHT_BLOCK), -(-d.shape[-1] // WEIGHT_BLOCK))
+        if tuple(s.shape) != blocks:
+            _fail(ValueError, f"FP8WeightTensor: scale shape {tuple(s.shape)} must be {blocks}")
+        if not d.is_contiguous() or not s.is_contiguous():
+            _fail(ValueError, "FP8WeightTensor: data and scale must be contiguous")
+        if d.device != s.device:
+            _fail(ValueError, f"FP8WeightTensor: data on {d.device} but scale on {s.device}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+    def __getitem__(self, e: int) -> "FP8WeightTensor":
+        """Expert e of an [E, N, K] stack -> FP8WeightTensor [N, K] (views)."""
+        if self.data.dim() != 3:
+            raise TypeError("FP8WeightTensor: only an [E, N, K] stack can be indexed by expert")
+        return FP8WeightTensor(self.data[e], self.scale[e])
+
+    def t(self) -> "FP8WeightTensor":
+        """-> FP8WeightTensor [K, N] of W^T (a copy of the codes; the block scales transpose exactly)."""
+        return FP8WeightTensor(self.data.transpose(-1, -2).contiguous(), self.scale.transpose(-1, -2).contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """-> dtype tensor of data's shape: data * scale of its block (exact in float32)."""
+        n, k = self.data.shape[-2:]
+        s = self.scale.repeat_interleave(WEIGHT_BLOCK, dim=-2)[..., :n, :]
+        s = s.repeat_interleave(WEIGHT_BLOCK, dim=-1)[..., :k]
+        return (self.data.float() * s).to(dtype)
+
+
+def quantize_fp8_weight(w: torch.Tensor) -> FP8WeightTensor:
+    """w: bf16/fp16/fp32 [N, K] or [E, N, K] (N, K multiples of 128) -> FP8WeightTensor in 128x128 blocks.
+
+    Per block: S = clamp(ceil(log2(amax / 448)), -126, 127) (the same exact rule as the 1x128
+    activation tiles), codes = E4M3 RNE of w / 2^S. Pure torch: weights are quantized once per
+    forward and are small next to the activations of a large token batch.
+    """
+    if not isinstance(w, torch.Tensor) or w.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"quantize_fp8_weight: expected a bf16/fp16/fp32 tensor, got {getattr(w, 'dtype', type(w))}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"quantize_fp8_weight: expected [N, K] or [E, N, K], got {tuple(w.shape)}")
+    n, k = w.shape[-2:]
+    if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK:
+        raise ValueError(f"quantize_fp8_weight: N = {n} and K = {k} must be multiples of {WEIGHT_BLOCK}")
+    lead = w.shape[:-2]
+    blocks = w.float().reshape(*lead, n // WEIGHT_BLOCK, WEIGHT_BLOCK, k // WEIGHT_BLOCK, WEIGHT_BLOCK)
+    amax = finite_abs(blocks).amax(dim=(-3, -1))
+    scale = exp2_int(fp8_scale_exponent(amax))
+    codes = encode_e4m3(blocks / scale[..., :, None, :, None])
+    return FP8WeightTensor(codes.reshape(w.shape).contiguous(), scale.contiguous())
+
+
+def quantize_fp8_colwise(x: torch.Tensor) -> FP8BlockTensor:
+    """x: bf16/fp16/fp32 [M, K] (M % 128 == 0) -> FP8BlockTensor [K, M] holding x^T in 1x128 tiles along M.
+
+    The weight-gradient operand for a tensor held in high precision (the output gradient dY):
+    a transpose copy, then the row-wise quantizer. Same definition as ``fp8_to_fp8_colwise`` and
+    ``mxfp4_to_fp8_colwise`` applied to exact inputs.
+    """
+    from moe_fp4.api import quantize_fp8
+
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8_colwise: expected [M, K], got {tuple(x.shape)}")
+    return quantize_fp8(x.t().contiguous())
+
+
+def _scaled_mm(a: FP8BlockTensor, b, out_dtype: torch.dtype) -> torch.Tensor:
+    F = torch.nn.functional
+    if isinstance(b, FP8WeightTensor):
+        recipe_b = F.ScalingType.BlockWise128x128
+    else:
+        recipe_b = F.ScalingType.BlockWise1x128
+    # scaled_mm wants mat_b column-major [K, N]: b.data.t() is exactly that, and the scale checks are
+    # made on (mat_b.t(), scale_b.t()) = (b.data, b.scale), the layouts our containers hold.
+    return F.scaled_mm(a.data, b.data.t(), a.scale, F.ScalingType.BlockWise1x128, b.scale.t(), recipe_b,
+                       output_dtype=out_dtype)
+
+
+def fp8_mm_nt(a: FP8BlockTensor, b: FP8BlockTensor | FP8WeightTensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: FP8BlockTensor [M, K] (1x128 tiles along K), b: FP8BlockTensor [N, K] (1x128 along K) or
+    FP8WeightTensor [N, K] (128x128 blocks) -> out_dtype [M, N] = a @ b^T, accumulated in float32.
+
+    K must be a multiple of 128 (whole tiles on both sides). On sm90+ this is one cuBLAS blockwise
+    FP8 GEMM; elsewhere an exact-dequantize float32 emulation (see the module docstring).
+    """
+    if not isinstance(a, FP8BlockTensor) or not isinstance(b, (FP8BlockTensor, FP8WeightTensor)):
+        raise TypeError(f"fp8_mm_nt: expected FP8BlockTensor and FP8BlockTensor/FP8WeightTensor, "
+                        f"got {type(a).__name__} and {type(b).__name__}")
+    k = a.data.shape[1]
+    if b.data.dim() != 2 or b.data.shape[1] != k:
+        raise ValueError(f"fp8_mm_nt: a is [M, K] = {tuple(a.data.shape)}, b must be [N, K], got {tuple(b.data.shape)}")
+    if k % FP8_TILE != 0:
+        raise ValueError(f"fp8_mm_nt: K = {k} must be a multiple of {FP8_TILE}")
+    m, n = a.data.shape[0], b.data.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    if gemm_backend(a.device) is GemmBackend.SCALED_MM:
+        return _scaled_mm(a, b, out_dtype)
+    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+
+
+__all__ = [
+    "FP8WeightTensor",
+    "GemmBackend",
+    "fp8_mm_nt",
+    "gemm_backend",
+    "quantize_fp8_colwise",
+    "quantize_fp8_weight",
+]

@@ -1,0 +1,178 @@
+"""``moe_fp4.nn.MoE``: a DeepSeek-V3-style routed MoE block with bf16 / fp8 / fp4 precision modes.
+
+Router (top-k over softmax or sigmoid scores, in float32) -> dropless permutation of the (token,
+expert) pairs by expert, each expert's group padded to 128 rows -> grouped SwiGLU experts
+(:mod:`moe_fp4.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4) -> weighted combine
+-> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
+the permutation and the combine are identical in every precision.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
+from moe_fp4.gemm import WEIGHT_BLOCK
+
+
+class ScoreFunction(str, enum.Enum):
+    SOFTMAX = "softmax"  # Mixtral / DeepSeek-V2
+    SIGMOID = "sigmoid"  # DeepSeek-V3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """hidden H, ffn F (per expert), num_experts E, top_k; H and F multiples of 128 (FP8 tiles and
+    128x128 weight blocks). shared_ffn > 0 adds a shared expert of that width."""
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    shared_ffn: int = 0
+    score: ScoreFunction = ScoreFunction.SOFTMAX
+    norm_topk_prob: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "score", ScoreFunction(self.score))
+        for name in ("hidden", "ffn"):
+            v = getattr(self, name)
+            if v <= 0 or v % WEIGHT_BLOCK:
+                raise ValueError(f"MoEConfig: {name} = {v} must be a positive multiple of {WEIGHT_BLOCK}")
+        if self.shared_ffn < 0 or self.shared_ffn % WEIGHT_BLOCK:
+            raise ValueError(f"MoEConfig: shared_ffn = {self.shared_ffn} must be 0 or a multiple of {WEIGHT_BLOCK}")
+        if self.num_experts <= 0 or not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"MoEConfig: need 0 < top_k <= num_experts, got top_k={self.top_k}, "
+                             f"num_experts={self.num_experts}")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each (token, slot) pair goes.
+
+    weights: float32 [T, k] combine weights; experts: int64 [T, k] expert ids;
+    dest: int64 [T*k] row of pair (t, j) (flattened t*k + j) in the permuted, padded buffer;
+    counts: E ints, tokens per expert; padded_counts: E ints, rounded up to 128; rows = sum(padded_counts).
+    """
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    dest: torch.Tensor
+    counts: tuple[int, ...]
+    padded_counts: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.padded_counts)
+
+
+def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN) -> Routing:
+    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts)."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + align - 1) // align * align
+    start = torch.cumsum(counts, 0) - counts
+    pad_start = torch.cumsum(padded, 0) - padded
+    sorted_e = flat[order]
+    rank = torch.arange(flat.numel(), device=flat.device) - start[sorted_e]
+    dest = torch.empty_like(flat)
+    dest[order] = pad_start[sorted_e] + rank
+    host = torch.stack([counts, padded]).tolist()
+    return Routing(weights, experts, dest, tuple(host[0]), tuple(host[1]))
+
+
+def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero."""
+    k = routing.experts.shape[1]
+    src = x.repeat_interleave(k, dim=0) if k > 1 else x
+    return x.new_zeros(routing.rows, x.shape[1]).index_copy(0, routing.dest, src)
+
+
+def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """y: [rows, H] -> [T, H]: sum over slots j of weights[t, j] * y[dest(t, j)]."""
+    t, k = routing.experts.shape
+    pairs = y.index_select(0, routing.dest).view(t, k, y.shape[1])
+    return torch.bmm(routing.weights.to(y.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+class MoE(nn.Module):
+    """Routed MoE block. forward: x bf16 [..., H] -> bf16 [..., H].
+
+    Parameters (dtype ``dtype``, the master copies; the FP8 paths quantize them on each forward):
+    router.weight [E, H], w13 [E, 2F, H] (gate | up), w2 [E, H, F], and with a shared expert
+    shared_w13 [1, 2Fs, H], shared_w2 [1, H, Fs]. ``precision`` ("bf16" | "fp8" | "fp4") may be
+    changed on a built module.
+    """
+
+    def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
+                 device=None):
+        super().__init__()
+        self.config = config
+        self.precision = precision
+        c, kw = config, {"dtype": dtype, "device": device}
+        self.router = nn.Linear(c.hidden, c.num_experts, bias=False, **kw)
+        self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * c.ffn, c.hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden, c.ffn, **kw))
+        if c.shared_ffn:
+            self.shared_w13 = nn.Parameter(torch.empty(1, 2 * c.shared_ffn, c.hidden, **kw))
+            self.shared_w2 = nn.Parameter(torch.empty(1, c.hidden, c.shared_ffn, **kw))
+        else:
+            self.shared_w13 = self.shared_w2 = None
+        self.reset_parameters()
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value) -> None:
+        self._precision = Precision(value)
+
+    def reset_parameters(self) -> None:
+        h = self.config.hidden
+        nn.init.normal_(self.router.weight, std=h ** -0.5)
+        for w13, w2 in ((self.w13, self.w2), (self.shared_w13, self.shared_w2)):
+            if w13 is not None:
+                nn.init.normal_(w13, std=h ** -0.5)
+                nn.init.normal_(w2, std=w2.shape[-1] ** -0.5)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] -> Routing (top-k of the scores; with norm_topk_prob the k weights sum to 1)."""
+        c = self.config
+        scores = self.router(x).float()
+        scores = scores.softmax(-1) if c.score is ScoreFunction.SOFTMAX else scores.sigmoid()
+        weights, experts = scores.topk(c.top_k, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return make_routing(weights, experts, c.num_experts)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        rows = -(-t // TOKEN_ALIGN) * TOKEN_ALIGN
+        xp = torch.nn.functional.pad(x, (0, 0, 0, rows - t))
+        return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision)[:t]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if x.shape[-1] != c.hidden:
+            raise ValueError(f"MoE: expected [..., {c.hidden}], got {tuple(x.shape)}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"MoE: expected a bfloat16 input, got {x.dtype}")
+        x2 = x.reshape(-1, c.hidden)
+        routing = self.route(x2)
+        y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
+                                        self.precision)
+        y = unpermute(y_perm, routing)
+        if self.shared_w13 is not None:
+            y = y + self._shared(x2)
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts}, top_k={c.top_k}, "
+                f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}")
