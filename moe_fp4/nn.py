@@ -86,11 +86,31 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     return Routing(weights, experts, dest, tuple(host[0]), tuple(host[1]))
 
 
+class _Permute(torch.autograd.Function):
+    """Scatter tokens to their (token, slot) rows. Autograd's index_copy would keep the [T*k, H] source
+    alive for backward; this keeps only the int64 row map."""
+
+    @staticmethod
+    def forward(ctx, x, dest, rows):
+        t, h = x.shape
+        dest_tk = dest.view(t, -1)
+        out = x.new_zeros(rows, h)
+        for j in range(dest_tk.shape[1]):
+            out.index_copy_(0, dest_tk[:, j], x)
+        ctx.save_for_backward(dest)
+        ctx.tokens = t
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (dest,) = ctx.saved_tensors
+        pairs = g.index_select(0, dest)
+        return pairs.view(ctx.tokens, -1, g.shape[1]).float().sum(1).to(g.dtype), None, None
+
+
 def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero."""
-    k = routing.experts.shape[1]
-    src = x.repeat_interleave(k, dim=0) if k > 1 else x
-    return x.new_zeros(routing.rows, x.shape[1]).index_copy(0, routing.dest, src)
+    return _Permute.apply(x, routing.dest, routing.rows)
 
 
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -144,7 +164,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] -> Routing (top-k of the scores; with norm_topk_prob the k weights sum to 1)."""
         c = self.config
-        scores = self.router(x).float()
+        scores = torch.nn.functional.linear(x, self.router.weight.to(x.dtype)).float()
         scores = scores.softmax(-1) if c.score is ScoreFunction.SOFTMAX else scores.sigmoid()
         weights, experts = scores.topk(c.top_k, dim=-1)
         if c.norm_topk_prob:

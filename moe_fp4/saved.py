@@ -77,8 +77,13 @@ class _Accounting:
             self.seen.add(key)
             label = self.labels.get(id(t), "autograd")
             self.records.append(SavedRecord(label, str(t.dtype).replace("torch.", ""), tuple(t.shape),
-                                            storage.nbytes(), isinstance(t, torch.nn.Parameter)))
+                                            storage.nbytes(), _is_parameter(t)))
         return t
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (``linear`` saves ``weight.t()``)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _active() -> _Accounting | None:
