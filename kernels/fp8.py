@@ -246,3 +246,59 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
             data, scale, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
             BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
     return out, oscale
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: 128x128 blocks (the FP8 GEMMs' B operand for fprop and dgrad).
+
+WEIGHT_BLOCK = 128
+
+
+@triton.jit
+def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
+                                WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per 128x128 block (bn, bk) of matrix e: W [N, K] -> codes [N, K] and/or W^T codes [K, N].
+    bn = tl.program_id(0)
+    bk = tl.program_id(1)
+    e = tl.program_id(2)
+    rows = bn * BLOCK + tl.arange(0, BLOCK)
+    cols = bk * BLOCK + tl.arange(0, BLOCK)
+    base = e.to(tl.int64) * N * K
+    v = tl.load(w_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    S = fp8_scale_exp(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0))
+    q = e4m3_rne(v * pow2_f32(-tl.minimum(S, 126))).to(tl.uint8)
+    if WRITE_Q:
+        tl.store(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :], q)
+    if WRITE_T:
+        tl.store(qt_ptr + base + cols[None, :].to(tl.int64) * N + rows[:, None], q)
+    tl.store(s_ptr + (e * NB + bn) * KB + bk, pow2_f32(S))
+
+
+def quantize_fp8_weight_128x128(w: torch.Tensor, write_q: bool = True, write_t: bool = False, num_warps: int = 8):
+    """w: bf16/fp16/fp32 [E, N, K] contiguous (N, K multiples of 128) -> (data float8_e4m3fn [E, N, K]
+    or None, data_t float8_e4m3fn [E, K, N] (the codes of W^T) or None, scale float32 [E, N/128, K/128]).
+    Bit-identical to quantize_fp8_weight_128x128_ref."""
+    e, n, k = w.shape
+    dev = w.device
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev) if write_q else None
+    qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=dev) if write_t else None
+    scale = torch.empty(e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, dtype=torch.float32, device=dev)
+    if w.numel():
+        dummy = scale.view(torch.uint8)
+        _quantize_fp8_weight_kernel[(n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, e)](
+            w, q.view(torch.uint8) if write_q else dummy, qt.view(torch.uint8) if write_t else dummy, scale,
+            n, k, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK,
+            WRITE_Q=write_q, WRITE_T=write_t, BLOCK=WEIGHT_BLOCK, num_warps=num_warps)
+    return q, qt, scale
+
+
+def quantize_fp8_weight_128x128_ref(w: torch.Tensor, write_q: bool = True, write_t: bool = False):
+    """Pure-torch twin of quantize_fp8_weight_128x128: per block S = clamp(ceil(log2(amax/448)),
+    -126, 127) over finite values, codes = E4M3 RNE of w / 2^S (NaN/Inf -> 0x7F)."""
+    e, n, k = w.shape
+    blocks = w.float().reshape(e, n // WEIGHT_BLOCK, WEIGHT_BLOCK, k // WEIGHT_BLOCK, WEIGHT_BLOCK)
+    amax = blocks.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=(2, 4))
+    scale = exp2_int(fp8_scale_exponent(amax))
+    codes = encode_e4m3(blocks / scale[:, :, None, :, None]).reshape(e, n, k)
+    return (codes if write_q else None), (codes.transpose(1, 2).contiguous() if write_t else None), scale

@@ -8,13 +8,14 @@ What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 
 | tensor          | bf16 | fp8 (DeepSeek-V3 baseline)      | fp4                                   |
 | --------------- | ---- | ------------------------------- | ------------------------------------- |
-| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or the received MXFP4Tensor itself) |
+| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast; or the received MXFP4Tensor) |
 | SwiGLU input h  | bf16 | bf16                            | MXFP4                                 |
 | FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast)       |
 
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4) per expert, and ``quantize_fp8_colwise`` for the output gradient.
-The FP8 weights (128x128 blocks) are quantized once per forward and kept for dgrad.
+The FP8 weights (128x128 blocks) are not kept: backward quantizes W^T for dgrad again from the
+master weights (one pass writing the transposed codes; bit-identical to transposing the forward's).
 
 Inside :func:`moe_fp4.compress_saved_activations` with ``compress_fp8=True``, the fp8 precision
 stores its FP8 activations as MXFP4 converted directly from the FP8 codes (no BF16 round trip); its
@@ -127,9 +128,6 @@ class _GroupedSwiGLU(torch.autograd.Function):
             return y
 
         w13q, w2q = quantize_fp8_weight(w13), quantize_fp8_weight(w2)
-        report_saved("w13_fp8", w13q)
-        report_saved("w2_fp8", w2q)
-        ctx.w13q, ctx.w2q = w13q, w2q
         if x_mx is not None:
             xq = mxfp4_to_fp8(x_mx)
             ctx.x_kept = x_mx
@@ -156,6 +154,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             ctx.a_kept = _keep_fp8("fc2_input", aq)
             label_saved(h, "swiglu_input")
             ctx.save_for_backward(w13, w2, h)
+        del w13q
         for e, s, t in groups:
             y[s:t] = fp8_mm_nt(aq.rows(s, t), w2q[e], y.dtype)
         return y
@@ -192,18 +191,20 @@ class _GroupedSwiGLU(torch.autograd.Function):
             return dx, dw13, dw2, None, None, None
 
         dyq = quantize_fp8(dy)
+        w2qt = quantize_fp8_weight(w2, transposed=True)
         for e, s, t in groups:
-            da[s:t] = fp8_mm_nt(dyq.rows(s, t), ctx.w2q[e].t(), da.dtype)
+            da[s:t] = fp8_mm_nt(dyq.rows(s, t), w2qt[e], da.dtype)
             if dw2 is not None:
                 dw2[e] = fp8_mm_nt(quantize_fp8_colwise(dy[s:t]), _colwise(ctx.a_kept, s, t), dw2.dtype)
-        del dyq
+        del dyq, w2qt
         dh = swiglu_backward(h, da)
         del h, da
         dx = torch.empty(dy.shape[0], w13.shape[-1], dtype=dy.dtype, device=dy.device) if need_dx else None
         dhq = quantize_fp8(dh) if need_dx else None
+        w13qt = quantize_fp8_weight(w13, transposed=True) if need_dx else None
         for e, s, t in groups:
             if dx is not None:
-                dx[s:t] = fp8_mm_nt(dhq.rows(s, t), ctx.w13q[e].t(), dx.dtype)
+                dx[s:t] = fp8_mm_nt(dhq.rows(s, t), w13qt[e], dx.dtype)
             if dw13 is not None:
                 dw13[e] = fp8_mm_nt(quantize_fp8_colwise(dh[s:t]), _colwise(ctx.x_kept, s, t), dw13.dtype)
         return dx, dw13, dw2, None, None, None

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, _fail
-from moe_fp4.kernels.numerics import FP8_TILE, encode_e4m3, exp2_int, finite_abs, fp8_scale_exponent
-
-WEIGHT_BLOCK = 128
+from moe_fp4.kernels import fp8 as fp8_kernels
+from moe_fp4.kernels.fp8 import WEIGHT_BLOCK
+from moe_fp4.kernels.numerics import FP8_TILE
 
 
 class GemmBackend(enum.Enum):
@@ -87,13 +87,17 @@ class FP8WeightTensor:
         return (self.data.float() * s).to(dtype)
 
 
-def quantize_fp8_weight(w: torch.Tensor) -> FP8WeightTensor:
-    """w: bf16/fp16/fp32 [N, K] or [E, N, K] (N, K multiples of 128) -> FP8WeightTensor in 128x128 blocks.
+def quantize_fp8_weight(w: torch.Tensor, transposed: bool = False) -> FP8WeightTensor:
+    """w: bf16/fp16/fp32 [N, K] or [E, N, K] (N, K multiples of 128) -> FP8WeightTensor in 128x128 blocks
+    of W, or with ``transposed=True`` of W^T ([K, N] / [E, K, N]: the dgrad operand, the same codes
+    and scales transposed, without quantizing W first).
 
-    Per block: S = clamp(ceil(log2(amax / 448)), -126, 127) (the same exact rule as the 1x128
-    activation tiles), codes = E4M3 RNE of w / 2^S. Pure torch: weights are quantized once per
-    forward and are small next to the activations of a large token batch.
+    Per block: S = clamp(ceil(log2(amax / 448)), -126, 127) over finite values (the rule of the 1x128
+    activation tiles), codes = E4M3 RNE of w / 2^S. One Triton pass on CUDA (or under
+    TRITON_INTERPRET=1), the pure-torch twin elsewhere; bit-identical.
     """
+    from moe_fp4.api import _use_triton
+
     if not isinstance(w, torch.Tensor) or w.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"quantize_fp8_weight: expected a bf16/fp16/fp32 tensor, got {getattr(w, 'dtype', type(w))}")
     if w.dim() not in (2, 3):
@@ -101,12 +105,14 @@ def quantize_fp8_weight(w: torch.Tensor) -> FP8WeightTensor:
     n, k = w.shape[-2:]
     if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK:
         raise ValueError(f"quantize_fp8_weight: N = {n} and K = {k} must be multiples of {WEIGHT_BLOCK}")
-    lead = w.shape[:-2]
-    blocks = w.float().reshape(*lead, n // WEIGHT_BLOCK, WEIGHT_BLOCK, k // WEIGHT_BLOCK, WEIGHT_BLOCK)
-    amax = finite_abs(blocks).amax(dim=(-3, -1))
-    scale = exp2_int(fp8_scale_exponent(amax))
-    codes = encode_e4m3(blocks / scale[..., :, None, :, None])
-    return FP8WeightTensor(codes.reshape(w.shape).contiguous(), scale.contiguous())
+    w3 = w.detach().reshape(-1, n, k).contiguous()
+    fn = fp8_kernels.quantize_fp8_weight_128x128 if _use_triton(w3) else fp8_kernels.quantize_fp8_weight_128x128_ref
+    q, qt, scale = fn(w3, write_q=not transposed, write_t=transposed)
+    if transposed:
+        data, scale = qt, scale.transpose(1, 2).contiguous()
+    else:
+        data = q
+    return FP8WeightTensor(data.reshape(*w.shape[:-2], *data.shape[1:]), scale.reshape(*w.shape[:-2], *scale.shape[1:]))
 
 
 def quantize_fp8_colwise(x: torch.Tensor) -> FP8BlockTensor:
@@ -123,16 +129,45 @@ def quantize_fp8_colwise(x: torch.Tensor) -> FP8BlockTensor:
     return quantize_fp8(x.t().contiguous())
 
 
+def _padded_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    """scale: float32 [N/128, K/128] -> the same values as [round_up(K/128, 4), N/128] with strides
+    (1, round_up(K/128, 4)): cuBLAS wants 16-byte-aligned strides for 128x128 block scales."""
+    nb, kb = scale.shape
+    kb4 = -(-kb // 4) * 4
+    if kb4 == kb:
+        return scale.t()
+    buf = torch.ones(nb, kb4, dtype=scale.dtype, device=scale.device)
+    buf[:, :kb] = scale
+    return buf.t()
+
+
+# torch releases disagree on how a 1x128 scale for mat_b is passed: torch 2.11's _scaled_mm_v2 takes
+# b.scale itself ([N, K/128], strides (1, N)); others check its transpose. The first call tries both
+# and remembers the one torch accepts (the GPU tests compare every layout with the emulation).
+_B_1X128_LAYOUTS = (lambda s: s, lambda s: s.t())
+_b_1x128_layout: list[int] = []
+
+
 def _scaled_mm(a: FP8BlockTensor, b, out_dtype: torch.dtype) -> torch.Tensor:
     F = torch.nn.functional
+    # scaled_mm wants mat_b column-major [K, N]: b.data.t() is exactly that.
+    call = lambda scale_b, recipe_b: F.scaled_mm(  # noqa: E731
+        a.data, b.data.t(), a.scale, F.ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype)
     if isinstance(b, FP8WeightTensor):
-        recipe_b = F.ScalingType.BlockWise128x128
-    else:
-        recipe_b = F.ScalingType.BlockWise1x128
-    # scaled_mm wants mat_b column-major [K, N]: b.data.t() is exactly that, and the scale checks are
-    # made on (mat_b.t(), scale_b.t()) = (b.data, b.scale), the layouts our containers hold.
-    return F.scaled_mm(a.data, b.data.t(), a.scale, F.ScalingType.BlockWise1x128, b.scale.t(), recipe_b,
-                       output_dtype=out_dtype)
+        return call(_padded_block_scale(b.scale), F.ScalingType.BlockWise128x128)
+    if _b_1x128_layout:
+        return call(_B_1X128_LAYOUTS[_b_1x128_layout[0]](b.scale), F.ScalingType.BlockWise1x128)
+    errors = []
+    for i, layout in enumerate(_B_1X128_LAYOUTS):
+        try:
+            out = call(layout(b.scale), F.ScalingType.BlockWise1x128)
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e).splitlines()[0])
+            continue
+        _b_1x128_layout.append(i)
+        return out
+    raise RuntimeError(f"fp8_mm_nt: torch.nn.functional.scaled_mm rejected both 1x128 scale layouts for mat_b: "
+                       f"{errors}")
 
 
 def fp8_mm_nt(a: FP8BlockTensor, b: FP8BlockTensor | FP8WeightTensor,

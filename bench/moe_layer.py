@@ -1,0 +1,413 @@
+"""MoE layer forward+backward, bf16 vs fp8 vs fp4: step time, memory, largest batch in a memory budget.
+
+One ``moe_fp4.nn.MoE`` per config; its precision is switched between bf16, fp8 (FP8 GEMMs,
+DeepSeek-V3 storage: the baseline) and fp4 (FP8 GEMMs, MXFP4 saved activations), so every precision
+runs the same weights on the same input. Routing: random router weights, tokens N(0,1) bf16, so
+tokens per expert are roughly balanced; each step routes its own input.
+
+    python bench/moe_layer.py                                 # GPU: dsv3 and small; CPU: a tiny smoke run
+    python bench/moe_layer.py --config dsv3 --json bench/results/moe_layer_h200.json
+    python bench/moe_layer.py --config small --tokens 16384 --precisions fp8 fp4 --no-budget
+
+Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.metrics.sqnr_db) of the output y and
+the input gradient dx vs bf16; fp8 and fp4 outputs must be equal (same FP8 operands). step: y =
+m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each step; CUDA events
+around each step; median and min of --iters after --warmup. Memory: after a step that allocates the
+grads (kept, so weights, weight grads, x, x.grad and g are the baseline), one more step under
+``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output y, [T, H] bf16, included) -
+baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
+--tokens, fit peak+(T) = a + b*T, T_max = (budget - a)/b rounded down to a multiple of 128, then one
+step at T_max checks peak+ <= budget. On CPU the Triton kernels run in the interpreter and the FP8
+GEMMs are emulated in float32: a smoke run of the code paths (tiny shape, wall clock, no memory
+numbers, no budget search), not a measurement.
+
+Columns: step_ms / min_ms = median / fastest fwd+bwd step; tok/s = tokens / median step; act_MiB =
+memory held after forward; peak+_MiB = peak over the step above the baseline; peak_MiB = absolute
+max_memory_allocated; saved_MiB = everything saved for backward (saved_bytes total: expert
+activations, FP8 weight copies, router/permutation tensors; parameters excluded); expert_MiB = the
+expert activations (fc1_input + swiglu_input + fc2_input); T_max = tokens predicted to fit the
+budget; fits = whether the step at T_max stayed within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")       # before moe_fp4 imports triton
+
+import moe_fp4  # noqa: E402
+from moe_fp4.metrics import sqnr_db  # noqa: E402
+from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
+from moe_fp4.saved import saved_bytes  # noqa: E402
+
+CONFIGS = {  # name: (MoEConfig without shared_ffn, default tokens)
+    "dsv3": (dict(hidden=7168, ffn=2048, num_experts=32, top_k=8), 4096),
+    "small": (dict(hidden=2048, ffn=1408, num_experts=64, top_k=6), 8192),
+    "smoke": (dict(hidden=256, ffn=128, num_experts=2, top_k=2), 64),   # E 2: the Triton interpreter is slow
+}
+PRECISIONS = ["bf16", "fp8", "fp4"]
+EXPERT_ACTS = ("fc1_input", "swiglu_input", "fc2_input")
+ALIGN = 128
+MIB, GIB = 2 ** 20, 2 ** 30
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - a header field, not worth failing for
+        return "unknown"
+
+
+def header(device: torch.device) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "device_type": device.type, "torch": torch.__version__, "triton": triton_version,
+            "moe_fp4": moe_fp4.__version__, "commit": commit(), "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ------------------------------------------------------------------------------ measurements
+
+def make_inputs(tokens: int, hidden: int, device: torch.device, seed: int):
+    """x bf16 [T, H] N(0,1) (a leaf that wants its gradient) and a fixed output gradient g."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_(True)
+    g = torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    return x, g
+
+
+def zero(m: MoE, x: torch.Tensor) -> None:
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def step(m: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
+    m(x).backward(g)
+
+
+def check(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """fp8 and fp4 output and input gradient vs bf16 (SQNR dB); whether fp4's output equals fp8's."""
+    out = {}
+    for p in PRECISIONS:
+        m.precision = p
+        zero(m, x)
+        y = m(x)
+        y.backward(g)
+        out[p] = (y.detach(), x.grad)
+    zero(m, x)
+    res = {"fp4_y_equals_fp8_y": torch.equal(out["fp8"][0], out["fp4"][0]),
+           "fp4_vs_fp8_dx_sqnr_db": sqnr_db(out["fp8"][1], out["fp4"][1])}
+    for p in ("fp8", "fp4"):
+        res[f"{p}_y_sqnr_db"] = sqnr_db(out["bf16"][0], out[p][0])
+        res[f"{p}_dx_sqnr_db"] = sqnr_db(out["bf16"][1], out[p][1])
+    return res
+
+
+def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int, device: torch.device):
+    """-> (median s, min s) of fwd+bwd steps, grads set to None before each."""
+    for _ in range(warmup):
+        zero(m, x)
+        step(m, x, g)
+    sync(device)
+    times = []
+    for _ in range(iters):
+        zero(m, x)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(m, x, g)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            step(m, x, g)
+            times.append(time.perf_counter() - t0)
+    zero(m, x)
+    return statistics.median(times), min(times)
+
+
+def memory(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> dict:
+    """One step to allocate grads (kept; CUDA only), then one measured step under saved_bytes."""
+    cuda = device.type == "cuda"
+    zero(m, x)
+    if cuda:
+        step(m, x, g)
+        sync(device)
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    y, rep = saved_bytes(m, x)
+    sync(device)
+    after_fwd = torch.cuda.memory_allocated(device) if cuda else None
+    y.backward(g)
+    del y
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    zero(m, x)
+    return {"baseline_bytes": base, "act_bytes": after_fwd - base if cuda else None,
+            "peak_inc_bytes": peak - base if cuda else None, "peak_bytes": peak,
+            "saved_total_bytes": rep.total, "saved_expert_act_bytes": rep.labelled(*EXPERT_ACTS),
+            "saved_by_label": rep.bytes_by("label")}
+
+
+def budget_search(m: MoE, first: tuple[int, int], budget: int, device: torch.device, seed: int) -> dict:
+    """Fit peak+(T) = a + b*T from (tokens, peak+) and a step at 2x tokens; verify one step at T_max."""
+    t1, p1 = first
+    t2 = 2 * t1
+    x, g = make_inputs(t2, m.config.hidden, device, seed)
+    p2 = memory(m, x, g, device)["peak_inc_bytes"]
+    del x, g
+    free(device)
+    b = (p2 - p1) / (t2 - t1)
+    a = p1 - b * t1
+    res = {"points": [[t1, p1], [t2, p2]], "a_bytes": a, "b_bytes_per_token": b, "budget_bytes": budget}
+    t_max = res["t_max"] = max(0, int((budget - a) / b) // ALIGN * ALIGN) if b > 0 else 0
+    if t_max <= 0:
+        res.update(fits=False, error="budget below the fitted intercept")
+        return res
+    log(f"    budget {budget / GIB:.1f} GiB: peak+ = {a / MIB:.0f} MiB + {b / 1024:.1f} KiB/token -> "
+        f"T_max {t_max}; verifying")
+    x = g = None
+    try:
+        x, g = make_inputs(t_max, m.config.hidden, device, seed)
+        peak_inc = memory(m, x, g, device)["peak_inc_bytes"]
+        res.update(verified_peak_inc_bytes=peak_inc, fits=peak_inc <= budget)
+    except torch.cuda.OutOfMemoryError:
+        res.update(fits=False, error="OOM")
+    log(f"    T_max {t_max}: " + (f"peak+ {res['verified_peak_inc_bytes'] / GIB:.2f} GiB, fits: {res['fits']}"
+                                 if "error" not in res else res["error"]))
+    del x, g
+    m.zero_grad(set_to_none=True)
+    free(device)
+    return res
+
+
+def bench_precision(m: MoE, p: str, x, g, a: argparse.Namespace, device: torch.device) -> dict:
+    m.precision = p
+    row: dict = {"precision": p, "tokens": x.shape[0]}
+    row.update(memory(m, x, g, device))
+    row["step_s_median"], row["step_s_min"] = time_steps(m, x, g, a.warmup, a.iters, device)
+    row["tokens_per_s"] = x.shape[0] / row["step_s_median"]
+    if not a.no_budget and device.type == "cuda":
+        free(device)
+        row["budget"] = budget_search(m, (x.shape[0], row["peak_inc_bytes"]), int(a.budget_gib * GIB),
+                                      device, a.seed)
+    return row
+
+
+# ------------------------------------------------------------------------------------ output
+
+COLUMNS = [("config", 6), ("prec", 4), ("tokens", 6), ("step_ms", 9), ("min_ms", 9), ("tok/s", 10),
+           ("act_MiB", 8), ("peak+_MiB", 9), ("peak_MiB", 9), ("saved_MiB", 9), ("expert_MiB", 10),
+           ("T_max", 7), ("fits", 5)]
+
+
+def _cells(cells) -> str:
+    """The config and precision columns left-aligned, the rest right-aligned."""
+    return " ".join(f"{str(c):<{w}}" if i < 2 else f"{str(c):>{w}}"
+                    for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+
+
+def _mib(v) -> str:
+    return "n/a" if v is None else f"{v / MIB:.1f}"
+
+
+def table_line(config: str, r: dict) -> str:
+    if "error" in r:
+        return _cells([config, r["precision"], r.get("tokens", "-")] + ["-"] * 9 + [r["error"][:40]])
+    bud = r.get("budget") or {}
+    fits = {True: "yes", False: bud.get("error", "no")}.get(bud.get("fits"), "-")
+    return _cells([config, r["precision"], r["tokens"], f"{r['step_s_median'] * 1e3:.3f}",
+                   f"{r['step_s_min'] * 1e3:.3f}", f"{r['tokens_per_s']:.0f}", _mib(r["act_bytes"]),
+                   _mib(r["peak_inc_bytes"]), _mib(r["peak_bytes"]), _mib(r["saved_total_bytes"]),
+                   _mib(r["saved_expert_act_bytes"]), bud.get("t_max", "-"), fits])
+
+
+def _target(name: str, value, op: str | None = None, threshold: float = 0.0) -> dict:
+    met = None if value is None or op is None else value <= threshold if op == "<=" else value >= threshold
+    return {"name": name, "value": value, "target": f"{op} {threshold:g}" if op else None, "met": met}
+
+
+def ratios(rows: dict, judge: bool = True) -> list[dict]:
+    """fp4 vs fp8 against the targets, and bf16 vs fp8 for reference (no target); judge=False (CPU
+    smoke): no met/missed verdicts."""
+    def get(p, key):
+        v = rows.get(p, {})
+        for k in key.split("."):
+            v = v.get(k) if isinstance(v, dict) else None
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def ratio(p, key, saving=False):
+        num, den = get(p, key), get("fp8", key)
+        return None if num is None or not den else 1 - num / den if saving else num / den
+
+    out = []
+    for p in ("fp4", "bf16"):
+        le, ge = ("<=", ">=") if p == "fp4" else (None, None)
+        t_max = ratio(p, "budget.t_max")
+        verified = t_max is None or all((rows.get(q, {}).get("budget") or {}).get("fits") for q in (p, "fp8"))
+        out += [_target(f"step time {p}/fp8", ratio(p, "step_s_median"), le, 1.05),
+                _target(f"activation memory 1 - {p}/fp8", ratio(p, "act_bytes", True), ge, 0.35),
+                _target(f"saved_bytes total 1 - {p}/fp8", ratio(p, "saved_total_bytes", True)),
+                _target(f"saved expert activations 1 - {p}/fp8", ratio(p, "saved_expert_act_bytes", True)),
+                _target(f"T_max {p}/fp8" + ("" if verified else " (not both fit)"), t_max, ge, 1.4)]
+    return out if judge else [{**r, "met": None} for r in out]
+
+
+def ratio_line(r: dict) -> str:
+    v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+    verdict = "" if r["target"] is None else ("n/a" if r["met"] is None else "met" if r["met"] else "missed")
+    target = f"target {r['target']}" if r["target"] else "(reference)"
+    return f"  {r['name']:<44} {v:>8}  {target:<16} {verdict}".rstrip()
+
+
+# -------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", nargs="+", choices=list(CONFIGS), default=None,
+                   help="shapes (default: dsv3 small on GPU, smoke on CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the config's)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 20; CPU 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; CPU 0)")
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
+    p.add_argument("--budget-gib", type=float, default=40.0, help="memory budget for T_max (default 40)")
+    p.add_argument("--no-budget", action="store_true", help="skip the T_max search (always skipped on CPU)")
+    p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (default 0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten as it goes)")
+    a = p.parse_args(argv)
+    cpu = not torch.cuda.is_available()
+    a.config = a.config or (["smoke"] if cpu else ["dsv3", "small"])
+    a.iters = a.iters or (1 if cpu else 20)
+    a.warmup = a.warmup if a.warmup is not None else 0 if cpu else 3
+    return a
+
+
+def run_config(name: str, a: argparse.Namespace, device: torch.device, result: dict, save) -> None:
+    shape, default_tokens = CONFIGS[name]
+    cfg = MoEConfig(**shape, shared_ffn=a.shared_ffn)
+    tokens = a.tokens or default_tokens
+    entry = {"config": name, **shape, "shared_ffn": a.shared_ffn, "tokens": tokens, "rows": [], "ratios": []}
+    result["configs"].append(entry)
+    log(f"\n--- {name}: H {cfg.hidden}, F {cfg.ffn}, E {cfg.num_experts}, top-{cfg.top_k}, shared_ffn "
+        f"{cfg.shared_ffn}, {tokens} tokens ---")
+    torch.manual_seed(a.seed)
+    try:
+        m = MoE(cfg, precision="fp8", dtype=torch.bfloat16, device=device)
+        x, g = make_inputs(tokens, cfg.hidden, device, a.seed)
+    except torch.cuda.OutOfMemoryError:
+        entry["error"] = "OOM building the layer or its input"
+        log(f"  ERROR {name}: {entry['error']}")
+        free(device)
+        return
+    try:
+        c = entry["check"] = check(m, x, g)
+        log(f"  check vs bf16: fp8 y {c['fp8_y_sqnr_db']:.2f} dB, dx {c['fp8_dx_sqnr_db']:.2f} dB | fp4 y "
+            f"{c['fp4_y_sqnr_db']:.2f} dB, dx {c['fp4_dx_sqnr_db']:.2f} dB | fp4 dx vs fp8 "
+            f"{c['fp4_vs_fp8_dx_sqnr_db']:.2f} dB | fp4 y == fp8 y: {'yes' if c['fp4_y_equals_fp8_y'] else 'NO'}")
+    except Exception as e:  # noqa: BLE001 - report and go on to the measurements
+        entry["check"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"  check FAILED: {entry['check']['error'][:300]}")
+        zero(m, x)
+    free(device)
+    log(_cells([n for n, _ in COLUMNS]))
+    for p in a.precisions:
+        log(f"  {name} {p}: memory, {a.warmup} warmup + {a.iters} timed steps"
+            + ("" if a.no_budget or device.type != "cuda" else f", T_max in {a.budget_gib:g} GiB"))
+        try:
+            row = bench_precision(m, p, x, g, a, device)
+            labels = ", ".join(f"{k} {v / MIB:.2f}" for k, v in row["saved_by_label"].items())
+            log(f"    saved_bytes by label (MiB): {labels}")
+        except torch.cuda.OutOfMemoryError:
+            row = {"precision": p, "tokens": tokens, "error": "OOM"}
+        except Exception as e:  # noqa: BLE001 - one failing precision must not end the run
+            row = {"precision": p, "tokens": tokens, "error": f"{type(e).__name__}: {e}"}
+        if "error" in row:
+            log(f"    ERROR {name} {p}: {row['error'][:300]}")
+        zero(m, x)
+        free(device)
+        entry["rows"].append(row)
+        log(table_line(name, row))
+        save()
+    entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda")
+    del m, x, g
+    free(device)
+    save()
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "budget_gib": a.budget_gib,
+              "seed": a.seed, "configs": []}
+    log(f"moe_fp4 {result['moe_fp4']} MoE layer fwd+bwd | device: {result['device']} | torch {result['torch']} "
+        f"| triton {result['triton']} | commit {result['commit']} | {result['date']}")
+    log(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    if device.type == "cpu":
+        log("CPU SMOKE RUN: Triton kernels in the interpreter, FP8 GEMMs emulated in float32, wall-clock "
+            "timing, no memory numbers. Exercises the code paths; it is not a measurement.")
+
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    t0 = time.perf_counter()
+    for name in a.config:
+        run_config(name, a, device, result, save)
+    log(f"\n=== MoE layer fwd+bwd on {result['device']} | torch {result['torch']} | triton {result['triton']} "
+        f"| commit {result['commit']} ===")
+    log(_cells([n for n, _ in COLUMNS]))
+    for entry in result["configs"]:
+        for row in entry["rows"]:
+            log(table_line(entry["config"], row))
+    for entry in result["configs"]:
+        log(f"\n{entry['config']} ratios:")
+        for r in entry["ratios"]:
+            log(ratio_line(r))
+    log(f"\ndone in {time.perf_counter() - t0:.1f} s" + (f"; results in {a.json}" if a.json else "")
+        + ("  [CPU smoke run: not a measurement]" if device.type == "cpu" else ""))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""FP8 GEMM operands and fp8_mm_nt: 128x128 weight quantization against its definition, transposes,
+colwise operands against the MXFP4 column kernel, and (GPU) cuBLAS blockwise against the emulation."""
+
+import math
+
+import pytest
+import torch
+
+import moe_fp4
+from moe_fp4.gemm import FP8WeightTensor, GemmBackend, fp8_mm_nt, gemm_backend, quantize_fp8_colwise, \
+    quantize_fp8_weight
+
+# cuBLAS accumulates in float32 in another order and rounds the output to bf16 once: the relative
+# error against the float32 emulation is about 2^-9 (measured on H200: see the GPU test's message).
+SCALED_MM_VS_EMULATION_MAX_REL = 1e-2
+
+
+def _weight_oracle(w: torch.Tensor):
+    """Per 128x128 block, in float64: S = ceil(log2(amax / 448)) clamped, codes = RNE(w / 2^S)."""
+    n, k = w.shape
+    data = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(n // 128, k // 128)
+    for i in range(n // 128):
+        for j in range(k // 128):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].double()
+            amax = blk.abs().max().item()
+            s = min(max(math.ceil(math.log2(amax / 448)) if amax > 0 else -126, -126), 127)
+            scale[i, j] = 2.0 ** s
+            data[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / 2.0 ** s).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_quantization_matches_definition(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(256, 384, dtype=torch.float32) * torch.logspace(-3, 3, 384)
+    w[:128, :128] = 0  # an all-zero block
+    w[130, 200] = 448.0 * 2 ** 5  # amax exactly 448 * 2^5: S = 5, no rounding up
+    w = w.to(dtype)
+    q = quantize_fp8_weight(w)
+    data, scale = _weight_oracle(w)
+    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q.scale, scale.float())
+    assert q.scale[1, 1] == 2.0 ** 5
+
+
+def test_weight_stack_and_transpose():
+    torch.manual_seed(1)
+    w = torch.randn(3, 256, 128, dtype=torch.bfloat16)
+    q = quantize_fp8_weight(w)
+    assert q.data.shape == (3, 256, 128) and q.scale.shape == (3, 2, 1)
+    for e in range(3):
+        single = quantize_fp8_weight(w[e])
+        assert torch.equal(q[e].data.view(torch.uint8), single.data.view(torch.uint8))
+        assert torch.equal(q[e].scale, single.scale)
+        t = q[e].t()
+        assert t.data.shape == (128, 256) and torch.equal(t.dequantize(), q[e].dequantize().t())
+    assert q.nbytes == 3 * 256 * 128 + 4 * 3 * 2
+
+
+def test_weight_kernel_matches_reference_with_non_finite_values():
+    from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128, quantize_fp8_weight_128x128_ref
+
+    torch.manual_seed(6)
+    w = torch.randn(2, 256, 384) * torch.logspace(-30, 30, 384)
+    w[0, 3, 5], w[1, 200, 300], w[1, 0, 0] = float("nan"), float("inf"), -float("inf")
+    w[0, 128:, :128] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        got = quantize_fp8_weight_128x128(w.to(dtype), write_q=True, write_t=True)
+        ref = quantize_fp8_weight_128x128_ref(w.to(dtype), write_q=True, write_t=True)
+        for g, r in zip(got, ref):
+            assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32 \
+                else torch.equal(g, r)
+        assert got[0].view(torch.uint8)[0, 3, 5] == 0x7F and got[1].view(torch.uint8)[1, 300, 200] == 0x7F
+
+
+def test_weight_transposed_equals_transpose_of_weight():
+    torch.manual_seed(7)
+    w = torch.randn(2, 256, 384, dtype=torch.bfloat16)
+    q, qt = quantize_fp8_weight(w), quantize_fp8_weight(w, transposed=True)
+    assert qt.data.shape == (2, 384, 256) and qt.scale.shape == (2, 3, 2)
+    ref = q.t()
+    assert torch.equal(qt.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(qt.scale, ref.scale)
+
+
+def test_weight_validation():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_fp8_weight(torch.randn(100, 128))
+    with pytest.raises(TypeError):
+        quantize_fp8_weight(torch.randn(128, 128).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="scale shape"):
+        FP8WeightTensor(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
+    with pytest.raises(TypeError, match="stack"):
+        quantize_fp8_weight(torch.randn(128, 128))[0]
+
+
+def test_colwise_from_high_precision_matches_mxfp4_column_kernel():
+    """On MXFP4-representable values, quantizing the BF16 tensor column-wise and converting the MXFP4
+    tensor column-wise are the same definition: the bits must agree."""
+    torch.manual_seed(2)
+    q = moe_fp4.quantize_mxfp4(torch.randn(256, 128) * torch.logspace(-2, 2, 128))
+    a = quantize_fp8_colwise(q.dequantize(torch.float32))
+    b = moe_fp4.mxfp4_to_fp8_colwise(q)
+    assert a.data.shape == (128, 256)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+
+
+def test_fp8_mm_nt_emulation_and_validation():
+    torch.manual_seed(3)
+    a = moe_fp4.quantize_fp8(torch.randn(64, 256, dtype=torch.bfloat16))
+    w = quantize_fp8_weight(torch.randn(128, 256, dtype=torch.bfloat16))
+    b = moe_fp4.quantize_fp8(torch.randn(32, 256, dtype=torch.bfloat16))
+    assert gemm_backend(torch.device("cpu")) is GemmBackend.EMULATED
+    ref = a.dequantize(torch.float32) @ w.dequantize().t()
+    assert torch.equal(fp8_mm_nt(a, w, torch.float32), ref)
+    assert fp8_mm_nt(a, b).shape == (64, 32)
+    assert fp8_mm_nt(a.rows(0, 0), w).shape == (0, 128)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        fp8_mm_nt(a, quantize_fp8_weight(torch.randn(128, 128)))
+    with pytest.raises(TypeError):
+        fp8_mm_nt(a, torch.zeros(4, 256))
+
+
+def test_container_rows():
+    torch.manual_seed(4)
+    x = torch.randn(300, 256)
+    f, q = moe_fp4.quantize_fp8(x), moe_fp4.quantize_mxfp4(x)
+    fr, qr = f.rows(128, 256), q.rows(128, 256)
+    assert torch.equal(fr.dequantize(torch.float32), f.dequantize(torch.float32)[128:256])
+    assert torch.equal(qr.dequantize(torch.float32), q.dequantize(torch.float32)[128:256])
+    assert fr.scale.stride() == (1, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_kind", ["weight_128x128", "tokens_1x128"])
+@pytest.mark.parametrize("m,n,k", [(256, 4096, 7168), (1024, 7168, 2048), (384, 2048, 1024)])
+def test_scaled_mm_matches_emulation(b_kind, m, n, k):
+    torch.manual_seed(5)
+    dev = "cuda"
+    assert gemm_backend(torch.device(dev)) is GemmBackend.SCALED_MM
+    a = moe_fp4.quantize_fp8(torch.randn(m, k, dtype=torch.bfloat16, device=dev))
+    if b_kind == "weight_128x128":
+        b = quantize_fp8_weight(torch.randn(n, k, dtype=torch.bfloat16, device=dev))
+        b_f32 = b.dequantize()
+    else:
+        b = moe_fp4.quantize_fp8(torch.randn(n, k, dtype=torch.bfloat16, device=dev))
+        b_f32 = b.dequantize(torch.float32)
+    got = fp8_mm_nt(a, b).float()
+    ref = a.dequantize(torch.float32) @ b_f32.t()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < SCALED_MM_VS_EMULATION_MAX_REL, f"relative error {rel:.2e}"
