@@ -11,12 +11,25 @@ from moe_fp4.api import (
     quantize_mxfp4,
 )
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.hook import (
+    CompressionConfig,
+    CompressionHandle,
+    CompressionStats,
+    compress_saved_activations,
+    current_compression,
+    register_activation_compression,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressionConfig",
+    "CompressionHandle",
+    "CompressionStats",
     "FP8BlockTensor",
     "MXFP4Tensor",
+    "compress_saved_activations",
+    "current_compression",
     "dequantize_fp8",
     "dequantize_mxfp4",
     "fp8_to_fp8_colwise",
@@ -25,4 +38,5 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_and_mxfp4",
     "quantize_mxfp4",
+    "register_activation_compression",
 ]

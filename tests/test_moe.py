@@ -323,3 +323,38 @@ def test_config_and_input_validation():
     with pytest.raises(ValueError, match="sum\\(counts\\)"):
         grouped_swiglu_experts(x, w13, w2, (TOKEN_ALIGN, TOKEN_ALIGN), "fp8")
     assert Precision("fp4") is Precision.FP4
+
+
+# ---------------------------------------------------------------------------------------------
+# With the saved-tensor hook (issue 5): fp8 stores its FP8 activations as MXFP4 straight from the codes,
+# fp4 is not compressed twice.
+
+def test_hook_handshake_fp8_direct_and_fp4_not_twice():
+    torch.manual_seed(8)
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1)
+    m = MoE(cfg, "fp8")
+    x = torch.randn(100, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+    results = {}
+    for precision in ("fp8", "fp4"):
+        m.precision = precision
+        scope = moe_fp4.compress_saved_activations(moe_fp4.CompressionConfig(min_numel=1024))
+
+        def forward():
+            with scope:  # innermost: the hook sees every save; saved_bytes keeps the Function's own reports
+                return m(x)
+
+        y, report = saved_bytes(forward)
+        y.float().square().sum().backward()
+        results[precision] = (scope.stats, report, y.detach())
+    fp8_stats, fp8_report, _ = results["fp8"]
+    # Two FP8 activations (FC1 and FC2 inputs) per grouped call, converted by moe_fp4 itself.
+    assert fp8_stats.internal == 2
+    # saved_bytes sees the containers the Function keeps itself: now MXFP4 in fp8 precision too.
+    assert {r.format for r in fp8_report.records if r.label in ("fc1_input", "fc2_input")} == {"mxfp4"}
+    fp4_stats = results["fp4"][0]
+    assert fp4_stats.internal == 0
+    # The fp4 Function hands autograd only its weights (skipped as parameters); fp8 also hands it the bf16
+    # SwiGLU input, which the hook compresses. Router and combine saves are the same in both.
+    assert fp4_stats.skipped.get("float8", 0) == 0 and fp8_stats.skipped.get("float8", 0) == 0
+    assert fp8_stats.compressed == fp4_stats.compressed + 1
+    assert fp4_stats.skipped["parameter"] == fp8_stats.skipped["parameter"] >= 2
