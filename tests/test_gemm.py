@@ -149,3 +149,17 @@ def test_scaled_mm_matches_emulation(b_kind, m, n, k):
     ref = a.dequantize(torch.float32) @ b_f32.t()
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < SCALED_MM_VS_EMULATION_MAX_REL, f"relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_weight_kernel_on_gpu_matches_reference():
+    from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128, quantize_fp8_weight_128x128_ref
+
+    torch.manual_seed(8)
+    w = (torch.randn(4, 512, 768) * torch.logspace(-20, 20, 768)).to(torch.bfloat16)
+    w[1, 3, 5], w[2, 200, 300] = float("nan"), float("inf")
+    got = quantize_fp8_weight_128x128(w.cuda(), write_q=True, write_t=True)
+    ref = quantize_fp8_weight_128x128_ref(w, write_q=True, write_t=True)
+    for g, r in zip(got, ref):
+        g = g.cpu()
+        assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32 else torch.equal(g, r)
