@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -151,6 +152,11 @@ def main() -> None:
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M", flush=True)
 
     base, base_loss, base_grads = measure("baseline", model, ids, device, a.iters, a.warmup)
+    # One more baseline step: GPU kernels with atomics (scatter-add in routing) make gradients differ run to
+    # run, and then "bit-identical after remove()" cannot be asked of the hook either.
+    one_step(model, ids, device)
+    base_again = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    deterministic = all(torch.equal(base_again[n], base_grads[n]) for n in base_grads)
     handle = moe_fp4.register_activation_compression(model, moe_fp4.CompressionConfig(min_numel=a.min_numel))
     print(f"hook on {len(handle.modules)} modules: {handle.modules[0]} ...", flush=True)
     hooked, hook_loss, hook_grads = measure("hook", model, ids, device, a.iters, a.warmup)
@@ -164,6 +170,8 @@ def main() -> None:
     grad_db = sqnr_db(flat(base_grads), flat(hook_grads))
     worst_db, worst = min((sqnr_db(base_grads[n].float(), hook_grads[n].float()), n) for n in names)
     restored = torch.equal(rm_loss, base_loss) and all(torch.equal(rm_grads[n], base_grads[n]) for n in names)
+    noise_db = math.inf if deterministic else sqnr_db(flat(base_grads), flat(base_again))
+    removed_db = sqnr_db(flat(base_grads), flat(rm_grads))
 
     per_step = lambda v: v / steps / MiB  # noqa: E731
     expert = {
@@ -192,18 +200,25 @@ def main() -> None:
           f"(stats predict {expert['bf16_mib_per_step'] - expert['mxfp4_mib_per_step']:.1f} MiB)")
     print(f"gradients with hook vs baseline: {grad_db:.1f} dB all, worst {worst_db:.1f} dB ({worst}); "
           f"loss {'identical' if torch.equal(hook_loss, base_loss) else 'differs'}")
-    print(f"after handle.remove(): {'bit-identical to baseline' if restored else 'DIFFERS from baseline'}")
+    if deterministic:
+        print(f"after handle.remove(): {'bit-identical to baseline' if restored else 'DIFFERS from baseline'}")
+    else:
+        print(f"after handle.remove(): gradients {removed_db:.1f} dB vs baseline; the baseline itself differs run to "
+              f"run ({noise_db:.1f} dB, nondeterministic GPU kernels), so bit-identity is not checkable here; "
+              f"loss {'identical' if torch.equal(rm_loss, base_loss) else 'differs'}")
 
     if a.json:
         out = {"device": device, "device_name": dev_name, "torch": torch.__version__,
                "transformers": __import__("transformers").__version__, "cpu_smoke_run": not gpu,
                "args": vars(a), "baseline": base, "hook": hooked, "removed": removed, "ratios": ratios,
                "expert_activations": expert, "grad_sqnr_db": grad_db, "worst_param_grad_sqnr_db": worst_db,
-               "worst_param": worst, "restored_exactly": restored}
+               "worst_param": worst, "restored_exactly": restored,
+               "baseline_deterministic": deterministic, "baseline_rerun_grad_sqnr_db": noise_db,
+               "removed_grad_sqnr_db": removed_db}
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2, default=str)
         print(f"wrote {a.json}")
-    if not restored:
+    if deterministic and not restored:
         raise SystemExit("handle.remove() did not restore the baseline exactly")
 
 

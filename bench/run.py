@@ -1,10 +1,11 @@
 """The main job: moe_fp4 against the FP8 baseline.
 
-Today it compares the formats themselves on one MoE-sized token batch: bytes per token on the wire
-and in storage, and round-trip error, for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4; on
-a GPU it then times every conversion kernel against a device copy of the same bytes (one shape).
-The MoE-layer and end-to-end throughput comparisons land with their issues; the script says
-"not yet" for them instead of failing.
+It compares the formats on one MoE-sized token batch (bytes per token on the wire and in storage,
+round-trip error) for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4; on a GPU it times every
+conversion kernel against a device copy of the same bytes (one shape). Then it runs the MoE layer
+in bf16, fp8 (the baseline) and fp4 side by side (bench/moe_layer.py: step time, activation memory;
+on a GPU the DeepSeek-V3-like config, on CPU a smoke run of the code paths). The end-to-end
+expert-parallel comparison lands with the all-to-all issue; the script says "not yet" for it.
 
     python bench/run.py            # GPU if there is one, a small CPU run otherwise
     python bench/run.py --tokens 4096 --hidden 7168 --json out.json
@@ -23,6 +24,17 @@ import torch
 
 import moe_fp4
 from moe_fp4.metrics import sqnr_db
+
+
+def _run_script(path: str, args: list[str]) -> None:
+    argv, sys.argv = sys.argv, [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+    finally:
+        sys.argv = argv
 
 
 def main() -> None:
@@ -64,17 +76,14 @@ def main() -> None:
     if device == "cuda":
         print("\nkernel bandwidth vs a copy of the same bytes (one shape; all shapes: bench/kernels.py):", flush=True)
         kernels_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
-        argv, sys.argv = sys.argv, [kernels_py, "--tokens", str(tokens), "--hidden", str(a.hidden), "--ref", "none"]
-        try:
-            runpy.run_path(kernels_py, run_name="__main__")
-        except SystemExit as e:
-            if e.code:
-                raise
-        finally:
-            sys.argv = argv
+        _run_script(kernels_py, ["--tokens", str(tokens), "--hidden", str(a.hidden), "--ref", "none"])
     else:
         print("\nkernel bandwidth: needs a GPU (python bench/kernels.py)")
-    print("not yet: MoE layer step time and memory, fp4 vs fp8 vs bf16 (bench/moe_layer.py, issue 4)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    layer_args = ["--config", "dsv3", "--no-budget", "--iters", "10"] if device == "cuda" else []
+    print("\nMoE layer, bf16 vs fp8 (baseline) vs fp4 (bench/moe_layer.py " + " ".join(layer_args) + "):", flush=True)
+    _run_script(os.path.join(here, "moe_layer.py"), layer_args)
+    print("not yet: expert-parallel all-to-all and end-to-end throughput (the all-to-all issue)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "tokens": tokens, "hidden": a.hidden, "formats": results,
