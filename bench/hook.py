@@ -33,6 +33,7 @@ import moe_fp4
 from moe_fp4.metrics import sqnr_db
 
 MiB = 2**20
+REDUCTION_ORDER_FLOOR_DB = 80.0
 
 
 def build(a, device):
@@ -200,8 +201,15 @@ def main() -> None:
           f"(stats predict {expert['bf16_mib_per_step'] - expert['mxfp4_mib_per_step']:.1f} MiB)")
     print(f"gradients with hook vs baseline: {grad_db:.1f} dB all, worst {worst_db:.1f} dB ({worst}); "
           f"loss {'identical' if torch.equal(hook_loss, base_loss) else 'differs'}")
-    if deterministic:
-        print(f"after handle.remove(): {'bit-identical to baseline' if restored else 'DIFFERS from baseline'}")
+    # A bit-level difference far above the hook's own effect (MXFP4: ~20-40 dB) is cuBLAS/atomics picking another
+    # reduction order for a changed memory layout, not the hook: measured 104.8 dB on an H200.
+    same_up_to_order = restored or (torch.equal(rm_loss, base_loss) and removed_db >= REDUCTION_ORDER_FLOOR_DB)
+    if restored:
+        print("after handle.remove(): bit-identical to baseline")
+    elif deterministic:
+        print(f"after handle.remove(): not bit-identical: gradients {removed_db:.1f} dB vs baseline "
+              f"({'reduction-order noise, far above the hook' if same_up_to_order else 'DIFFERS'}); loss "
+              f"{'identical' if torch.equal(rm_loss, base_loss) else 'differs'}")
     else:
         print(f"after handle.remove(): gradients {removed_db:.1f} dB vs baseline; the baseline itself differs run to "
               f"run ({noise_db:.1f} dB, nondeterministic GPU kernels), so bit-identity is not checkable here; "
@@ -218,7 +226,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2, default=str)
         print(f"wrote {a.json}")
-    if deterministic and not restored:
+    if not same_up_to_order:
         raise SystemExit("handle.remove() did not restore the baseline exactly")
 
 
