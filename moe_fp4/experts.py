@@ -106,8 +106,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         offsets = padded_offsets(counts)
         rows, hidden = (x_mx.m, x_mx.k) if x_mx is not None else x.shape
         ffn = w2.shape[-1]
-        ctx.counts, ctx.offsets, ctx.precision = counts, offsets, precision
-        ctx.has_mx_input = x_mx is not None
+        ctx.precision = precision
         groups = [(e, o, o + c) for e, (o, c) in enumerate(zip(offsets, counts)) if c > 0]
         ctx.groups = groups
         h = x.new_empty(rows, 2 * ffn) if x_mx is None else torch.empty(rows, 2 * ffn, dtype=torch.bfloat16,
