@@ -40,6 +40,7 @@ from moe_fp4.api import (
 )
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.gemm import fp8_mm_nt, quantize_fp8_colwise, quantize_fp8_weight
+from moe_fp4.hook import current_compression
 from moe_fp4.saved import label_saved, report_saved
 
 TOKEN_ALIGN = 128
@@ -75,16 +76,10 @@ def padded_offsets(counts) -> list[int]:
     return out
 
 
-def _compression_scope():
-    from moe_fp4.hook import current_compression
-
-    return current_compression()
-
-
 def _keep_fp8(label: str, t: FP8BlockTensor):
     """The fp8 precision's saved FP8 activation: as is, or MXFP4 straight from its codes when the
     compression hook asks for it."""
-    scope = _compression_scope()
+    scope = current_compression()
     if scope is not None and scope.config.compress_fp8:
         q = quantize_mxfp4(t)
         scope.record_internal(t.nbytes, q.nbytes)

@@ -28,7 +28,7 @@ _local = threading.local()
 @dataclass(frozen=True)
 class SavedRecord:
     label: str        # who saved it: a moe_fp4 label ("fc1_input", ...) or "autograd"
-    format: str       # "mxfp4", "fp8_1x128", "fp8_128x128", or a torch dtype name
+    format: str       # "mxfp4", "fp8_1x128", or a torch dtype name
     shape: tuple
     nbytes: int
     parameter: bool = False
@@ -102,14 +102,10 @@ def report_saved(label: str, obj) -> None:
     acc = _active()
     if acc is None:
         return
-    from moe_fp4.gemm import FP8WeightTensor
-
     if isinstance(obj, MXFP4Tensor):
         fmt, shape = "mxfp4", obj.shape
     elif isinstance(obj, FP8BlockTensor):
         fmt, shape = "fp8_1x128", obj.shape
-    elif isinstance(obj, FP8WeightTensor):
-        fmt, shape = "fp8_128x128", obj.data.shape
     else:
         fmt, shape = str(obj.dtype).replace("torch.", ""), obj.shape
     acc.records.append(SavedRecord(label, fmt, tuple(shape), obj.nbytes, False))
