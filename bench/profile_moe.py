@@ -10,10 +10,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from moe_layer import CONFIGS  # the benchmark's shapes (this directory is on sys.path when run as a script)
 from moe_fp4.nn import MoE, MoEConfig
-
-CONFIGS = {"dsv3": (MoEConfig(hidden=7168, ffn=2048, num_experts=32, top_k=8), 4096),
-           "small": (MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=6), 8192)}
 
 
 def main() -> None:
@@ -22,7 +20,8 @@ def main() -> None:
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "fp4"])
     p.add_argument("--top", type=int, default=25)
     a = p.parse_args()
-    cfg, tokens = CONFIGS[a.config]
+    shape, tokens = CONFIGS[a.config]
+    cfg = MoEConfig(**shape)
     torch.manual_seed(0)
     m = MoE(cfg, "bf16", device="cuda")
     x = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
