@@ -28,6 +28,11 @@ SQNR_FLOOR_DB = {
 # fp4 keeps x, h, a at 0.53125 B/element against fp8's 1.03 (x, a) and 2 (h): ~0.40x at these shapes.
 FP4_SAVED_RATIO_MAX = 0.55
 EXPERT_LABELS = ("fc1_input", "swiglu_input", "fc2_input")
+# Edge-case layers (one token; every token to one expert): output SQNR vs bf16 measured 22.66-24.10 dB
+# over seeds 6-8 in fp8 and fp4 (the same forward); floor 1 dB under the lowest.
+EDGE_CASE_OUT_FLOOR_DB = 21.6
+# unpermute's combine runs in bf16 (weights cast to bf16): one bf16 rounding of the output, 2^-8 relative.
+COMBINE_RTOL = 2 ** -8
 CONFIG = MoEConfig(hidden=256, ffn=128, num_experts=4, top_k=2, shared_ffn=128)
 TOKENS = 64
 
@@ -145,7 +150,7 @@ def test_routing_is_exact():
     assert torch.equal(xp[:, 0].float().long(), token_of_row)
     y = unpermute(xp, r)
     expected = (weights.to(torch.bfloat16).float().sum(1, keepdim=True) * x.float())
-    assert torch.allclose(y.float(), expected, rtol=1e-2)
+    assert torch.allclose(y.float(), expected, rtol=COMBINE_RTOL, atol=0)
 
 
 def test_same_expert_assignment_in_every_precision():
@@ -250,11 +255,12 @@ def test_one_token(precision):
     assert y.shape == (1, cfg.hidden) and torch.isfinite(y).all() and torch.isfinite(x.grad).all()
     assert sum(1 for c in m.route(x.detach()).counts if c) == 2
     m.precision = "bf16"
-    assert sqnr_db(m(x).float(), y.float()) > SQNR_FLOOR_DB["fp8"]["out"] - 3
+    assert sqnr_db(m(x).float(), y.float()) > EDGE_CASE_OUT_FLOOR_DB
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp4"])
 def test_every_token_to_one_expert(precision):
+    torch.manual_seed(6)
     cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=1)
     m = MoE(cfg, precision)
     with torch.no_grad():
@@ -269,7 +275,7 @@ def test_every_token_to_one_expert(precision):
     for e in (0, 1, 3):
         assert torch.count_nonzero(m.w13.grad[e]) == 0
     m.precision = "bf16"
-    assert sqnr_db(m(x).float(), y.float()) > SQNR_FLOOR_DB["fp8"]["out"] - 3
+    assert sqnr_db(m(x).float(), y.float()) > EDGE_CASE_OUT_FLOOR_DB
 
 
 # ---------------------------------------------------------------------------------------------
