@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
+from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
     tile_program,
     e2m1_decode_scaled,
@@ -65,8 +65,9 @@ def _repeat_tiles(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.repeat_interleave(FP8_TILE, dim=1)[:, :k]
 
 
-def quantize_fp8_rowwise_ref(x: torch.Tensor):
-    """x: bf16/fp16/fp32 [M, K] -> (data float8_e4m3fn [M, K], scale float32 [M, ceil(K/128)] M-major).
+def quantize_fp8_rowwise_ref(x: torch.Tensor, out=None):
+    """x: bf16/fp16/fp32 [M, K] -> (data float8_e4m3fn [M, K], scale float32 [M, ceil(K/128)] M-major),
+    or written into ``out`` = (data, scale) views of those shapes (data with unit column stride).
 
     Per 1x128 tile (the last one may be short): S = clamp(ceil(log2(amax/448)), -126, 127) over the
     finite values, data = RNE_E4M3(x * 2^-S). NaN and Inf elements become the NaN byte 0x7F; the rest
@@ -78,7 +79,7 @@ def quantize_fp8_rowwise_ref(x: torch.Tensor):
     # x * 2^-S is exact except where it falls under float32's normal range, which is far below
     # E4M3's smallest subnormal (2^-9), so the E4M3 rounding is unaffected.
     data = encode_e4m3(xf * _repeat_tiles(exp2_int(-s), k))
-    return data, m_major(exp2_int(s))
+    return write_out(out, data, m_major(exp2_int(s)))
 
 
 def quantize_fp8_and_mxfp4_ref(x: torch.Tensor):
@@ -131,7 +132,7 @@ def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
-                         stride_xm, stride_fm, stride_mm, stride_msm,
+                         stride_xm, stride_fm, stride_fsm, stride_fst, stride_mm, stride_msm,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
@@ -154,7 +155,8 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
         q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
         word = (q_lo | (q_hi << 8)).to(tl.int16)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
-    tl.store(fscale_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
+    # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
+    tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, pow2_f32(S), mask=mask_t)
     if WRITE_MXFP4:
         # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
         amax_bits = tl.max(tl.maximum(a_lo, a_hi), axis=3)                         # [BM, TILES, 4]
@@ -197,11 +199,14 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
 
-def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles: int, num_warps: int):
+def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles: int, num_warps: int, out=None):
     m, k = x.shape
     dev = x.device
-    fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
-    fscale = empty_m_major(m, k // FP8_TILE, dev)
+    if out is None:
+        fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+        fscale = empty_m_major(m, k // FP8_TILE, dev)
+    else:
+        fp8, fscale = check_row_views(out, m, k, k // FP8_TILE, torch.float8_e4m3fn, torch.float32)
     mx = torch.empty(m, k // 2, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     ms = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     if m and k:
@@ -212,16 +217,17 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
         grid = (triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
         _quantize_fp8_kernel[grid](
             words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
-            words.stride(0), fw.stride(0), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
+            words.stride(0), fw.stride(0), fscale.stride(0), fscale.stride(1), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
             IN_KIND=kind, WRITE_MXFP4=write_mxfp4,
             BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
     return (fp8, fscale), (mx, ms)
 
 
-def quantize_fp8_rowwise(x: torch.Tensor, block_m: int = 8, tiles: int = 4, num_warps: int = 4):
+def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 8, tiles: int = 4, num_warps: int = 4):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
-    M-major); bit-identical to quantize_fp8_rowwise_ref."""
-    return _launch_quantize_fp8(x, False, block_m, tiles, num_warps)[0]
+    M-major), or written into ``out`` = (data, scale) views of those shapes (data with unit column
+    stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref."""
+    return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out)[0]
 
 
 def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 32, tiles: int = 1, num_warps: int = 4):

@@ -54,8 +54,29 @@ def _encode_blocks(v: torch.Tensor, exp: torch.Tensor, nan_block: torch.Tensor):
     return pack_nibbles(codes), scale
 
 
-def quantize_mxfp4_rowwise_ref(x: torch.Tensor):
-    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]).
+def write_out(out, data: torch.Tensor, scale: torch.Tensor):
+    """The ``out=`` convention of the row-wise producers: None -> (data, scale) as computed; else copy
+    them into the given (data, scale) tensors (e.g. row-strided views of an all-to-all wire buffer)
+    and return those."""
+    if out is None:
+        return data, scale
+    out[0].copy_(data)
+    out[1].copy_(scale)
+    return out
+
+
+def check_row_views(out, m: int, data_cols: int, scale_cols: int, data_dtype, scale_dtype):
+    """out = (data, scale): 2-D views of the given shapes and dtypes with unit column stride (a row
+    stride of their own, e.g. one uint8 wire row holding both) -> out."""
+    d, s = out
+    assert d.shape == (m, data_cols) and d.dtype == data_dtype and d.stride(1) == 1, (d.shape, d.dtype, d.stride())
+    assert s.shape == (m, scale_cols) and s.dtype == scale_dtype, (s.shape, s.dtype)
+    return out
+
+
+def quantize_mxfp4_rowwise_ref(x: torch.Tensor, out=None):
+    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]), or
+    written into ``out`` = (data, scale) views of those shapes with unit column stride.
 
     Per 32-block: E = clamp(ceil(log2(amax/6)), -127, 127) (RCEIL: nothing clips), codes =
     RNE_E2M1(x * 2^-E). A block holding NaN or Inf gets scale 0xFF.
@@ -69,7 +90,7 @@ def quantize_mxfp4_rowwise_ref(x: torch.Tensor):
     # x * 2^-E is exact: the result is at most 6 and 2^-E in [2^-127, 2^127] is representable.
     # (2^127 * x cannot overflow: E = -127 only when amax <= 6 * 2^-127.)
     v = blocks * exp2_int(-exp)[..., None]
-    return _encode_blocks(v.view(m, k), exp, nan_block)
+    return write_out(out, *_encode_blocks(v.view(m, k), exp, nan_block))
 
 
 def quantize_mxfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor):
@@ -233,13 +254,17 @@ def _fp8_to_mxfp4_kernel(
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
-def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 8, block_k: int = 1024, num_warps: int = 4):
-    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32])."""
+def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k: int = 1024, num_warps: int = 4):
+    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]), or
+    written into ``out`` = (data, scale) views with unit column stride (one pass either way)."""
     assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
     m, k = x.shape
     x = x.contiguous()
-    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if out is None:
+        data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    else:
+        data, scale = check_row_views(out, m, k // 2, k // MXFP4_BLOCK, torch.uint8, torch.uint8)
     if m == 0 or k == 0:
         return data, scale
     block_k = min(block_k, triton.next_power_of_2(k))
@@ -255,15 +280,16 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, block_m: int = 8, block_k: int = 102
 
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                      block_m: int = 4, block_k: int = 1024, num_warps: int = 4):
-    """data uint8 [M, K/2], scale uint8 [M, K/32] -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref)."""
+    """data uint8 [M, K/2], scale uint8 [M, K/32] (each with unit column stride; the rows may be
+    strided, e.g. views of a received wire buffer) -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref)."""
     m, half_k = data.shape
     k = 2 * half_k
     assert k % MXFP4_BLOCK == 0 and scale.shape == (m, k // MXFP4_BLOCK)
     out = torch.empty(m, k, dtype=dtype, device=data.device)
     if m == 0 or k == 0:
         return out
-    data = data.contiguous()
-    scale = scale.contiguous()
+    data = data if data.stride(1) == 1 else data.contiguous()
+    scale = scale if scale.stride(1) == 1 else scale.contiguous()
     words, kind = pair_view(out)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
