@@ -97,20 +97,20 @@ def _colwise(kept, start: int, stop: int) -> FP8BlockTensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, precision, x_mx):
+    def forward(ctx, x, w13, w2, counts, precision, x_q):
         offsets = padded_offsets(counts)
-        rows, hidden = (x_mx.m, x_mx.k) if x_mx is not None else x.shape
+        rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         ffn = w2.shape[-1]
         ctx.precision = precision
         groups = [(e, o, o + c) for e, (o, c) in enumerate(zip(offsets, counts)) if c > 0]
         ctx.groups = groups
-        h = x.new_empty(rows, 2 * ffn) if x_mx is None else torch.empty(rows, 2 * ffn, dtype=torch.bfloat16,
-                                                                          device=x_mx.device)
+        h = x.new_empty(rows, 2 * ffn) if x_q is None else torch.empty(rows, 2 * ffn, dtype=torch.bfloat16,
+                                                                         device=x_q.device)
         y = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
 
         if precision is Precision.BF16:
             w13c, w2c = w13.to(h.dtype), w2.to(h.dtype)
-            xin = x if x_mx is None else x_mx.dequantize(h.dtype)
+            xin = x if x_q is None else x_q.dequantize(h.dtype)
             for e, s, t in groups:
                 torch.mm(xin[s:t], w13c[e].t(), out=h[s:t])
             a = swiglu(h)
@@ -122,10 +122,17 @@ class _GroupedSwiGLU(torch.autograd.Function):
             return y
 
         w13q, w2q = quantize_fp8_weight(w13), quantize_fp8_weight(w2)
-        if x_mx is not None:
-            xq = mxfp4_to_fp8(x_mx)
-            ctx.x_kept = x_mx
-            report_saved("fc1_input", x_mx)
+        if isinstance(x_q, MXFP4Tensor):
+            xq = mxfp4_to_fp8(x_q)
+            ctx.x_kept = x_q
+            report_saved("fc1_input", x_q)
+        elif isinstance(x_q, FP8BlockTensor):
+            xq = x_q
+            if precision is Precision.FP4:
+                ctx.x_kept = quantize_mxfp4(x_q)
+                report_saved("fc1_input", ctx.x_kept)
+            else:
+                ctx.x_kept = _keep_fp8("fc1_input", x_q)
         elif precision is Precision.FP4:
             xq, x_mx_new = quantize_fp8_and_mxfp4(x)
             ctx.x_kept = x_mx_new
@@ -205,19 +212,21 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
-                           x_mx: MXFP4Tensor | None = None) -> torch.Tensor:
+                           x_q: MXFP4Tensor | FP8BlockTensor | None = None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
-            count a multiple of 128; padding rows are zero), R = sum(counts). With ``x_mx`` given,
+            count a multiple of 128; padding rows are zero), R = sum(counts). With ``x_q`` given,
             x only carries the gradient: any bf16 tensor of shape [R, H] (e.g. a zero-stride
             ``expand`` of a 0-d tensor) whose ``.grad`` hook receives d(loss)/d(input).
     w13:    bf16/fp32 [E, 2F, H]: gate rows 0..F-1, up rows F..2F-1.
     w2:     bf16/fp32 [E, H, F].
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
-    x_mx:   optional MXFP4Tensor [R, H], the input as received in MXFP4 (fp8/fp4 precision only;
-            fp4 keeps it as is for backward, fp8 converts it to FP8 directly).
+    x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
+            MXFP4 is converted to FP8 directly for the GEMM and kept as is for backward; FP8 is the
+            GEMM operand itself, kept as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16
+            precision dequantizes it.
     -> bf16 [R, H]: for each expert, swiglu(x W13^T) W2^T.
     """
     precision = Precision(precision)
@@ -237,11 +246,12 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"grouped_swiglu_experts: x must be bfloat16, got {x.dtype}")
-    if x_mx is not None:
-        if not isinstance(x_mx, MXFP4Tensor):
-            raise TypeError(f"grouped_swiglu_experts: x_mx must be an MXFP4Tensor, got {type(x_mx).__name__}")
-        if (x_mx.m, x_mx.k) != tuple(x.shape):
-            raise ValueError(f"grouped_swiglu_experts: x_mx is [{x_mx.m}, {x_mx.k}], expected {tuple(x.shape)}")
+    if x_q is not None:
+        if not isinstance(x_q, (MXFP4Tensor, FP8BlockTensor)):
+            raise TypeError(f"grouped_swiglu_experts: x_q must be an MXFP4Tensor or FP8BlockTensor, "
+                            f"got {type(x_q).__name__}")
+        if (x_q.m, x_q.k) != tuple(x.shape):
+            raise ValueError(f"grouped_swiglu_experts: x_q is [{x_q.m}, {x_q.k}], expected {tuple(x.shape)}")
     elif not x.is_contiguous():
         x = x.contiguous()
-    return _GroupedSwiGLU.apply(x, w13, w2, counts, precision, x_mx)
+    return _GroupedSwiGLU.apply(x, w13, w2, counts, precision, x_q)

@@ -15,8 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
+from moe_fp4.wire import WireFormat
+
+# The dispatch all-to-all's wire format in each precision (DESIGN.md): the FP8 baseline sends what
+# its GEMM reads (FP8 1x128, power-of-two scales); fp4 sends MXFP4 and keeps it for backward.
+DISPATCH_FORMAT = {Precision.BF16: WireFormat.BF16, Precision.FP8: WireFormat.FP8, Precision.FP4: WireFormat.MXFP4}
 
 
 class ScoreFunction(str, enum.Enum):
@@ -124,20 +130,33 @@ class MoE(nn.Module):
     """Routed MoE block. forward: x bf16 [..., H] -> bf16 [..., H].
 
     Parameters (dtype ``dtype``, the master copies; the FP8 paths quantize them on each forward):
-    router.weight [E, H], w13 [E, 2F, H] (gate | up), w2 [E, H, F], and with a shared expert
-    shared_w13 [1, 2Fs, H], shared_w2 [1, H, Fs]. ``precision`` ("bf16" | "fp8" | "fp4") may be
-    changed on a built module.
+    router.weight [E, H], w13 [E_local, 2F, H] (gate | up), w2 [E_local, H, F], and with a shared
+    expert shared_w13 [1, 2Fs, H], shared_w2 [1, H, Fs]. ``precision`` ("bf16" | "fp8" | "fp4") may
+    be changed on a built module.
+
+    ``ep``: an :class:`~moe_fp4.ep.EPConfig` for expert parallelism. The group's ranks hold
+    E_local = E / world experts each (rank r: experts r*E_local ... (r+1)*E_local - 1); tokens go
+    to their experts' ranks and back through :mod:`moe_fp4.ep` (MXFP4 dispatch in fp4, FP8 in fp8,
+    bf16 in bf16). The router and the shared expert are replicated and run on local tokens; reduce
+    their gradients over the data-parallel replicas as usual. Without ``ep``, E_local = E.
     """
 
     def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
-                 device=None):
+                 device=None, ep: EPConfig | None = None):
         super().__init__()
         self.config = config
         self.precision = precision
+        self.ep = ep
         c, kw = config, {"dtype": dtype, "device": device}
+        world = 1
+        if ep is not None:
+            world = torch.distributed.get_world_size(ep.process_group)
+            if c.num_experts % world:
+                raise ValueError(f"MoE: {c.num_experts} experts do not divide over an EP group of {world} ranks")
+        self.num_local_experts = c.num_experts // world
         self.router = nn.Linear(c.hidden, c.num_experts, bias=False, **kw)
-        self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * c.ffn, c.hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden, c.ffn, **kw))
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * c.ffn, c.hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, c.hidden, c.ffn, **kw))
         if c.shared_ffn:
             self.shared_w13 = nn.Parameter(torch.empty(1, 2 * c.shared_ffn, c.hidden, **kw))
             self.shared_w2 = nn.Parameter(torch.empty(1, c.hidden, c.shared_ffn, **kw))
@@ -161,15 +180,28 @@ class MoE(nn.Module):
                 nn.init.normal_(w13, std=h ** -0.5)
                 nn.init.normal_(w2, std=w2.shape[-1] ** -0.5)
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] -> Routing (top-k of the scores; with norm_topk_prob the k weights sum to 1)."""
+    def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (weights float32 [T, k], experts int64 [T, k]): top-k of the scores; with
+        norm_topk_prob the k weights sum to 1."""
         c = self.config
         scores = torch.nn.functional.linear(x, self.router.weight.to(x.dtype)).float()
         scores = scores.softmax(-1) if c.score is ScoreFunction.SOFTMAX else scores.sigmoid()
         weights, experts = scores.topk(c.top_k, dim=-1)
         if c.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return make_routing(weights, experts, c.num_experts)
+        return weights, experts
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts)."""
+        return make_routing(*self.gate(x), self.config.num_experts)
+
+    def _routed_ep(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        ep = self.ep
+        plan = plan_dispatch(experts, self.config.num_experts, ep.process_group)
+        sent = dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad)
+        y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q)
+        return combine(y, sent, plan, ep.combine, ep.combine_grad)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -184,15 +216,19 @@ class MoE(nn.Module):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"MoE: expected a bfloat16 input, got {x.dtype}")
         x2 = x.reshape(-1, c.hidden)
-        routing = self.route(x2)
-        y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
-                                        self.precision)
-        y = unpermute(y_perm, routing)
+        if self.ep is not None:
+            y = self._routed_ep(x2)
+        else:
+            routing = self.route(x2)
+            y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
+                                            self.precision)
+            y = unpermute(y_perm, routing)
         if self.shared_w13 is not None:
             y = y + self._shared(x2)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:
         c = self.config
+        ep = "" if self.ep is None else f", ep_local_experts={self.num_local_experts}"
         return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts}, top_k={c.top_k}, "
-                f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}")
+                f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}{ep}")

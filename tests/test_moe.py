@@ -297,7 +297,7 @@ def test_mxfp4_input_equals_its_dequantized_bf16_input(precision):
     carrier = leaf.expand(2 * TOKEN_ALIGN, 128)
     got_dx = []
     carrier.register_hook(got_dx.append)
-    y, report = saved_bytes(grouped_swiglu_experts, carrier, w13, w2, counts, precision, x_mx=q)
+    y, report = saved_bytes(grouped_swiglu_experts, carrier, w13, w2, counts, precision, x_q=q)
     y.float().square().sum().backward()
     assert torch.equal(y, y_ref)
     assert torch.equal(got_dx[0], ref[0])

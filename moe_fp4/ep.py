@@ -1,0 +1,285 @@
+"""Expert-parallel (EP) token dispatch and combine for :class:`moe_fp4.nn.MoE`.
+
+E experts are split over the ``world`` ranks of a group, E/world consecutive experts per rank. Per
+layer and step:
+
+1. :func:`plan_dispatch` — ONE count exchange (an all-to-all of [world, 1 + E/world] int64: the
+   tokens this rank sends each rank, and its (token, expert) pair counts for that rank's experts),
+   then ONE host sync for the split sizes. Nothing else in the layer waits for the host.
+2. :func:`dispatch` — every token is quantized ONCE into a wire row (:mod:`moe_fp4.wire`), with its
+   k router weights (float32) and expert ids (int32) appended, and sent AT MOST ONCE per
+   destination rank, however many of its k experts live there (DeepEP's rule; one copy per
+   (token, expert) pair would send up to k times the bytes). The receiver expands the rows into
+   its local experts' groups, each padded to 128 rows, straight from the received bytes: an
+   MXFP4Tensor (fp4) or FP8BlockTensor (fp8) for the experts' FP8 GEMM, bf16 rows for bf16.
+3. :func:`combine` — the receiver sums each received row's local expert outputs, weighted by the
+   router weights it received, and sends one row back per (token, rank); the sender adds them up.
+
+Backward runs the same exchanges in reverse: the combine's gradient goes out (``combine_grad``
+format), the router-weight gradients ride in the dispatch gradient's rows (``dispatch_grad``
+format) back to their tokens. A rank with no tokens takes part in every collective and returns
+zero-row (correct, empty) gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_fp4.comm import exchange_rows, grad_carrier, resolve_group
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.kernels.fp8 import m_major
+from moe_fp4.kernels.numerics import FP8_EXP_MIN
+from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, pack, row_bytes, unpack, views
+
+TOKEN_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """Expert parallelism for the MoE layer.
+
+    group: the EP process group (None: the default group); its size must divide the expert count.
+    combine: wire format of the combine (expert outputs back to their tokens).
+    dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks).
+    combine_grad: wire format of the combine's gradient (backward, to the experts' ranks).
+    The dispatch itself travels in the layer precision's format: mxfp4 (fp4), fp8 (fp8), bf16 (bf16).
+    """
+
+    group: object = None
+    combine: WireFormat = WireFormat.BF16
+    dispatch_grad: WireFormat = WireFormat.BF16
+    combine_grad: WireFormat = WireFormat.BF16
+
+    def __post_init__(self):
+        for name in ("combine", "dispatch_grad", "combine_grad"):
+            object.__setattr__(self, name, WireFormat(getattr(self, name)))
+
+    @property
+    def process_group(self):
+        return resolve_group(self.group)
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """What the count exchange decided (host ints) and the sender's row order (device).
+
+    send_splits[d]: tokens this rank sends rank d; recv_splits[s]: rows it receives from rank s;
+    local_counts[e]: (token, expert) pairs for local expert e over all sources; padded_counts: the
+    same rounded up to 128; src_token: int64 [sum(send_splits)], the token of each sent row.
+    """
+
+    group: object
+    rank: int
+    world: int
+    num_local: int
+    top_k: int
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    local_counts: tuple[int, ...]
+    padded_counts: tuple[int, ...]
+    src_token: torch.Tensor
+    tokens: int
+
+    @property
+    def received(self) -> int:
+        return sum(self.recv_splits)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.padded_counts)
+
+
+def plan_dispatch(experts: torch.Tensor, num_experts: int, group) -> DispatchPlan:
+    """experts: int64 [T, k] global expert ids of each token's k slots -> DispatchPlan (one count
+    exchange, one host sync)."""
+    group = resolve_group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if num_experts % world:
+        raise ValueError(f"expert parallelism: {num_experts} experts do not divide over {world} ranks")
+    num_local = num_experts // world
+    t, k = experts.shape
+    dev = experts.device
+    to_rank = torch.zeros(t, world, dtype=torch.bool, device=dev)
+    to_rank.scatter_(1, experts // num_local, True)
+    send_counts = to_rank.sum(0)
+    # scatter_add, not bincount: bincount reads the maximum on the host (a sync) on CUDA.
+    pairs = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, experts.flatten(), torch.ones(t * k, dtype=torch.int64, device=dev))
+    msg = torch.cat([send_counts[:, None], pairs.view(world, num_local)], dim=1)
+    ones = [1] * world
+    got = exchange_rows(msg, ones, ones, group)                                   # [world, 1 + El] by source
+    host = torch.cat([send_counts, got.flatten()]).tolist()
+    send_splits = tuple(host[:world])
+    table = [host[world + s * (1 + num_local): world + (s + 1) * (1 + num_local)] for s in range(world)]
+    recv_splits = tuple(row[0] for row in table)
+    local_counts = tuple(sum(row[1 + e] for row in table) for e in range(num_local))
+    padded = tuple(-(-c // TOKEN_ALIGN) * TOKEN_ALIGN for c in local_counts)
+    # Rows ordered by destination rank, then token: the True entries of to_rank^T in order, found by
+    # a stable sort (its size is known from the counts, so no nonzero() and no second sync).
+    flat = (~to_rank.t().reshape(-1)).to(torch.uint8)
+    src_token = torch.argsort(flat, stable=True)[:sum(send_splits)] % max(t, 1)
+    return DispatchPlan(group, rank, world, num_local, k, send_splits, recv_splits, local_counts, padded,
+                        src_token, t)
+
+
+def _meta_offset(fmt: WireFormat, hidden: int, dtype) -> int:
+    return -(-row_bytes(fmt, hidden, dtype) // 4) * 4
+
+
+@dataclass(frozen=True)
+class ReceivedRoute:
+    """Receiver-side map between received rows (R of them) and expert rows (Rp, padded groups).
+
+    src_row: int64 [Rp], the received row of each expert row (R for padding rows);
+    row_weight: float32 [Rp], the router weight of each expert row's (token, expert) pair (0 for padding);
+    pair_row: int64 [R, k], the expert row of each received (row, slot) pair, Rp where the slot's
+    expert lives on another rank."""
+
+    src_row: torch.Tensor
+    row_weight: torch.Tensor
+    pair_row: torch.Tensor
+
+
+def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> ReceivedRoute:
+    r, k = ids.shape
+    dev = ids.device
+    rows = plan.rows
+    local = ids.long() - plan.rank * plan.num_local
+    valid = (local >= 0) & (local < plan.num_local)
+    key = torch.where(valid, local, plan.num_local).flatten()
+    npairs = sum(plan.local_counts)
+    order = torch.argsort(key, stable=True)[:npairs]                    # pairs grouped by local expert
+    counts = torch.tensor(plan.local_counts, dtype=torch.int64, device=dev)
+    padded = torch.tensor(plan.padded_counts, dtype=torch.int64, device=dev)
+    e = key[order]
+    rank_in_group = torch.arange(npairs, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
+    dest = (torch.cumsum(padded, 0) - padded)[e] + rank_in_group
+    pair_row = torch.full((r * k,), rows, dtype=torch.int64, device=dev)
+    pair_row[order] = dest
+    src_row = torch.full((rows,), r, dtype=torch.int64, device=dev)
+    src_row[dest] = order // k
+    row_weight = torch.zeros(rows, dtype=torch.float32, device=dev)
+    row_weight[dest] = weights.flatten()[order]
+    return ReceivedRoute(src_row, row_weight, pair_row.view(r, k))
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, experts, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
+        t, hidden = x.shape
+        k = plan.top_k
+        off = _meta_offset(fmt, hidden, x.dtype)
+        wire = torch.empty(t, off + 8 * k, dtype=torch.uint8, device=x.device)
+        pack(x, fmt, out=wire)
+        meta = wire[:, off:]
+        meta.view(torch.float32)[:, :k] = weights.detach().float()
+        meta.view(torch.int32)[:, k:] = experts.int()
+        send = wire.index_select(0, plan.src_token)
+        r = plan.received
+        recv = torch.empty(r + 1, wire.shape[1], dtype=torch.uint8, device=x.device)
+        recv[r].zero_()
+        dist.all_to_all_single(recv[:r], send, list(plan.recv_splits), list(plan.send_splits), group=plan.group)
+        rmeta = recv[:r, off:]
+        recv_w = rmeta.view(torch.float32)[:, :k].clone()
+        route = _receiver_route(rmeta.view(torch.int32)[:, k:], recv_w, plan)
+        ctx.plan, ctx.route, ctx.grad_fmt, ctx.shape, ctx.dtype = plan, route, grad_fmt, (t, hidden), x.dtype
+
+        src = route.src_row                                                   # row r: the zero padding row
+        if fmt is WireFormat.BF16:
+            return views(recv, fmt, hidden, x.dtype)[0].index_select(0, src), recv_w, None, route
+        if fmt is WireFormat.MXFP4:
+            d, s = views(recv, fmt, hidden)
+            xq = MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (plan.rows, hidden), x.dtype)
+        else:
+            # The padding row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
+            views(recv[r:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
+            codes = recv[:, :hidden].index_select(0, src).view(torch.float8_e4m3fn)
+            scales = m_major(views(recv, fmt, hidden)[1].index_select(0, src))
+            xq = FP8BlockTensor(codes, scales, (plan.rows, hidden), x.dtype)
+        return grad_carrier(plan.rows, hidden, x.dtype, x.device), recv_w, xq, route
+
+    @staticmethod
+    def backward(ctx, g_rows, g_w, *_):
+        plan, route, fmt = ctx.plan, ctx.route, ctx.grad_fmt
+        t, hidden = ctx.shape
+        k, r = plan.top_k, plan.received
+        g = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g_rows.device)
+        g.index_add_(0, route.src_row, g_rows.float())
+        off = _meta_offset(fmt, hidden, ctx.dtype)
+        wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=g.device)
+        pack(g[:r].to(ctx.dtype), fmt, out=wire)
+        wire[:, off:].view(torch.float32)[:] = g_w
+        back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group)
+        dx_rows = unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype).float()
+        dx = torch.zeros(t, hidden, dtype=torch.float32, device=g.device).index_add_(0, plan.src_token, dx_rows)
+        dw = torch.zeros(t, k, dtype=torch.float32, device=g.device).index_add_(
+            0, plan.src_token, back[:, off:].view(torch.float32))
+        return dx.to(ctx.dtype), dw, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, recv_w, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
+        r, hidden = plan.received, y.shape[1]
+        z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
+        z.index_add_(0, route.src_row, y.float() * route.row_weight[:, None])
+        back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group)
+        out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
+        out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
+        ctx.save_for_backward(y)
+        ctx.route, ctx.plan, ctx.grad_fmt = route, plan, grad_fmt
+        return out.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
+        r, hidden = plan.received, y.shape[1]
+        g_send = g.index_select(0, plan.src_token).contiguous()
+        recv = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g.device)
+        got = exchange_rows(pack(g_send, fmt), plan.send_splits, plan.recv_splits, plan.group)
+        recv[:r] = unpack(got, fmt, hidden, OutputFormat.BF16, y.dtype)
+        g_exp = recv.index_select(0, route.src_row)                               # [Rp, H] float32
+        dy = (g_exp * route.row_weight[:, None]).to(y.dtype)
+        d_row_w = (g_exp * y.float()).sum(1)
+        dw = torch.cat([d_row_w, d_row_w.new_zeros(1)]).index_select(0, route.pair_row.flatten()).view(r, -1)
+        return dy, dw, None, None, None, None
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """The receiver's expert input. x: [Rp, H] bf16 rows (bf16 dispatch) or a zero-stride gradient
+    carrier of that shape (quantized dispatch); x_q: the MXFP4Tensor / FP8BlockTensor rows, or None;
+    weights: float32 [R, k] router weights of the received rows (on the autograd graph);
+    route: the receiver's row map, for :func:`combine`."""
+
+    x: torch.Tensor
+    x_q: MXFP4Tensor | FP8BlockTensor | None
+    weights: torch.Tensor
+    route: ReceivedRoute
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan: DispatchPlan,
+             fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16) -> Dispatched:
+    """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
+    backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" on the wire."""
+    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    hidden = x.shape[1]
+    for f in (fmt, grad_fmt):
+        if hidden % HIDDEN_MULTIPLE[f]:
+            raise ValueError(f"dispatch: H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[f]} for {f.value}")
+    xe, recv_w, xq, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt)
+    return Dispatched(xe, xq, recv_w, route)
+
+
+def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireFormat = WireFormat.BF16,
+            grad_fmt: WireFormat = WireFormat.BF16) -> torch.Tensor:
+    """y: bf16 [Rp, H] expert outputs in the dispatched row order -> bf16 [T, H]: for each token the
+    router-weighted sum of its k experts' outputs (one collective; backward: one collective)."""
+    return _Combine.apply(y, sent.weights, sent.route, plan, WireFormat(fmt), WireFormat(grad_fmt))
+
+
+__all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch"]
