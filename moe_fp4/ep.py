@@ -168,7 +168,8 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, experts, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
+    def forward(ctx, x, weights, experts, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
+                expand: bool):
         t, hidden = x.shape
         k = plan.top_k
         off = _meta_offset(fmt, hidden, x.dtype)
@@ -184,8 +185,13 @@ class _Dispatch(torch.autograd.Function):
         dist.all_to_all_single(recv[:r], send, list(plan.recv_splits), list(plan.send_splits), group=plan.group)
         rmeta = recv[:r, off:]
         recv_w = rmeta.view(torch.float32)[:, :k].clone()
-        route = _receiver_route(rmeta.view(torch.int32)[:, k:], recv_w, plan)
+        ids = rmeta.view(torch.int32)[:, k:]
+        route = _receiver_route(ids, recv_w, plan) if expand else None
         ctx.plan, ctx.route, ctx.grad_fmt, ctx.shape, ctx.dtype = plan, route, grad_fmt, (t, hidden), x.dtype
+        if not expand:
+            local = ids.long() - plan.rank * plan.num_local
+            local = torch.where((local >= 0) & (local < plan.num_local), local, plan.num_local)
+            return unpack(recv[:r], fmt, hidden, OutputFormat.BF16, x.dtype), recv_w, local, None
 
         src = route.src_row                                                   # row r: the zero padding row
         if fmt is WireFormat.BF16:
@@ -206,8 +212,11 @@ class _Dispatch(torch.autograd.Function):
         plan, route, fmt = ctx.plan, ctx.route, ctx.grad_fmt
         t, hidden = ctx.shape
         k, r = plan.top_k, plan.received
-        g = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g_rows.device)
-        g.index_add_(0, route.src_row, g_rows.float())
+        if route is None:
+            g = g_rows
+        else:
+            g = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g_rows.device)
+            g.index_add_(0, route.src_row, g_rows.float())
         off = _meta_offset(fmt, hidden, ctx.dtype)
         wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=g.device)
         pack(g[:r].to(ctx.dtype), fmt, out=wire)
@@ -217,19 +226,22 @@ class _Dispatch(torch.autograd.Function):
         dx = torch.zeros(t, hidden, dtype=torch.float32, device=g.device).index_add_(0, plan.src_token, dx_rows)
         dw = torch.zeros(t, k, dtype=torch.float32, device=g.device).index_add_(
             0, plan.src_token, back[:, off:].view(torch.float32))
-        return dx.to(ctx.dtype), dw, None, None, None, None
+        return dx.to(ctx.dtype), dw, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, recv_w, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
         r, hidden = plan.received, y.shape[1]
-        z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
-        z.index_add_(0, route.src_row, y.float() * route.row_weight[:, None])
+        if route is None:
+            z = y
+        else:
+            z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
+            z.index_add_(0, route.src_row, y.float() * route.row_weight[:, None])
         back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group)
         out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
         out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
-        ctx.save_for_backward(y)
+        ctx.save_for_backward(y if route is not None else None)
         ctx.route, ctx.plan, ctx.grad_fmt = route, plan, grad_fmt
         return out.to(y.dtype)
 
@@ -241,7 +253,9 @@ class _Combine(torch.autograd.Function):
         g_send = g.index_select(0, plan.src_token).contiguous()
         recv = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g.device)
         got = exchange_rows(pack(g_send, fmt), plan.send_splits, plan.recv_splits, plan.group)
-        recv[:r] = unpack(got, fmt, hidden, OutputFormat.BF16, y.dtype)
+        recv[:r] = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
+        if route is None:
+            return recv[:r].to(g.dtype), None, None, None, None, None
         g_exp = recv.index_select(0, route.src_row)                               # [Rp, H] float32
         dy = (g_exp * route.row_weight[:, None]).to(y.dtype)
         d_row_w = (g_exp * y.float()).sum(1)
@@ -251,19 +265,25 @@ class _Combine(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Dispatched:
-    """The receiver's expert input. x: [Rp, H] bf16 rows (bf16 dispatch) or a zero-stride gradient
-    carrier of that shape (quantized dispatch); x_q: the MXFP4Tensor / FP8BlockTensor rows, or None;
-    weights: float32 [R, k] router weights of the received rows (on the autograd graph);
-    route: the receiver's row map, for :func:`combine`."""
+    """The receiver's expert input.
+
+    Expanded (the MoE layer): x: [Rp, H] bf16 rows grouped by local expert, 128-aligned (bf16
+    dispatch), or a zero-stride gradient carrier of that shape (quantized dispatch); x_q: the
+    MXFP4Tensor / FP8BlockTensor rows, or None; route: the row map :func:`combine` uses.
+    Not expanded (``expand=False``, for expert code that takes k ids per row, e.g. Hugging Face's
+    ``experts_forward``): x: the R received rows in the input's dtype (dequantized in one pass, on
+    the graph); local_ids: int64 [R, k] local expert ids, ``num_local`` where the slot's expert
+    lives on another rank; route None. weights: float32 [R, k] router weights (on the graph)."""
 
     x: torch.Tensor
     x_q: MXFP4Tensor | FP8BlockTensor | None
     weights: torch.Tensor
-    route: ReceivedRoute
+    route: ReceivedRoute | None
+    local_ids: torch.Tensor | None = None
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan: DispatchPlan,
-             fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16) -> Dispatched:
+             fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16, expand: bool = True) -> Dispatched:
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
     backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" on the wire."""
     fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
@@ -271,14 +291,18 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
     for f in (fmt, grad_fmt):
         if hidden % HIDDEN_MULTIPLE[f]:
             raise ValueError(f"dispatch: H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[f]} for {f.value}")
-    xe, recv_w, xq, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt)
-    return Dispatched(xe, xq, recv_w, route)
+    xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand)
+    if not expand:
+        return Dispatched(xe, None, recv_w, None, extra)
+    return Dispatched(xe, extra, recv_w, route)
 
 
 def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireFormat = WireFormat.BF16,
             grad_fmt: WireFormat = WireFormat.BF16) -> torch.Tensor:
-    """y: bf16 [Rp, H] expert outputs in the dispatched row order -> bf16 [T, H]: for each token the
-    router-weighted sum of its k experts' outputs (one collective; backward: one collective)."""
+    """y: bf16 [Rp, H] expert outputs in the dispatched row order (or, for a dispatch with
+    ``expand=False``, [R, H] rows already reduced over their local experts with the router weights)
+    -> bf16 [T, H]: for each token the router-weighted sum of its k experts' outputs (one
+    collective; backward: one collective)."""
     return _Combine.apply(y, sent.weights, sent.route, plan, WireFormat(fmt), WireFormat(grad_fmt))
 
 
