@@ -5,6 +5,12 @@ each calling ``fn(rank, world, *args)`` after ``init_process_group("gloo")`` wit
 timeout, and returns the per-rank results in rank order. Any exception on any rank fails the caller
 with that rank's traceback; a run past ``timeout`` seconds is killed and fails as a hang.
 ``fn`` must be a module-level function of an importable module (spawn pickles it by name).
+
+The ranks run moe_fp4's pure-torch reference conversions, not the Triton kernels under the
+interpreter (``TRITON_INTERPRET=0`` in each child, so import moe_fp4 inside ``fn``, not at the top of
+its module): these tests are about what moves where, the kernels are checked bit for bit against
+the same references in test_kernels.py, and the interpreter would make every collective test
+minutes long on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ def free_port() -> int:
 def _entry(fn, rank, world, port, results, args):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="0")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
