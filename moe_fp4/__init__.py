@@ -10,6 +10,7 @@ from moe_fp4.api import (
     quantize_fp8_and_mxfp4,
     quantize_mxfp4,
 )
+from moe_fp4.comm import Received, all_to_all, swap_all_to_all
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.hook import (
     CompressionConfig,
@@ -28,6 +29,8 @@ __all__ = [
     "CompressionStats",
     "FP8BlockTensor",
     "MXFP4Tensor",
+    "Received",
+    "all_to_all",
     "compress_saved_activations",
     "current_compression",
     "dequantize_fp8",
@@ -39,4 +42,5 @@ __all__ = [
     "quantize_fp8_and_mxfp4",
     "quantize_mxfp4",
     "register_activation_compression",
+    "swap_all_to_all",
 ]

@@ -1,8 +1,8 @@
 """Run a function on N spawned CPU processes joined by a gloo group, with a bounded time.
 
 ``run_ranks(fn, world, *args)`` starts ``world`` processes (spawn context, a free localhost port),
-each calling ``fn(rank, world, *args)`` after ``init_process_group("gloo")`` with a collective
-timeout, and returns the per-rank results in rank order. Any exception on any rank fails the caller
+each calling ``fn(rank, world, *args)`` after ``init_process_group("gloo")`` (or ``backend="nccl"``:
+one GPU per rank, for the GPU tests) with a collective timeout, and returns the per-rank results in rank order. Any exception on any rank fails the caller
 with that rank's traceback; a run past ``timeout`` seconds is killed and fails as a hang.
 ``fn`` must be a module-level function of an importable module (spawn pickles it by name).
 
@@ -33,12 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, results, args):
+def _entry(fn, rank, world, port, results, backend, args):
+    import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="0")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         try:
             results.put((rank, True, fn(rank, world, *args)))
@@ -48,11 +51,11 @@ def _entry(fn, rank, world, port, results, args):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, timeout: float = RUN_TIMEOUT_S):
+def run_ranks(fn, world: int, *args, timeout: float = RUN_TIMEOUT_S, backend: str = "gloo"):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, backend, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got, failures = {}, []

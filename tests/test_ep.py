@@ -34,14 +34,14 @@ EP_MATCH_FLOOR_DB = {
 QUANTIZED_COMM_FLOOR_DB = {"out": 17.5, "dx": 22.0}
 
 
-def _layers(rank, world, precision, ep_kwargs=None):
+def _layers(rank, world, precision, ep_kwargs=None, device="cpu"):
     from moe_fp4.ep import EPConfig
     from moe_fp4.nn import MoE, MoEConfig
 
     cfg = MoEConfig(**CONFIG)
     torch.manual_seed(0)
-    ref = MoE(cfg, precision)
-    m = MoE(cfg, precision, ep=EPConfig(**(ep_kwargs or {})))
+    ref = MoE(cfg, precision, device=device)
+    m = MoE(cfg, precision, device=device, ep=EPConfig(**(ep_kwargs or {})))
     el = m.num_local_experts
     with torch.no_grad():
         m.router.weight.copy_(ref.router.weight)
@@ -50,11 +50,11 @@ def _layers(rank, world, precision, ep_kwargs=None):
     return ref, m, el
 
 
-def _tokens(world, precision):
+def _tokens(world, precision, device="cpu"):
     import moe_fp4
 
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(t, CONFIG["hidden"], generator=g).to(torch.bfloat16) for t in TOKENS[world]]
+    xs = [torch.randn(t, CONFIG["hidden"], generator=g).to(torch.bfloat16).to(device) for t in TOKENS[world]]
     if precision == "fp4":
         xs = [moe_fp4.quantize_mxfp4(x).dequantize() for x in xs]
     return xs
@@ -67,13 +67,13 @@ def _step(layer, x):
     return y.detach(), x.grad
 
 
-def _compare(rank, world, precision, ep_kwargs=None):
+def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     import torch.distributed as dist
 
     from moe_fp4.metrics import sqnr_db
 
-    ref, m, el = _layers(rank, world, precision, ep_kwargs)
-    xs = _tokens(world, precision)
+    ref, m, el = _layers(rank, world, precision, ep_kwargs, device)
+    xs = _tokens(world, precision, device)
     off, t = sum(TOKENS[world][:rank]), TOKENS[world][rank]
     y_ref, dx_ref = _step(ref, torch.cat(xs))
     y, dx = _step(m, xs[rank])
