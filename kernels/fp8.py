@@ -56,8 +56,12 @@ def empty_m_major(m: int, tiles: int, device) -> torch.Tensor:
 
 
 def m_major(scale: torch.Tensor) -> torch.Tensor:
-    """scale: float32 [M, T] (any strides) -> the same values with strides (1, M)."""
-    return scale.t().contiguous().t()
+    """scale: float32 [M, T] (any strides) -> the same values with strides (1, M), literally: with T = 1,
+    ``scale.t().contiguous().t()`` may keep strides (1, 1), which torch 2.11's scaled_mm rejects."""
+    m, t = scale.shape
+    if scale.stride() == (1, m):
+        return scale
+    return empty_m_major(m, t, scale.device).copy_(scale)
 
 
 def _repeat_tiles(t: torch.Tensor, k: int) -> torch.Tensor:

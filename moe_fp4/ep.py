@@ -249,7 +249,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
-        r, hidden = plan.received, y.shape[1]
+        r, hidden = plan.received, g.shape[1]
         g_send = g.index_select(0, plan.src_token).contiguous()
         recv = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g.device)
         got = exchange_rows(pack(g_send, fmt), plan.send_splits, plan.recv_splits, plan.group)

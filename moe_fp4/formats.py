@@ -188,13 +188,15 @@ class FP8BlockTensor:
         return dequantize_fp8(self, self.dtype if dtype is None else dtype)
 
     def to(self, device) -> "FP8BlockTensor":
-        scale = self.scale.t().to(device).t()
+        scale = self.scale.t().contiguous().to(device).t()
         return FP8BlockTensor(self.data.to(device), scale, self.shape, self.dtype)
 
     def rows(self, start: int, stop: int) -> "FP8BlockTensor":
         """-> FP8BlockTensor [stop - start, K] of rows start..stop-1 of the [M, K] view. The data is a
-        view; the scales are copied (a row range of an M-major scale is not M-major: its stride is M)."""
-        scale = self.scale[start:stop].t().contiguous().t()
+        view; the scales are copied (a row range of an M-major scale is not M-major: its stride is M),
+        with strides exactly (1, stop - start) as scaled_mm checks them even for one tile."""
+        scale = torch.empty(self.scale.shape[1], stop - start, dtype=self.scale.dtype, device=self.scale.device).t()
+        scale.copy_(self.scale[start:stop])
         return FP8BlockTensor(self.data[start:stop], scale, (stop - start, self.k), self.dtype)
 
 

@@ -362,9 +362,19 @@ class _Passthrough:
         return self.t
 
 
-def _skip_reason(t: torch.Tensor, config: CompressionConfig) -> SkipReason | None:
+def _storage_ptr(p: torch.Tensor) -> int:
+    """The data pointer of a parameter's storage; for a DTensor parameter, of its local shard (what a
+    module computes with after ``to_local()``, e.g. transformers' expert-parallel experts)."""
+    local = getattr(p, "_local_tensor", None)
+    return (p if local is None else local).untyped_storage().data_ptr()
+
+
+def _skip_reason(t: torch.Tensor, config: CompressionConfig, param_ptrs=frozenset()) -> SkipReason | None:
     base = t._base if t._is_view() else None
     if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
+        return SkipReason.PARAMETER
+    # Not a Parameter but its storage: a DTensor parameter's local shard, reached through to_local().
+    if param_ptrs and t.untyped_storage().data_ptr() in param_ptrs:
         return SkipReason.PARAMETER
     if type(t) is not torch.Tensor:
         return SkipReason.SUBCLASS
@@ -427,7 +437,7 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
         loss.backward()
     """
 
-    def __init__(self, config: CompressionConfig | None = None, *, name: str = ""):
+    def __init__(self, config: CompressionConfig | None = None, *, name: str = "", params=None):
         if config is None:
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
@@ -437,6 +447,11 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
                              "register_activation_compression, or pause_compression() around the saves to keep")
         self.config = config
         self.name = name
+        # A callable -> the parameters whose storages are never compressed. Read at the first save of
+        # each entry, i.e. inside the module's forward: transformers' EP swaps its DTensor parameters
+        # for their local shards (``to_local()``) only for the duration of forward.
+        self._params = params
+        self._param_ptrs = None
         self.stats = CompressionStats()
         self._local = threading.local()
         super().__init__(self._pack, self._unpack)
@@ -448,6 +463,7 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
         return e
 
     def __enter__(self):
+        self._param_ptrs = None
         entry = ActiveCompression(self.config, self.stats, self.name)
         self._entries().append(entry)
         _stack().append(entry)
@@ -480,7 +496,10 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
         if _is_compiling():
             _warn_once("compile", _COMPILE_MSG)
         s = _stack()
-        reason = SkipReason.KEPT if s and s[-1] is _PAUSED else _skip_reason(t, self.config)
+        if self._param_ptrs is None:
+            params = self._params() if self._params is not None else ()
+            self._param_ptrs = frozenset(ptr for p in params if (ptr := _storage_ptr(p)))
+        reason = SkipReason.KEPT if s and s[-1] is _PAUSED else _skip_reason(t, self.config, self._param_ptrs)
         if reason is not None:
             stats.skipped[reason.value] = stats.skipped.get(reason.value, 0) + 1
             if reason not in (SkipReason.PARAMETER, SkipReason.LEAF):
@@ -625,7 +644,7 @@ def register_activation_compression(model: nn.Module, config: CompressionConfig 
     handles, scopes = [], {}
     try:
         for name, mod in selected:
-            scope = compress_saved_activations(config, name=name or "<model>")
+            scope = compress_saved_activations(config, name=name or "<model>", params=mod.parameters)
             scopes[name] = scope
             handles.append(mod.register_forward_pre_hook(_enter_hook(scope), prepend=True))
             handles.append(mod.register_forward_hook(_exit_hook(scope), always_call=True))
