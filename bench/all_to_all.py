@@ -54,12 +54,14 @@ def log(*a) -> None:
 
 
 def commit() -> str:
+    if os.environ.get("MOE_FP4_COMMIT"):
+        return os.environ["MOE_FP4_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOE_FP4_COMMIT", "unknown")
+        return "unknown"
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
