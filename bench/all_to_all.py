@@ -13,7 +13,10 @@ What each row times (per rank, every rank sends N/world rows to every rank, hidd
 - ``mxfp4``: ``moe_fp4.all_to_all(x, forward="mxfp4", output="fp8")``: quantize bf16 -> MXFP4 into the
   wire rows, send, convert MXFP4 -> FP8 directly on the receiver (one pass);
 - ``*_wire``: the same call's uint8 all_to_all_single alone, for the split between transfer and
-  conversion.
+  conversion; ``q8`` / ``q4`` / ``4->8``: quantize_fp8, quantize_mxfp4 and mxfp4_to_fp8 alone;
+  ``mx/(q8+wire)``: MXFP4 end to end against the floor of any FP8 dispatch (quantize + send, no
+  receive-side work), a stricter baseline than our own FP8 path, which copies the codes out of the
+  interleaved wire rows on the receiver.
 The split check is off (``check=False``): a dispatcher knows its counts; its cost (one small
 all-gather and a host sync) is timed on its own as ``check``. Median of --iters CUDA-event timings
 after --warmup, each iteration after a barrier; a row reports the slowest rank's median.
@@ -94,6 +97,14 @@ def bench_a2a(hidden: int, rows: int, warmup: int, iters: int) -> dict:
         wire = torch.empty(rows, row_bytes(fmt, hidden), dtype=torch.uint8, device="cuda")
         res[f"{fmt}_wire_ms"] = time_ms(lambda: exchange_rows(wire, splits, splits, None), warmup, iters)
         res[f"{fmt}_bytes_per_row"] = row_bytes(fmt, hidden)
+    # Conversion costs alone: what a fused FP8 baseline (quantize, send, no receive-side copy) pays
+    # at least is fp8_quant_ms + fp8_wire_ms.
+    qx = moe_fp4.quantize_mxfp4(x)
+    res["fp8_quant_ms"] = time_ms(lambda: moe_fp4.quantize_fp8(x), warmup, iters)
+    res["mxfp4_quant_ms"] = time_ms(lambda: moe_fp4.quantize_mxfp4(x), warmup, iters)
+    res["mxfp4_to_fp8_ms"] = time_ms(lambda: moe_fp4.mxfp4_to_fp8(qx), warmup, iters)
+    res["mxfp4_vs_fp8_floor"] = res["mxfp4_ms"] / (res["fp8_quant_ms"] + res["fp8_wire_ms"])
+    del qx
     res["check_ms"] = time_ms(lambda: moe_fp4.all_to_all(x[:world], forward="bf16"), warmup, iters) - time_ms(
         lambda: moe_fp4.all_to_all(x[:world], forward="bf16", check=False), warmup, iters)
     # Bytes each rank sends to the others (its own share stays local) per second of the call.
@@ -161,7 +172,8 @@ def main() -> None:
     log(json.dumps(head))
     rows_out = []
     log(f"{'H':>5} {'rows':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'mxfp4 ms':>9} {'fp8 wire':>9} {'mx wire':>8} "
-        f"{'mx/fp8':>7} {'fp8/bf16':>8} {'bf16 GB/s':>9} {'fp8 GB/s':>8} {'mx GB/s':>8} {'check ms':>8}")
+        f"{'mx/fp8':>7} {'fp8/bf16':>8} {'bf16 GB/s':>9} {'fp8 GB/s':>8} {'mx GB/s':>8} {'check ms':>8} "
+        f"{'q8 ms':>6} {'q4 ms':>6} {'4->8 ms':>7} {'mx/(q8+wire)':>12}")
     for h in a.hidden:
         for n in a.rows:
             r = bench_a2a(h, n, a.warmup, a.iters)
@@ -169,7 +181,8 @@ def main() -> None:
             log(f"{h:>5} {n:>6} {r['bf16_ms']:>8.3f} {r['fp8_ms']:>8.3f} {r['mxfp4_ms']:>9.3f} "
                 f"{r['fp8_wire_ms']:>9.3f} {r['mxfp4_wire_ms']:>8.3f} {r['mxfp4_vs_fp8']:>7.3f} "
                 f"{r['fp8_vs_bf16']:>8.3f} {r['bf16_GBps']:>9.1f} {r['fp8_GBps']:>8.1f} {r['mxfp4_GBps']:>8.1f} "
-                f"{r['check_ms']:>8.3f}")
+                f"{r['check_ms']:>8.3f} {r['fp8_quant_ms']:>6.3f} {r['mxfp4_quant_ms']:>6.3f} "
+                f"{r['mxfp4_to_fp8_ms']:>7.3f} {r['mxfp4_vs_fp8_floor']:>12.3f}")
     layers = []
     for c in a.layer:
         r = bench_layer(c, a.layer_tokens, a.warmup, a.iters)

@@ -68,7 +68,8 @@ class DispatchPlan:
 
     send_splits[d]: tokens this rank sends rank d; recv_splits[s]: rows it receives from rank s;
     local_counts[e]: (token, expert) pairs for local expert e over all sources; padded_counts: the
-    same rounded up to 128; src_token: int64 [sum(send_splits)], the token of each sent row.
+    same rounded up to 128; src_token: int64 [sum(send_splits)], the token of each sent row;
+    counts_dev: int64 [E_local] local_counts on the device (no host -> device copy, which would sync).
     """
 
     group: object
@@ -82,6 +83,7 @@ class DispatchPlan:
     padded_counts: tuple[int, ...]
     src_token: torch.Tensor
     tokens: int
+    counts_dev: torch.Tensor
 
     @property
     def received(self) -> int:
@@ -122,7 +124,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group) -> DispatchPla
     flat = (~to_rank.t().reshape(-1)).to(torch.uint8)
     src_token = torch.argsort(flat, stable=True)[:sum(send_splits)] % max(t, 1)
     return DispatchPlan(group, rank, world, num_local, k, send_splits, recv_splits, local_counts, padded,
-                        src_token, t)
+                        src_token, t, got[:, 1:].sum(0))
 
 
 def _meta_offset(fmt: WireFormat, hidden: int, dtype) -> int:
@@ -152,8 +154,8 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
     key = torch.where(valid, local, plan.num_local).flatten()
     npairs = sum(plan.local_counts)
     order = torch.argsort(key, stable=True)[:npairs]                    # pairs grouped by local expert
-    counts = torch.tensor(plan.local_counts, dtype=torch.int64, device=dev)
-    padded = torch.tensor(plan.padded_counts, dtype=torch.int64, device=dev)
+    counts = plan.counts_dev
+    padded = (counts + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
     e = key[order]
     rank_in_group = torch.arange(npairs, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
     dest = (torch.cumsum(padded, 0) - padded)[e] + rank_in_group

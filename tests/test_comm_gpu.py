@@ -14,6 +14,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 WORLD = 2
+# The CPU floors of test_ep (emulated GEMMs) hold on H200 too except where cuBLAS's accumulation order
+# moves FP8 code flips of the output gradient: PLACEHOLDER until measured.
+EP_MATCH_FLOOR_DB_GPU = test_ep.EP_MATCH_FLOOR_DB
 
 
 def _a2a_case(rank, world, device="cuda"):
@@ -54,13 +57,51 @@ def _layer_case(rank, world):
     return {p: test_ep._compare(rank, world, p, device="cuda") for p in ("bf16", "fp8", "fp4")}
 
 
+def _sync_case(rank, world):
+    """The EP dispatch and combine wait for the host once per layer: the count exchange's split sizes.
+    CUDA's sync debug mode warns on every synchronizing call; count them per phase."""
+    import warnings
+
+    from moe_fp4.ep import combine, dispatch, plan_dispatch
+
+    t, hidden, num_experts, k = 256, 512, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(t, hidden, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.rand(t, k, device="cuda", generator=g).requires_grad_()
+    experts = torch.stack([torch.randperm(num_experts, device="cuda", generator=g)[:k] for _ in range(t)])
+    counts = {}
+    for fmt in ("mxfp4", "fp8", "bf16"):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as plan_w:
+                warnings.simplefilter("always")
+                plan = plan_dispatch(experts, num_experts, None)
+            with warnings.catch_warnings(record=True) as move_w:
+                warnings.simplefilter("always")
+                sent = dispatch(x, w, experts, plan, fmt, expand=True)
+                y = combine(sent.x * 1.0 if fmt == "bf16" else sent.x + 1.0, sent, plan)
+                y.float().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts[fmt] = (len(plan_w), len(move_w), [str(m.message)[:80] for m in move_w])
+    return counts
+
+
 def test_all_to_all_nccl():
     for rank, res in enumerate(run_ranks(_a2a_case, WORLD, backend="nccl")):
         assert all(res.values()), (rank, res)
 
 
+def test_ep_dispatch_and_combine_sync_the_host_once():
+    for rank, res in enumerate(run_ranks(_sync_case, WORLD, backend="nccl")):
+        for fmt, (plan_syncs, move_syncs, msgs) in res.items():
+            assert plan_syncs == 1 and move_syncs == 0, (rank, fmt, plan_syncs, move_syncs, msgs)
+
+
 def test_ep_layer_nccl_matches_single_gpu_layer():
-    for rank, res in enumerate(run_ranks(_layer_case, WORLD, backend="nccl")):
-        for precision, got in res.items():
-            for name, floor in test_ep.EP_MATCH_FLOOR_DB[precision].items():
-                assert got[name] >= floor, (rank, precision, name, got[name])
+    results = run_ranks(_layer_case, WORLD, backend="nccl")
+    measured = {p: {n: min(r[p][n] for r in results) for n in test_ep.EP_MATCH_FLOOR_DB[p]} for p in results[0]}
+    print("EP vs single-GPU layer, lowest SQNR over ranks (dB):", measured)
+    bad = [(p, n, v) for p, row in measured.items() for n, v in row.items() if v < EP_MATCH_FLOOR_DB_GPU[p][n]]
+    assert not bad, (bad, measured)
