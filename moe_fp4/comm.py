@@ -149,24 +149,37 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
     same ValueError/TypeError on every rank."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    forward, backward, output = WireFormat(forward), WireFormat(backward), OutputFormat(output)
+    # Every problem found here is raised only after the count exchange, so that all ranks raise
+    # together instead of the others waiting in a collective this rank never joins.
+    problem, cls = None, ValueError
+    try:
+        forward, backward, output = WireFormat(forward), WireFormat(backward), OutputFormat(output)
+    except ValueError as e:
+        problem = f"{e} (wire formats: mxfp4, fp8, bf16)"
+        forward, backward, output = WireFormat.BF16, WireFormat.BF16, OutputFormat.BF16
+    n, hidden, dtype = 0, 0, None
     if isinstance(x, (MXFP4Tensor, FP8BlockTensor)):
         n, hidden, dtype = x.m, x.k, x.dtype
     elif isinstance(x, torch.Tensor):
-        if x.dim() != 2:
-            raise ValueError(f"{fn}: x must be [N, H], got shape {tuple(x.shape)}")
-        (n, hidden), dtype = x.shape, x.dtype
-    else:
-        raise TypeError(f"{fn}: x must be a tensor, an FP8BlockTensor or an MXFP4Tensor, got {type(x).__name__}")
-    in_sizes, p_in = _splits(input_split_sizes, n, world, "input_split_sizes")
-    problem = p_in or _local_problem(x, n, hidden, dtype, forward, backward, output, group, in_sizes)
-    out_sizes = None
+        if x.dim() == 2:
+            (n, hidden), dtype = x.shape, x.dtype
+        else:
+            problem = problem or f"x must be [N, H], got shape {tuple(x.shape)}"
+    elif problem is None:
+        problem, cls = f"x must be a tensor, an FP8BlockTensor or an MXFP4Tensor, got {type(x).__name__}", TypeError
+    in_sizes = out_sizes = None
+    if problem is None:
+        in_sizes, problem = _splits(input_split_sizes, n, world, "input_split_sizes")
+    if problem is None:
+        problem = _local_problem(x, n, hidden, dtype, forward, backward, output, group, in_sizes)
+        if problem is not None and dtype not in HIGH_PRECISION_DTYPES:
+            cls = TypeError
     if problem is None:
         out_sizes, problem = _splits(output_split_sizes, n if output_split_sizes is None else 0, world,
                                      "output_split_sizes")
     if not check:
         if problem:
-            raise ValueError(f"{fn} on rank {rank}: {problem}")
+            raise cls(f"{fn} on rank {rank}: {problem}")
         return ExchangePlan(group, in_sizes, out_sizes, hidden, dtype, forward, backward, output)
 
     # [ok, H, dtype, formats x3, in_splits x world, out_splits x world]
@@ -175,7 +188,7 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
              _OUTPUT_CODE[output], *(in_sizes if ok else (0,) * world), *(out_sizes if ok else (0,) * world)]
     table = all_gather_counts(torch.tensor(local, dtype=torch.int64, device=_count_device(group)), group).tolist()
     if problem:
-        raise ValueError(f"{fn} on rank {rank}: {problem}")
+        raise cls(f"{fn} on rank {rank}: {problem}")
     bad = [r for r, row in enumerate(table) if not row[0]]
     if bad:
         raise ValueError(f"{fn}: rank(s) {bad} rejected their input (see the error raised there); no data was sent")
@@ -312,12 +325,13 @@ def _original(module: str, name: str):
 
 def functional_all_to_all_single(self, output_split_sizes, input_split_sizes, group, tag: str = ""):
     """Drop-in for ``torch.distributed._functional_collectives.all_to_all_single``: same signature
-    and rows, no autograd (like torch's), values sent in the active :class:`SwapConfig`'s format."""
+    and rows, values sent in the active :class:`SwapConfig`'s format. Differentiable, as torch's is
+    (its ``all_to_all_single_autograd`` calls this very name, so a swapped-in function without
+    autograd would drop the gradient there too)."""
     cfg = _config()
     if not _quantizable(self, cfg):
         return _original(_TORCH_FUNCOL, "all_to_all_single")(self, output_split_sizes, input_split_sizes, group, tag)
-    with torch.no_grad():
-        return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
+    return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
 
 
 def functional_all_to_all_single_autograd(self, output_split_sizes, input_split_sizes, group, tag: str = ""):

@@ -14,9 +14,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 WORLD = 2
-# The CPU floors of test_ep (emulated GEMMs) hold on H200 too except where cuBLAS's accumulation order
-# moves FP8 code flips of the output gradient: PLACEHOLDER until measured.
-EP_MATCH_FLOOR_DB_GPU = test_ep.EP_MATCH_FLOOR_DB
+# test_ep's CPU floors (emulated GEMMs), except fp8's w2: cuBLAS's accumulation order moves other FP8
+# code flips of the output gradient. Lowest over ranks measured on 2x H200 (commit 3f8ea4c): bf16 out
+# 49.82, dx 46.12, w13 46.86, w2 45.96, router 46.93; fp8 49.57, 39.11, 36.55, 35.29, 46.16; fp4 50.14,
+# 38.96, 35.29, 34.61, 45.85 -- every value above the CPU floor but fp8 w2 (35.7): 1 dB under it.
+EP_MATCH_FLOOR_DB_GPU = {p: dict(row) for p, row in test_ep.EP_MATCH_FLOOR_DB.items()}
+EP_MATCH_FLOOR_DB_GPU["fp8"]["w2"] = 34.2
 
 
 def _a2a_case(rank, world, device="cuda"):

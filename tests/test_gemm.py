@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import moe_fp4
+from moe_fp4 import reference
 from moe_fp4.gemm import FP8WeightTensor, GemmBackend, fp8_mm_nt, gemm_backend, quantize_fp8_colwise, \
     quantize_fp8_weight
 
@@ -170,7 +171,7 @@ def test_one_tile_scales_have_literal_m_major_strides(rows):
     """With one 1x128 tile per row, strides (1, 1) and (1, M) describe the same layout, but torch 2.11's
     scaled_mm checks (1, M) literally: every producer and rows() must give exactly that."""
     x = torch.randn(rows, 128).to(torch.bfloat16)
-    for t in (moe_fp4.quantize_fp8(x), moe_fp4.reference.quantize_fp8(x), moe_fp4.mxfp4_to_fp8(moe_fp4.quantize_mxfp4(x))):
+    for t in (moe_fp4.quantize_fp8(x), reference.quantize_fp8(x), moe_fp4.mxfp4_to_fp8(moe_fp4.quantize_mxfp4(x))):
         assert t.scale.stride() == (1, rows)
         assert t.rows(0, rows).scale.stride() == (1, rows)
     half = moe_fp4.quantize_fp8(torch.randn(2 * rows, 128).to(torch.bfloat16)).rows(rows, 2 * rows)
