@@ -302,7 +302,7 @@ def _quantizable(t: torch.Tensor, cfg: SwapConfig) -> bool:
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0], -1)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))  # not -1: a [0, H] tensor has no -1 to infer
 
 
 def _dropin(t, output_split_sizes, input_split_sizes, group, cfg: SwapConfig) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Test setup. Without a CUDA device the Triton kernels run under the interpreter on CPU tensors:
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, ahead of every
-test module. GPU tests are marked `gpu` and skip cleanly where no CUDA device is present."""
+test module. (Processes spawned by tests/distributed.py set TRITON_INTERPRET=0 and run the pure-torch
+references instead: see there.) GPU tests are marked `gpu` and skip cleanly where no CUDA device is present."""
 
 import os
 

@@ -1,0 +1,604 @@
+"""moe_fp4.comm on gloo (spawned CPU processes), world sizes 2 and 4: routing, values and gradients
+of ``all_to_all`` in every forward/backward/output format, the drop-ins for torch's
+``all_to_all_single`` functions, ``swap_all_to_all``, and the errors the count exchange raises.
+
+Spawning costs seconds, so each test runs many cases inside ONE rank function. The children run with
+``TRITON_INTERPRET=0`` (tests/distributed.py): moe_fp4 and helpers (which imports moe_fp4) are
+imported inside the rank functions, never at the top of this module, and the pure-torch references
+run there; the kernels are checked against them bit for bit in test_kernels.py / test_wire.py.
+
+Every expected value is built from the inputs of all ranks (each rank regenerates every rank's rows
+from its seed): quantization is row-local, so the rows a rank receives in a format are exactly the
+direct conversion of the rows sent to it. Row i of rank r carries the tag (r + 1, i + 1) in its first
+two columns, so the bf16 exchange shows where every row came from.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+H = 256                      # two FP8 tiles, eight MXFP4 blocks per row
+FORMATS = ("bf16", "fp8", "mxfp4")
+COMBOS = tuple((f, b, o) for f in FORMATS for b in FORMATS for o in FORMATS)   # forward, backward, output
+FEW = (("bf16", "bf16", "bf16"), ("mxfp4", "fp8", "mxfp4"), ("fp8", "mxfp4", "fp8"), ("mxfp4", "mxfp4", "bf16"))
+KINDS = ("gaussian", "mixed_magnitudes", "outlier_channels", "zero_rows")   # helpers.make_input kinds, by rank
+# S[s][d]: rows rank s sends to rank d. World 2: a rank sending nothing to itself, a rank with N = 0
+# (and one receiving nothing), and nobody sending anything. World 4: rank 2 receives nothing (M = 0),
+# rank 3 holds no rows (N = 0), zeros off the diagonal.
+SPLITS = {
+    2: ([[0, 3], [2, 1]], [[2, 3], [0, 0]], [[0, 0], [0, 0]]),
+    4: ([[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0, 2], [0, 0, 0, 0]],),
+}
+# For the drop-ins: uneven, zeros, a rank receiving nothing, and at world 4 a rank holding no rows.
+DROPIN_SPLITS = {2: [[0, 3], [2, 1]], 4: [[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0, 2], [0, 0, 0, 0]]}
+# For the EP loop (dispatch, then combine back): at world 4 rank 2 receives nothing, so its combine
+# sends a [0, H] tensor.
+EP_LOOP_SPLITS = {2: [[0, 3], [2, 1]], 4: [[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0, 2], [1, 0, 0, 1]]}
+# Input-gradient SQNR floors (dB) for a quantized backward exchange against the bf16 one: the gradient
+# is the loss weights (N(0, 1)) quantized row by row. Lowest value measured over every rank with rows
+# and every exchange (bf16/fp32/fp16 inputs, all split patterns, world 2 and 4): mxfp4 18.48 dB
+# (world 4), fp8 31.15 dB (world 2); each floor is about 1 dB under.
+GRAD_SQNR_FLOOR_DB = {"mxfp4": 17.4, "fp8": 30.1}
+# The error cases _error_cases runs, in order (each raises on every rank, then a normal exchange runs).
+ERROR_CASES = ("splits do not sum to N", "splits disagree across ranks", "splits disagree through the drop-in",
+               "H % 32 for mxfp4", "H % 128 for fp8 forward", "H % 128 for fp8 backward", "H % 128 for an fp8 output",
+               "H % 32 on one rank", "int dtype on one rank", "3-D x on one rank", "a list for x on one rank",
+               "unknown format name on one rank", "dtype disagreement", "H disagreement",
+               "forward format disagreement", "output format disagreement", "input_split_sizes too long",
+               "output_split_sizes too short", "negative size", "None splits that do not divide")
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared pieces (run inside the ranks).
+
+
+def _rows(rank: int, n: int, dtype, hidden: int = H) -> torch.Tensor:
+    """Rank ``rank``'s n input rows: a make_input kind by rank, tagged (rank + 1, i + 1) in columns 0, 1."""
+    from helpers import make_input
+
+    x = make_input((n, hidden), KINDS[rank % len(KINDS)], torch.float32, seed=10 + rank)
+    x[:, 0] = rank + 1
+    x[:, 1] = torch.arange(n, dtype=torch.float32) + 1
+    return x.to(dtype)
+
+
+def _weights(rank: int, m: int, dtype, hidden: int = H) -> torch.Tensor:
+    """Fixed random loss weights for rank ``rank``'s m received rows."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(m, hidden, generator=g).to(dtype)
+
+
+def _recv(S, rank: int) -> list[int]:
+    return [S[s][rank] for s in range(len(S))]
+
+
+def _transpose(S):
+    return [list(col) for col in zip(*S)]
+
+
+def _route(S, tensors, dst: int) -> torch.Tensor:
+    """The rows rank ``dst`` receives when rank s sends S[s][d] rows of tensors[s] to each d, in order."""
+    parts = []
+    for s, t in enumerate(tensors):
+        off = sum(S[s][:dst])
+        parts.append(t[off:off + S[s][dst]])
+    return torch.cat(parts)
+
+
+def _tags(S, dst: int) -> list[tuple[int, int]]:
+    """(source rank, source row) of every row rank ``dst`` receives."""
+    return [(s, sum(S[s][:dst]) + j) for s in range(len(S)) for j in range(S[s][dst])]
+
+
+def _read_tags(y: torch.Tensor) -> list[tuple[int, int]]:
+    return [(int(a) - 1, int(b) - 1) for a, b in y[:, :2].float().tolist()]
+
+
+def _convert(fmt: str, output: str, x):
+    """What rows x sent in wire format ``fmt`` should become as ``output``, by the public API alone."""
+    import moe_fp4
+
+    if fmt == "mxfp4":
+        q = moe_fp4.quantize_mxfp4(x)
+        return {"bf16": q.dequantize, "fp8": lambda: moe_fp4.mxfp4_to_fp8(q), "mxfp4": lambda: q}[output]()
+    if fmt == "fp8":
+        f = moe_fp4.quantize_fp8(x)
+        return {"bf16": f.dequantize, "fp8": lambda: f, "mxfp4": lambda: moe_fp4.quantize_mxfp4(f)}[output]()
+    return {"bf16": lambda: x, "fp8": lambda: moe_fp4.quantize_fp8(x), "mxfp4": lambda: moe_fp4.quantize_mxfp4(x)}[output]()
+
+
+def _rt(x, fmt: str = "mxfp4"):
+    """Round trip through a wire format: dequantize(quantize(x)) in x's dtype."""
+    return _convert(fmt, "bf16", x)
+
+
+def _assert_same(got, want, what):
+    from helpers import same_bits
+
+    import moe_fp4
+
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, (what, type(got))
+        assert same_bits(got.detach(), want.detach()), what
+        return
+    assert type(got) is type(want) and isinstance(want, (moe_fp4.MXFP4Tensor, moe_fp4.FP8BlockTensor)), what
+    assert tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype, what
+    assert same_bits(got.data, want.data) and same_bits(got.scale, want.scale), what
+
+
+def _wait(t):
+    """torch's functional collectives return an AsyncCollectiveTensor; the drop-ins a plain tensor."""
+    return t.wait() if hasattr(t, "wait") else t
+
+
+def _check_equal_split_exchange(rank: int, world: int, fmt: str = "bf16", hidden: int = H):
+    """A normal all_to_all after an error: equal splits, exact routing (bf16) or its round trip."""
+    from moe_fp4.comm import all_to_all
+
+    S = [[2] * world for _ in range(world)]
+    xs = [_rows(r, 2 * world, torch.bfloat16, hidden) for r in range(world)]
+    x = xs[rank].clone().requires_grad_()
+    y = all_to_all(x, forward=fmt, backward=fmt)
+    want = _route(S, xs, rank)
+    _assert_same(y, _rt(want, fmt), f"recovery exchange ({fmt})")
+    if fmt == "bf16":
+        assert _read_tags(y) == _tags(S, rank)
+    (y * 1).sum().backward()
+    assert x.grad is not None and bool((x.grad == 1).all()), "a gradient of ones comes back exactly"
+
+
+# ------------------------------------------------------------------------------------------------
+# all_to_all: routing, values, gradients, every format combination.
+
+
+def _exchange_cases(rank: int, world: int):
+    import torch.distributed as dist
+
+    import moe_fp4
+    from helpers import sqnr_db
+    from moe_fp4.comm import Received, all_to_all
+
+    torch.set_num_threads(1)
+    ran, sqnr = set(), {"mxfp4": [], "fp8": []}
+    for pattern, S in enumerate(SPLITS[world]):
+        sends, recvs = S[rank], _recv(S, rank)
+        for dtype, combos in ((torch.bfloat16, COMBOS), (torch.float32, FEW), (torch.float16, FEW)):
+            xs = [_rows(r, sum(S[r]), dtype) for r in range(world)]
+            ws = [_weights(d, sum(_recv(S, d)), dtype) for d in range(world)]
+            want = _route(S, xs, rank)
+            where = f"pattern {pattern}, {dtype}"
+
+            # Exact routing in bf16 (the tags say where each row came from), and the reference gradient:
+            # the exact reverse exchange of the loss weights.
+            x_ref = xs[rank].clone().requires_grad_()
+            y_ref = all_to_all(x_ref, recvs, sends, forward="bf16", backward="bf16")
+            _assert_same(y_ref, want, f"bf16 routing, {where}")
+            assert _read_tags(y_ref) == _tags(S, rank), where
+            (y_ref * ws[rank]).sum().backward()
+            _assert_same(x_ref.grad, _route(_transpose(S), ws, rank), f"bf16 gradient routing, {where}")
+
+            for fwd, bwd, out in combos:
+                case = f"forward={fwd} backward={bwd} output={out}, {where}"
+                x = xs[rank].clone().requires_grad_()
+                res = all_to_all(x, recvs, sends, forward=fwd, backward=bwd, output=out)
+                if out == "bf16":
+                    _assert_same(res, _rt(want, fwd), case)
+                    carrier = res
+                else:
+                    assert isinstance(res, Received), case
+                    _assert_same(res.value, _convert(fwd, out, want), case)
+                    carrier = res.grad_carrier
+                    assert tuple(carrier.shape) == (sum(recvs), H) and carrier.dtype == dtype, case
+                assert carrier.requires_grad, case
+                (carrier * ws[rank]).sum().backward()
+                # x.grad = the reverse exchange of the weights in the backward format, bit for bit
+                _assert_same(x.grad, _route(_transpose(S), [_rt(w, bwd) for w in ws], rank), f"gradient, {case}")
+                if bwd == "bf16":
+                    _assert_same(x.grad, x_ref.grad, f"bf16 gradient equals the bf16 exchange's, {case}")
+                elif x.grad.numel():
+                    sqnr[bwd].append(sqnr_db(x_ref.grad, x.grad))
+                ran.add((fwd, bwd, out))
+
+    # Containers travel as they are (their own format) or are converted directly; no gradient.
+    S = SPLITS[world][0]
+    sends, recvs = S[rank], _recv(S, rank)
+    xs = [_rows(r, sum(S[r]), torch.bfloat16) for r in range(world)]
+    want = _route(S, xs, rank)
+    q, f = moe_fp4.quantize_mxfp4(xs[rank]), moe_fp4.quantize_fp8(xs[rank])
+    for src, fwd, out, expected in (
+        (q, "mxfp4", "mxfp4", moe_fp4.quantize_mxfp4(want)),
+        (q, "mxfp4", "bf16", _rt(want)),
+        (q, "fp8", "bf16", moe_fp4.mxfp4_to_fp8(moe_fp4.quantize_mxfp4(want)).dequantize()),
+        (q, "bf16", "fp8", moe_fp4.quantize_fp8(_rt(want))),
+        (f, "fp8", "fp8", moe_fp4.quantize_fp8(want)),
+        (f, "mxfp4", "mxfp4", moe_fp4.quantize_mxfp4(moe_fp4.quantize_fp8(want))),
+    ):
+        res = all_to_all(src, recvs, sends, forward=fwd, output=out)
+        case = f"{type(src).__name__} forward={fwd} output={out}"
+        if out == "bf16":
+            _assert_same(res, expected, case)
+        else:
+            _assert_same(res.value, expected, case)
+            assert tuple(res.grad_carrier.shape) == (sum(recvs), H) and not res.grad_carrier.requires_grad, case
+
+    # check=False (splits already agreed) and the group forms give the same rows.
+    base = all_to_all(xs[rank], recvs, sends)
+    _assert_same(base, _rt(want), "default formats: mxfp4 forward, bf16 output")
+    for kwargs in ({"check": False}, {"group": dist.group.WORLD}, {"group": dist.group.WORLD.group_name}):
+        _assert_same(all_to_all(xs[rank], recvs, sends, **kwargs), base, str(kwargs))
+
+    # A subgroup (world 4: ranks 0 and 2): group ranks, not global ranks, index the splits.
+    if world == 4:
+        members = [0, 2]
+        sub = dist.new_group(members)
+        if rank in members:
+            me = members.index(rank)
+            T = [[1, 2], [3, 0]]
+            ys = [_rows(members[i], sum(T[i]), torch.bfloat16) for i in range(2)]
+            got = all_to_all(ys[me], _recv(T, me), T[me], group=sub, forward="bf16")
+            _assert_same(got, _route(T, ys, me), "subgroup routing")
+            _assert_same(all_to_all(ys[me], _recv(T, me), T[me], group=sub), _rt(_route(T, ys, me)), "subgroup mxfp4")
+    return {"ran": sorted(ran), "sqnr": sqnr}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_routing_values_and_gradients(world):
+    results = run_ranks(_exchange_cases, world)
+    for rank, res in enumerate(results):
+        assert res["ran"] == sorted(COMBOS), f"rank {rank} did not run every forward/backward/output combination"
+    for fmt, floor in GRAD_SQNR_FLOOR_DB.items():
+        measured = [v for res in results for v in res["sqnr"][fmt]]   # ranks with no rows measure nothing
+        assert measured, fmt
+        assert min(measured) >= floor, (fmt, min(measured))
+
+
+# ------------------------------------------------------------------------------------------------
+# The drop-ins and swap_all_to_all.
+
+_FUNCOL = "torch.distributed._functional_collectives"
+_NN = "torch.distributed.nn.functional"
+# An "existing EP loop" whose module imported torch's names (swap_all_to_all(modules=[...]) reaches it).
+_IMPORTED_LOOP_SOURCE = f"""
+from {_FUNCOL} import all_to_all_single_autograd
+
+def dispatch(x, output_split_sizes, input_split_sizes, group):
+    y = all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group)
+    return y.wait() if hasattr(y, "wait") else y
+"""
+
+
+def _ep_loop(x, send_counts, group):
+    """An existing EP loop written against torch's functional collectives (looked up at call time):
+    exchange the counts, dispatch the rows, combine 2 * rows back."""
+    import torch.distributed._functional_collectives as funcol
+
+    recv_counts = _wait(funcol.all_to_all_single(send_counts, None, None, group))
+    recvs, sends = recv_counts.tolist(), send_counts.tolist()
+    y = _wait(funcol.all_to_all_single_autograd(x, recvs, sends, group))
+    z = _wait(funcol.all_to_all_single_autograd(2 * y, sends, recvs, group))
+    return recv_counts, y, z
+
+
+def _swapped(comm) -> bool:
+    """Whether every attribute in comm.SWAPPED currently holds moe_fp4's replacement."""
+    import importlib
+
+    return all(getattr(importlib.import_module(m), a) is f for m, a, f in comm.SWAPPED)
+
+
+def _dropin_cases(rank: int, world: int):
+    import importlib
+    import sys
+    import types
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.nn.functional as dnn
+
+    from moe_fp4 import comm
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    torch_a2a, torch_a2a_ag, torch_nn_a2a = funcol.all_to_all_single, funcol.all_to_all_single_autograd, dnn.all_to_all_single
+    assert {(m, a) for m, a, _ in comm.SWAPPED} == {(_FUNCOL, "all_to_all_single"), (_FUNCOL, "all_to_all_single_autograd"),
+                                                   (_NN, "all_to_all_single")}
+    originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _ in comm.SWAPPED}
+
+    S = DROPIN_SPLITS[world]
+    sends, recvs = S[rank], _recv(S, rank)
+    n, m = sum(sends), sum(recvs)
+    bf16 = torch.bfloat16
+    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
+    ws = [_weights(d, sum(_recv(S, d)), bf16) for d in range(world)]
+    x, w, want = xs[rank], ws[rank], _route(S, xs, rank)
+    want_grad = _route(_transpose(S), ws, rank)
+
+    # functional_all_to_all_single: torch's rows of the MXFP4 round trip (exact), differentiable like
+    # torch's (bf16 backward: the same gradient).
+    xf, xft = x.clone().requires_grad_(), _rt(x).requires_grad_()
+    got = comm.functional_all_to_all_single(xf, recvs, sends, group)
+    got_t = _wait(torch_a2a(xft, recvs, sends, group))
+    _assert_same(got, got_t, "functional drop-in")
+    _assert_same(got, _rt(want), "functional drop-in, routed")
+    (got * w).sum().backward()
+    (got_t * w).sum().backward()
+    _assert_same(xf.grad, xft.grad, "functional drop-in gradient")
+    _assert_same(xf.grad, want_grad, "functional drop-in gradient, routed")
+    got3 = comm.functional_all_to_all_single(x.view(n, 2, H // 2), recvs, sends, group)
+    assert tuple(got3.shape) == (m, 2, H // 2)
+    _assert_same(got3, got.view(m, 2, H // 2), "functional drop-in, [N, 2, H/2] rows")
+    xe = _rows(rank, 2 * world, bf16)
+    _assert_same(comm.functional_all_to_all_single(xe, None, None, group),
+                 _wait(torch_a2a(_rt(xe), None, None, group)), "functional drop-in, equal splits")
+
+    # functional_all_to_all_single_autograd: same rows, and the gradient torch's gives (bf16 backward).
+    xa, xt = x.clone().requires_grad_(), _rt(x).requires_grad_()
+    ya = comm.functional_all_to_all_single_autograd(xa, recvs, sends, group)
+    yt = _wait(torch_a2a_ag(xt, recvs, sends, group))
+    _assert_same(ya, yt, "autograd drop-in")
+    (ya * w).sum().backward()
+    (yt * w).sum().backward()
+    _assert_same(xa.grad, xt.grad, "autograd drop-in gradient")
+    _assert_same(xa.grad, want_grad, "autograd drop-in gradient, routed")
+
+    # nn_all_to_all_single: fills `output`, returns the rows, differentiable.
+    buf, buf_t = torch.full((m, H), float("nan"), dtype=bf16), torch.empty(m, H, dtype=bf16)
+    xn, xnt = x.clone().requires_grad_(), _rt(x).requires_grad_()
+    yn = comm.nn_all_to_all_single(buf, xn, recvs, sends, group)
+    ynt = torch_nn_a2a(buf_t, xnt, recvs, sends, group)
+    _assert_same(yn, ynt, "nn drop-in")
+    _assert_same(buf, buf_t, "nn drop-in fills output")
+    (yn * w).sum().backward()
+    (ynt * w).sum().backward()
+    _assert_same(xn.grad, xnt.grad, "nn drop-in gradient")
+    buf_e, buf_et = torch.empty(2 * world, H, dtype=bf16), torch.empty(2 * world, H, dtype=bf16)
+    _assert_same(comm.nn_all_to_all_single(buf_e, xe), torch_nn_a2a(buf_et, _rt(xe)), "nn drop-in, defaults")
+    with pytest.raises(ValueError, match=r"output has shape \(%d, %d\)" % (m + 1, H)):
+        comm.nn_all_to_all_single(torch.empty(m + 1, H, dtype=bf16), x, recvs, sends, group)
+
+    # What cannot travel quantized goes through torch's own function, unchanged.
+    counts = torch.tensor(sends, dtype=torch.int64)
+    for fn, orig in ((comm.functional_all_to_all_single, torch_a2a), (comm.functional_all_to_all_single_autograd, torch_a2a_ag)):
+        got = _wait(fn(counts, None, None, group))
+        assert got.dtype == torch.int64 and got.tolist() == recvs, fn.__name__
+        assert torch.equal(got, _wait(orig(counts, None, None, group)))
+    got = comm.nn_all_to_all_single(torch.empty(world, dtype=torch.int64), counts)
+    assert got.dtype == torch.int64 and got.tolist() == recvs
+    ints = [torch.arange(sum(S[r]) * 8, dtype=torch.int32).view(-1, 8) + 1000 * r for r in range(world)]
+    narrow = [xs_r[:, :48].contiguous() for xs_r in xs]     # 48 values a row: not a multiple of 32
+    flat = [torch.arange(sum(S[r]), dtype=torch.float32) + 100 * r for r in range(world)]
+    for name, ts in (("int32 rows", ints), ("48-value rows", narrow), ("1-D float", flat)):
+        got = _wait(comm.functional_all_to_all_single(ts[rank], recvs, sends, group))
+        _assert_same(got, _route(S, ts, rank), name)
+
+    # The active SwapConfig picks the formats; rows that do not fit the format go through torch's.
+    with comm.swap_all_to_all(forward="fp8", backward="mxfp4"):
+        _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "fp8 config")
+        x64 = [t[:, :64].contiguous() for t in xs]              # a multiple of 32, not of 128
+        _assert_same(_wait(funcol.all_to_all_single(x64[rank], recvs, sends, group)), _route(S, x64, rank),
+                     "64-value rows with fp8 forward")
+        xg = x.clone().requires_grad_()
+        (funcol.all_to_all_single_autograd(xg, recvs, sends, group) * w).sum().backward()
+        _assert_same(xg.grad, _route(_transpose(S), [_rt(t, "mxfp4") for t in ws], rank), "mxfp4 backward config")
+
+    # swap_all_to_all replaces the SWAPPED attributes in the scope and restores them after.
+    assert not _swapped(comm)
+    with comm.swap_all_to_all() as cfg:
+        assert cfg.forward.value == "mxfp4" and cfg.backward.value == "bf16"
+        assert _swapped(comm)
+        _assert_same(_wait(funcol.all_to_all_single(x, recvs, sends, group)), _rt(want), "swapped functional")
+        with comm.swap_all_to_all(forward="fp8"):                 # nesting: the innermost formats apply
+            assert _swapped(comm)
+            _assert_same(funcol.all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "nested fp8")
+        assert _swapped(comm)
+        _assert_same(funcol.all_to_all_single(x, recvs, sends, group), _rt(want), "back to mxfp4 after the inner scope")
+        buf = torch.empty(m, H, dtype=bf16)
+        _assert_same(dnn.all_to_all_single(buf, x, recvs, sends, group), _rt(want), "swapped nn")
+        # Gradients flow through the swapped functions, also through an alias of torch's
+        # all_to_all_single_autograd that the scope did not replace: torch 2.13's calls
+        # all_to_all_single by its module-global name, so it sends MXFP4 too.
+        for name, fn in (("swapped all_to_all_single", funcol.all_to_all_single),
+                         ("swapped all_to_all_single_autograd", funcol.all_to_all_single_autograd),
+                         ("alias of torch's all_to_all_single_autograd", torch_a2a_ag)):
+            xg = x.clone().requires_grad_()
+            yg = _wait(fn(xg, recvs, sends, group))
+            _assert_same(yg, _rt(want), name)
+            (yg * w).sum().backward()
+            _assert_same(xg.grad, want_grad, f"{name}: gradient")
+    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in comm.SWAPPED)
+    with pytest.raises(RuntimeError, match="raised in the body"):
+        with comm.swap_all_to_all(forward="fp8"):
+            assert _swapped(comm)
+            raise RuntimeError("raised in the body")
+    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in comm.SWAPPED)
+    # ... and the fp8 config is gone: the drop-in outside any scope sends MXFP4 again.
+    _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want), "config restored")
+
+    # modules=[...]: same-named attributes holding torch's functions are swapped too (a module object
+    # or a dotted name); an attribute holding something else is left alone.
+    loop = types.ModuleType("moe_fp4_test_ep_loop")
+    exec(_IMPORTED_LOOP_SOURCE, loop.__dict__)
+    sys.modules[loop.__name__] = loop
+    nn_mod, fc_mod, other = (types.ModuleType(name) for name in ("nn_user", "funcol_user", "unrelated"))
+    nn_mod.all_to_all_single = torch_nn_a2a
+    fc_mod.all_to_all_single = torch_a2a
+
+    def own(*args):
+        return args
+
+    other.all_to_all_single = other.all_to_all_single_autograd = own
+    with comm.swap_all_to_all(modules=[loop.__name__, nn_mod, fc_mod, other]):
+        assert loop.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd
+        assert nn_mod.all_to_all_single is comm.nn_all_to_all_single
+        assert fc_mod.all_to_all_single is comm.functional_all_to_all_single
+        assert other.all_to_all_single is own and other.all_to_all_single_autograd is own
+        xd = x.clone().requires_grad_()
+        yd = loop.dispatch(xd, recvs, sends, group)
+        _assert_same(yd, _rt(want), "imported-name loop sends MXFP4 in the scope")
+        (yd * w).sum().backward()
+        _assert_same(xd.grad, want_grad, "imported-name loop gradient")
+    assert loop.all_to_all_single_autograd is torch_a2a_ag
+    assert nn_mod.all_to_all_single is torch_nn_a2a and fc_mod.all_to_all_single is torch_a2a
+    assert other.all_to_all_single is own
+    _assert_same(loop.dispatch(x, recvs, sends, group), want, "imported-name loop is exact bf16 after the scope")
+    del sys.modules[loop.__name__]
+
+    # An existing EP loop on torch's functional collectives: exact bf16 outside the scope, MXFP4 inside
+    # (its int64 count exchange still goes through torch's function); gradients identical (bf16 back).
+    S = EP_LOOP_SPLITS[world]
+    sends, recvs = S[rank], _recv(S, rank)
+    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
+    x, want, counts = xs[rank], _route(S, xs, rank), torch.tensor(sends, dtype=torch.int64)
+    wz = _weights(100 + rank, sum(sends), bf16)
+    results = {}
+    for inside in (False, True):
+        xl = x.clone().requires_grad_()
+        if inside:
+            with comm.swap_all_to_all():
+                results[inside] = (*_ep_loop(xl, counts, group), xl)
+        else:
+            results[inside] = (*_ep_loop(xl, counts, group), xl)
+        (results[inside][2] * wz).sum().backward()
+    (rc_o, y_o, z_o, x_o), (rc_i, y_i, z_i, x_i) = results[False], results[True]
+    assert rc_o.tolist() == recvs and rc_i.tolist() == recvs and rc_i.dtype == torch.int64
+    _assert_same(y_o, want, "EP loop outside the scope: exact")
+    assert _read_tags(y_o) == _tags(S, rank)
+    _assert_same(z_o, 2 * x, "EP loop outside: combine returns 2x")
+    _assert_same(y_i, _rt(y_o), "EP loop inside: the MXFP4 round trip of the bf16 result")
+    _assert_same(z_i, _rt(2 * _rt(x)), "EP loop inside: the combine is quantized too")
+    _assert_same(x_o.grad, 2 * wz, "EP loop gradient outside")
+    _assert_same(x_i.grad, x_o.grad, "EP loop gradient inside (bf16 backward) equals outside")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropins_and_swap(world):
+    assert run_ranks(_dropin_cases, world) == [True] * world
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors: raised on every rank, then a normal exchange in the same processes.
+
+
+def _error_cases(rank: int, world: int):
+    import re
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_fp4.comm import all_to_all, swap_all_to_all
+
+    torch.set_num_threads(1)
+    n, even = 2 * world, [2] * world
+    x = _rows(rank, n, torch.bfloat16)
+    last = world - 1
+    checked = []
+
+    def expect(what, call, pattern, cls=ValueError, bad_rank=None):
+        """Every rank raises: ``cls`` on ``bad_rank`` (all ranks if None), ValueError on the others."""
+        with pytest.raises(cls if bad_rank in (None, rank) else ValueError, match=pattern):
+            call()
+        checked.append(what)
+        _check_equal_split_exchange(rank, world)
+
+    def others(bad_rank, own_pattern):
+        return own_pattern if rank == bad_rank else re.escape(f"rank(s) [{bad_rank}] rejected their input")
+
+    # input_split_sizes that do not sum to N, on rank 0 only
+    sends = [*even[:-1], 3] if rank == 0 else even
+    expect("splits do not sum to N", lambda: all_to_all(x, even, sends),
+           others(0, re.escape(f"input_split_sizes sum to {n + 1}, but x has {n} rows")))
+    # rank 0 sends 3 rows to rank 1, rank 1 expects 2 (each rank's own splits are consistent)
+    x0 = _rows(rank, n + 1, torch.bfloat16) if rank == 0 else x
+    sends = [2, 3, *even[2:]] if rank == 0 else even
+    disagree = re.escape("rank 0 sends 3 rows to rank 1, but rank 1 expects 2 from rank 0")
+    expect("splits disagree across ranks", lambda: all_to_all(x0, even, sends), disagree)
+
+    def swapped_call():
+        with swap_all_to_all():
+            funcol.all_to_all_single(x0, even, sends, dist.group.WORLD)
+
+    # the same through a swapped drop-in
+    expect("splits disagree through the drop-in", swapped_call, disagree)
+    # H not a multiple of 32 (mxfp4) / 128 (fp8, either direction, or an fp8 output)
+    x48, x64 = x[:, :48].contiguous(), x[:, :64].contiguous()
+    expect("H % 32 for mxfp4", lambda: all_to_all(x48, forward="mxfp4"),
+           re.escape("H = 48 must be a multiple of 32 for the mxfp4 wire format"))
+    expect("H % 128 for fp8 forward", lambda: all_to_all(x64, forward="fp8"),
+           re.escape("H = 64 must be a multiple of 128 for the fp8 wire format"))
+    expect("H % 128 for fp8 backward", lambda: all_to_all(x64, forward="mxfp4", backward="fp8"),
+           re.escape("H = 64 must be a multiple of 128 for the fp8 wire format"))
+    expect("H % 128 for an fp8 output", lambda: all_to_all(x64, forward="mxfp4", output="fp8"),
+           re.escape("output='fp8' needs H = 64 to be a multiple of 128"))
+    # H % 32 on one rank only
+    xh = x48 if rank == last else x
+    expect("H % 32 on one rank", lambda: all_to_all(xh), others(last, re.escape("H = 48 must be a multiple of 32")))
+    # an integer tensor on one rank
+    xi = torch.zeros(n, H, dtype=torch.int64) if rank == last else x
+    expect("int dtype on one rank", lambda: all_to_all(xi),
+           others(last, re.escape("x must be bfloat16, float16 or float32") + ".*got torch.int64"), TypeError, last)
+    # not [N, H], not a tensor, an unknown format name: on one rank, raised on all after the count exchange
+    xs3 = x.view(n, 2, H // 2) if rank == 0 else x
+    expect("3-D x on one rank", lambda: all_to_all(xs3), others(0, re.escape(f"x must be [N, H], got shape {(n, 2, H // 2)}")))
+    xl = x.tolist() if rank == 1 else x
+    expect("a list for x on one rank", lambda: all_to_all(xl),
+           others(1, re.escape("x must be a tensor, an FP8BlockTensor or an MXFP4Tensor, got list")), TypeError, 1)
+    expect("unknown format name on one rank", lambda: all_to_all(x, backward="mxfp8" if rank == last else "bf16"),
+           others(last, "'mxfp8' is not a valid WireFormat"))
+    # ranks that disagree on dtype, H, formats
+    expect("dtype disagreement", lambda: all_to_all(x.float() if rank == 1 else x), "ranks disagree on dtype")
+    expect("H disagreement", lambda: all_to_all(x[:, :128].contiguous() if rank == 1 else x),
+           re.escape(f"ranks disagree on H: {[128 if r == 1 else H for r in range(world)]}"))
+    expect("forward format disagreement", lambda: all_to_all(x, forward="fp8" if rank == 0 else "mxfp4"),
+           "ranks disagree on forward format")
+    expect("output format disagreement", lambda: all_to_all(x, output="mxfp4" if rank == 1 else "bf16"),
+           "ranks disagree on output format")
+    # split lists of the wrong length, negative sizes, equal splits that do not divide
+    expect("input_split_sizes too long", lambda: all_to_all(x, even, [*even, 0] if rank == 0 else even),
+           others(0, re.escape(f"input_split_sizes has {world + 1} entries for a group of {world} ranks")))
+    expect("output_split_sizes too short", lambda: all_to_all(x, even[:-1] if rank == 1 else even, even),
+           others(1, re.escape(f"output_split_sizes has {world - 1} entries for a group of {world} ranks")))
+    expect("negative size", lambda: all_to_all(x, even, [-1, 3, *even[2:]] if rank == 1 else even),
+           others(1, "holds a negative size"))
+    xo = x[:n - 1] if rank == 0 else x
+    expect("None splits that do not divide", lambda: all_to_all(xo),
+           others(0, re.escape(f"{n - 1} rows do not divide into {world} ranks")))
+    # nothing is left half-done: a quantized exchange with gradients works too
+    _check_equal_split_exchange(rank, world, "mxfp4")
+    _check_equal_split_exchange(rank, world, "fp8")
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_errors_raise_on_every_rank_and_nothing_hangs(world):
+    for rank, checked in enumerate(run_ranks(_error_cases, world)):
+        assert checked == list(ERROR_CASES), rank
+
+
+# ------------------------------------------------------------------------------------------------
+# A rank with no rows: the drop-ins reshape [0, H] without inferring a dimension.
+
+
+def _empty_dropin_case(rank: int, world: int):
+    """Every rank passes a [0, H] tensor with zero splits; torch's function returns [0, H] rows."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_fp4.comm import functional_all_to_all_single
+
+    empty = torch.zeros(0, H, dtype=torch.bfloat16)
+    torch_shape = tuple(_wait(funcol.all_to_all_single(empty, [0] * world, [0] * world, dist.group.WORLD)).shape)
+    try:
+        got = functional_all_to_all_single(empty, [0] * world, [0] * world, dist.group.WORLD)
+        return torch_shape, ("ok", tuple(got.shape))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return torch_shape, (type(e).__name__, str(e)[:200])
+
+
+def test_dropins_accept_a_rank_with_no_rows():
+    for rank, (torch_shape, outcome) in enumerate(run_ranks(_empty_dropin_case, 2)):
+        assert torch_shape == (0, H)
+        assert outcome == ("ok", (0, H)), (rank, outcome)
