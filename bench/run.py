@@ -5,7 +5,8 @@ round-trip error) for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4; on a
 conversion kernel against a device copy of the same bytes (one shape). Then it runs the MoE layer
 in bf16, fp8 (the baseline) and fp4 side by side (bench/moe_layer.py: step time, activation memory;
 on a GPU the DeepSeek-V3-like config, on CPU a smoke run of the code paths). The end-to-end
-expert-parallel comparison lands with the all-to-all issue; the script says "not yet" for it.
+expert-parallel comparison (a multi-GPU run under torchrun: bench/all_to_all.py) is printed as the
+command to run; the end-to-end training comparison lands with the compare issue.
 
     python bench/run.py            # GPU if there is one, a small CPU run otherwise
     python bench/run.py --tokens 4096 --hidden 7168 --json out.json
@@ -83,7 +84,8 @@ def main() -> None:
     layer_args = ["--config", "dsv3", "--no-budget", "--iters", "10"] if device == "cuda" else []
     print("\nMoE layer, bf16 vs fp8 (baseline) vs fp4 (bench/moe_layer.py " + " ".join(layer_args) + "):", flush=True)
     _run_script(os.path.join(here, "moe_layer.py"), layer_args)
-    print("not yet: expert-parallel all-to-all and end-to-end throughput (the all-to-all issue)")
+    print("expert-parallel all-to-all and EP layer (one process per GPU): "
+          "torchrun --nproc-per-node <GPUs> bench/all_to_all.py; not yet: end-to-end training throughput (the compare issue)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "tokens": tokens, "hidden": a.hidden, "formats": results,
