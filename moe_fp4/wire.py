@@ -101,23 +101,15 @@ def pack(x, fmt: WireFormat, out: torch.Tensor | None = None) -> torch.Tensor:
                           device=x.device if isinstance(x, torch.Tensor) else x.data.device)
     dst = views(out, fmt, hidden)
     if fmt is WireFormat.MXFP4:
-        if isinstance(x, FP8BlockTensor):
-            x = quantize_mxfp4(x)
-        if isinstance(x, MXFP4Tensor):
-            dst[0].copy_(x.data)
-            dst[1].copy_(x.scale)
-        else:
-            fn = _mxfp4.quantize_mxfp4_rowwise if _use_triton(x) else _mxfp4.quantize_mxfp4_rowwise_ref
-            fn(x, out=dst)
-        return out
-    if isinstance(x, MXFP4Tensor):
-        x = mxfp4_to_fp8(x)
-    if isinstance(x, FP8BlockTensor):
+        own, other_to_own, kernels, name = MXFP4Tensor, quantize_mxfp4, _mxfp4, "quantize_mxfp4_rowwise"
+    else:
+        own, other_to_own, kernels, name = FP8BlockTensor, mxfp4_to_fp8, _fp8, "quantize_fp8_rowwise"
+    if isinstance(x, (MXFP4Tensor, FP8BlockTensor)):
+        x = x if isinstance(x, own) else other_to_own(x)   # direct FP8 <-> MXFP4, no float tensor
         dst[0].copy_(x.data)
         dst[1].copy_(x.scale)
     else:
-        fn = _fp8.quantize_fp8_rowwise if _use_triton(x) else _fp8.quantize_fp8_rowwise_ref
-        fn(x, out=dst)
+        getattr(kernels, name if _use_triton(x) else name + "_ref")(x, out=dst)
     return out
 
 
