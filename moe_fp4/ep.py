@@ -265,6 +265,12 @@ class _Combine(torch.autograd.Function):
         return dy, dw, None, None, None, None
 
 
+def _check_hidden(hidden: int, formats, fn: str) -> None:
+    for f in formats:
+        if hidden % HIDDEN_MULTIPLE[f]:
+            raise ValueError(f"{fn}: H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[f]} for {f.value} on the wire")
+
+
 @dataclass(frozen=True)
 class Dispatched:
     """The receiver's expert input.
@@ -289,10 +295,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
     backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" on the wire."""
     fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
-    hidden = x.shape[1]
-    for f in (fmt, grad_fmt):
-        if hidden % HIDDEN_MULTIPLE[f]:
-            raise ValueError(f"dispatch: H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[f]} for {f.value}")
+    _check_hidden(x.shape[1], (fmt, grad_fmt), "dispatch")
     xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand)
     if not expand:
         return Dispatched(xe, None, recv_w, None, extra)
@@ -305,7 +308,9 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
     ``expand=False``, [R, H] rows already reduced over their local experts with the router weights)
     -> bf16 [T, H]: for each token the router-weighted sum of its k experts' outputs (one
     collective; backward: one collective)."""
-    return _Combine.apply(y, sent.weights, sent.route, plan, WireFormat(fmt), WireFormat(grad_fmt))
+    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    _check_hidden(y.shape[1], (fmt, grad_fmt), "combine")
+    return _Combine.apply(y, sent.weights, sent.route, plan, fmt, grad_fmt)
 
 
 __all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch"]
