@@ -18,6 +18,7 @@ import enum
 
 import torch
 
+from moe_fp4._ops import _pick
 from moe_fp4.api import _use_triton, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
@@ -72,9 +73,7 @@ def views(wire: torch.Tensor, fmt: WireFormat, hidden: int, dtype: torch.dtype =
 
 
 def _float_rows(x) -> torch.Tensor:
-    if isinstance(x, MXFP4Tensor):
-        return x.dequantize().reshape(x.m, x.k)
-    if isinstance(x, FP8BlockTensor):
+    if isinstance(x, (MXFP4Tensor, FP8BlockTensor)):
         return x.dequantize().reshape(x.m, x.k)
     return x
 
@@ -109,7 +108,7 @@ def pack(x, fmt: WireFormat, out: torch.Tensor | None = None) -> torch.Tensor:
         dst[0].copy_(x.data)
         dst[1].copy_(x.scale)
     else:
-        getattr(kernels, name if _use_triton(x) else name + "_ref")(x, out=dst)
+        _pick(kernels, name, _use_triton(x))(x, out=dst)
     return out
 
 
@@ -133,9 +132,9 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
         return quantize_fp8(d.contiguous()) if output is OutputFormat.FP8 else quantize_mxfp4(d.contiguous())
     if fmt is WireFormat.MXFP4:
         if output is OutputFormat.BF16:
-            return (_mxfp4.dequantize_mxfp4 if tri else _mxfp4.dequantize_mxfp4_ref)(d, s, dtype)
+            return _pick(_mxfp4, "dequantize_mxfp4", tri)(d, s, dtype)
         if output is OutputFormat.FP8:
-            fd, fs = (_fp8.mxfp4_to_fp8_rowwise if tri else _fp8.mxfp4_to_fp8_rowwise_ref)(d, s)
+            fd, fs = _pick(_fp8, "mxfp4_to_fp8_rowwise", tri)(d, s)
             return FP8BlockTensor(fd, fs, (n, hidden), dtype)
         return MXFP4Tensor(d.contiguous(), s.contiguous(), (n, hidden), dtype)
     if output is OutputFormat.BF16:
@@ -144,7 +143,7 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
         # Copy the codes as bytes: a strided float8 copy takes a slower path in torch.
         codes = wire[:, :hidden].contiguous().view(torch.float8_e4m3fn)
         return FP8BlockTensor(codes, m_major(s), (n, hidden), dtype)
-    md, ms = (_mxfp4.quantize_mxfp4_from_fp8 if tri else _mxfp4.quantize_mxfp4_from_fp8_ref)(d.contiguous(), s)
+    md, ms = _pick(_mxfp4, "quantize_mxfp4_from_fp8", tri)(d.contiguous(), s)
     return MXFP4Tensor(md, ms, (n, hidden), dtype)
 
 
