@@ -175,8 +175,7 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
         if problem is not None and dtype not in HIGH_PRECISION_DTYPES:
             cls = TypeError
     if problem is None:
-        out_sizes, problem = _splits(output_split_sizes, n if output_split_sizes is None else 0, world,
-                                     "output_split_sizes")
+        out_sizes, problem = _splits(output_split_sizes, n, world, "output_split_sizes")
     if not check:
         if problem:
             raise cls(f"{fn} on rank {rank}: {problem}")

@@ -602,3 +602,15 @@ def test_dropins_accept_a_rank_with_no_rows():
     for rank, (torch_shape, outcome) in enumerate(run_ranks(_empty_dropin_case, 2)):
         assert torch_shape == (0, H)
         assert outcome == ("ok", (0, H)), (rank, outcome)
+
+
+def _empty_split_lists_case(rank: int, world: int):
+    """torch.distributed treats an empty split list like None (equal splits); so must all_to_all."""
+    import moe_fp4
+
+    x = (torch.arange(2 * world * H, dtype=torch.float32).view(2 * world, H) + 1000 * rank).to(torch.bfloat16)
+    return torch.equal(moe_fp4.all_to_all(x, [], [], forward="bf16"), moe_fp4.all_to_all(x, None, None, forward="bf16"))
+
+
+def test_empty_split_lists_mean_equal_splits():
+    assert run_ranks(_empty_split_lists_case, 2) == [True, True]
