@@ -17,14 +17,12 @@ import triton.language as tl
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
     tile_program,
-    e2m1_decode_scaled,
-    e2m1_to_e4m3_normal,
     e4m3_rne,
-    e4m3_rne_mag,
+    fp8_encode_tiles,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
-    mx_encode_pairs,
-    mx_scale_exp,
+    mx_encode_tiles,
+    mxfp4_tiles_to_e4m3,
     pair_view,
     pow2_f32,
 )
@@ -142,35 +140,16 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
     rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
-    a_lo = lo & 0x7FFFFFFF
-    a_hi = hi & 0x7FFFFFFF
-    # FP8 scale from the finite values only (non-finite bits are >= 0x7F800000)
-    fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
-    S = fp8_scale_exp(tl.max(tl.max(fin, axis=3), axis=2))                       # [BM, TILES]
-    mult = pow2_f32(-tl.minimum(S, 126))[:, :, None, None]  # S <= 120 for finite data: 2^-S is normal
-    if tl.max(tl.maximum(a_lo, a_hi)) < 0x7F800000:
-        # All finite: |x| * 2^-S <= 448 by the choice of S, so no saturation and no NaN select;
-        # the sign bits go straight from bit 31 of each input to bit 7 of its byte.
-        q_lo = e4m3_rne_mag((a_lo.to(tl.float32, bitcast=True) * mult).to(tl.int32, bitcast=True), False)
-        q_hi = e4m3_rne_mag((a_hi.to(tl.float32, bitcast=True) * mult).to(tl.int32, bitcast=True), False)
-        word = (q_lo | (q_hi << 8) | ((lo >> 24) & 0x80) | ((hi >> 16) & 0x8000)).to(tl.int16)
-    else:
-        q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult)
-        q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
-        word = (q_lo | (q_hi << 8)).to(tl.int16)
+    word, fscale = fp8_encode_tiles(lo, hi)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
-    tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, pow2_f32(S), mask=mask_t)
+    tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
     if WRITE_MXFP4:
         # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
-        amax_bits = tl.max(tl.maximum(a_lo, a_hi), axis=3)                         # [BM, TILES, 4]
-        nan_blk = amax_bits >= 0x7F800000
-        E = mx_scale_exp(amax_bits)
-        # RCEIL scaling of finite data never exceeds 6: no saturation needed.
-        packed, sc = mx_encode_pairs(lo, hi, a_lo, a_hi, E, nan_blk, pow2_f32(-tl.minimum(E, 126)), False)
-        tl.store(mx_ptr + rows[:, None, None, None] * stride_mm + pair, packed.to(tl.uint8), mask=mask4)
+        packed, sc = mx_encode_tiles(lo, hi)
+        tl.store(mx_ptr + rows[:, None, None, None] * stride_mm + pair, packed, mask=mask4)
         blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
-        tl.store(mscale_ptr + rows[:, None, None] * stride_msm + blk, sc.to(tl.uint8), mask=mask3)
+        tl.store(mscale_ptr + rows[:, None, None] * stride_msm + blk, sc, mask=mask3)
 
 
 @triton.jit
@@ -181,24 +160,7 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
     sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk,
                  mask=mask3, other=0).to(tl.int32)                                  # [BM, TILES, 4]
-    nan = sb == 255
-    emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
-    S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, TILES]
-    e_rel = sb - 127 - S[:, :, None]                                               # E - S <= 6
-    nan4 = nan[:, :, :, None]
-    if tl.min(tl.where(nan | ~mask3, 127, e_rel)) >= -5:
-        # Every block within 11 binades of its tile's largest: every value is an E4M3 normal or zero.
-        e4 = e_rel[:, :, :, None]
-        q_lo = e2m1_to_e4m3_normal(byte & 15, e4)
-        q_hi = e2m1_to_e4m3_normal(byte >> 4, e4)
-    else:
-        # General path: c * 2^(E - S) as exact fp32 bits (decode with the shifted byte E - S + 127;
-        # below 0 the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
-        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None]
-        q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True))
-        q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True))
-    q_lo = tl.where(nan4, 0x7F, q_lo)
-    q_hi = tl.where(nan4, 0x7F, q_hi)
+    q_lo, q_hi, S = mxfp4_tiles_to_e4m3(byte, sb, mask3)
     tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, (q_lo | (q_hi << 8)).to(tl.int16), mask=mask4)
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 

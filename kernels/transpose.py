@@ -194,3 +194,144 @@ def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 3
             data.view(torch.uint8), m_major(scale), out.view(torch.uint8), oscale, m, k,
             BLOCK_T=FP8_TILE, BLOCK_K=block_k, num_warps=num_warps)
     return out, oscale
+
+
+# ---------------------------------------------------------------------------------------------
+# Cast + transpose: FP8 1x128 of X and of X^T from one read of a high-precision X (the dgrad /
+# wgrad operands of one tensor). Today's alternative is quantize_fp8_rowwise(x) plus
+# quantize_fp8_rowwise(x.t().contiguous()): a transpose copy and a second read.
+
+_CAST_T_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_cast_transpose_input(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _CAST_T_DTYPES:
+        raise TypeError(f"{name}: x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if m % FP8_TILE or k % FP8_TILE:
+        raise ValueError(f"{name}: M and K must be multiples of {FP8_TILE}, got [M, K] = [{m}, {k}]")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: x must be contiguous, got strides {x.stride()}")
+
+
+def quantize_fp8_rowwise_colwise_ref(x: torch.Tensor, rowwise: bool = True, colwise: bool = True):
+    """x: bf16/fp16/fp32 [M, K] contiguous, M and K multiples of 128
+    -> (rows, cols): rows = quantize_fp8_rowwise_ref(x) = (data float8_e4m3fn [M, K], scale float32
+    [M, K/128] strides (1, M)) or None; cols = quantize_fp8_rowwise_ref(x.t().contiguous()) = (data
+    float8_e4m3fn [K, M], scale float32 [K, M/128] strides (1, K)) or None: 1x128 tiles along M."""
+    _check_cast_transpose_input(x, "quantize_fp8_rowwise_colwise_ref")
+    rows = quantize_fp8_rowwise_ref(x) if rowwise else None
+    cols = quantize_fp8_rowwise_ref(x.t().contiguous()) if colwise else None
+    return rows, cols
+
+
+@triton.jit
+def _load_f32_bits(ptr, offs, IN_KIND: tl.constexpr):
+    """Raw bits of X (int16 for bf16 (IN_KIND 0) and fp16 (1), int32 for fp32 (2)) -> int32 fp32
+    bits, exactly. bf16 from its bits: the interpreter's bf16 -> fp32 cast mangles subnormals, and on
+    GPU the shift is what the cast compiles to anyway."""
+    raw = tl.load(ptr + offs)
+    if IN_KIND == 0:
+        bits = raw.to(tl.int32) << 16
+    elif IN_KIND == 1:
+        bits = raw.to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        bits = raw
+    return bits
+
+
+@triton.jit
+def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
+                               IN_KIND: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_COLS: tl.constexpr,
+                               TILE: tl.constexpr, SUB: tl.constexpr, TILES_K: tl.constexpr):
+    # A program: one tile of TILE (=128) tokens x TILES_K column tiles of TILE, one [TILE, TILE] block
+    # at a time, in column slices [TILE, SUB]. A slice holds all 128 tokens of its columns, so its
+    # column amax is the scale of each of its columns of X^T. The row amax of a token spans the whole
+    # block: with SUB < TILE a first pass over the slices reduces it (only the [TILE] maxima stay in
+    # registers) and the encoding pass reads the block again (from L1/L2: HBM sees one read). With
+    # SUB == TILE the block is loaded once and both amaxes come from the same registers.
+    # ptxas for sm_90a (Triton 3.6, bf16, both outputs, 8 warps): SUB 32 -> 64 registers, SUB 128 ->
+    # 152; no spills. An all-finite fast path (the row-wise kernel's unsaturated encoding behind a
+    # per-block branch) doubled the registers, so every element takes e4m3_rne (3 more ops).
+    pid_m = tl.program_id(0)
+    tok = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)          # [T] rows of X
+    sub = tl.arange(0, SUB).to(tl.int64)
+    for j in range(TILES_K):
+        t = tl.program_id(1) * TILES_K + j                                      # column tile of X
+        col0 = t.to(tl.int64) * TILE
+        if WRITE_ROWS:
+            if SUB < TILE:
+                rmax = tl.zeros([TILE], dtype=tl.int32)
+                for c in range(TILE // SUB):
+                    a = _load_f32_bits(x_ptr, tok[:, None] * K + (col0 + c * SUB + sub)[None, :], IN_KIND) & 0x7FFFFFFF
+                    rmax = tl.maximum(rmax, tl.max(tl.where(a < 0x7F800000, a, 0), axis=1))
+                S_r = fp8_scale_exp(rmax)                                        # [T] per token
+                tl.store(rs_ptr + t.to(tl.int64) * M + tok, pow2_f32(S_r))    # strides (1, M)
+        for c in range(TILE // SUB):
+            cols = col0 + c * SUB + sub                                         # [SUB] columns of X
+            bits = _load_f32_bits(x_ptr, tok[:, None] * K + cols[None, :], IN_KIND)
+            a = bits & 0x7FFFFFFF
+            # Non-finite bits are >= 0x7F800000: they take no part in any amax (and encode as 0x7F).
+            fin = tl.where(a < 0x7F800000, a, 0)
+            v = bits.to(tl.float32, bitcast=True)
+            if WRITE_ROWS:
+                if SUB == TILE:
+                    S_r = fp8_scale_exp(tl.max(fin, axis=1))                     # [T] per token
+                    tl.store(rs_ptr + t.to(tl.int64) * M + tok, pow2_f32(S_r))
+                # S <= 120 for finite data, so 2^-S is a normal float32 and the product exact.
+                q_r = e4m3_rne(v * pow2_f32(-tl.minimum(S_r, 126))[:, None])
+                tl.store(r_ptr + tok[:, None] * K + cols[None, :], q_r.to(tl.uint8))
+            if WRITE_COLS:
+                S_c = fp8_scale_exp(tl.max(fin, axis=0))                         # [SUB] per column
+                q_c = e4m3_rne(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
+                # Element (token, column) goes to out[column, token]. Storing the transposed [column,
+                # token] tile makes tokens the fastest axis of both the registers' order and memory:
+                # the compiler moves the bytes through shared memory and each output row segment of
+                # 128 bytes is written by consecutive threads.
+                tl.store(c_ptr + cols[:, None] * M + tok[None, :], tl.trans(q_c.to(tl.uint8)))
+                tl.store(cs_ptr + pid_m.to(tl.int64) * K + cols, pow2_f32(S_c))  # strides (1, K)
+
+
+def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise: bool = True,
+                                 tiles_k: int = 1, slice_k: int = 32, num_warps: int = 8):
+    """FP8 1x128 quantization of X (tiles along K) and of X^T (tiles along M) from one read of X.
+
+    x: bf16/fp16/fp32 [M, K] contiguous, M and K multiples of 128 (M or K may be 0)
+    -> (rows, cols): rows = (data float8_e4m3fn [M, K], scale float32 [M, K/128] strides (1, M)) or
+    None; cols = (data float8_e4m3fn [K, M], scale float32 [K, M/128] strides (1, K)) or None.
+    Bit-identical to quantize_fp8_rowwise_colwise_ref: rows to quantize_fp8_rowwise_ref(x), cols to
+    quantize_fp8_rowwise_ref(x.t().contiguous()). NaN/Inf elements are the NaN byte 0x7F in both and
+    take no part in either amax.
+
+    Tuning: a program covers 128 tokens x ``tiles_k`` tiles of 128 columns (reduced to a divisor of
+    K/128), looping over its 128 x 128 blocks, each in column slices of ``slice_k`` (16, 32, 64 or
+    128; below 128 with ``rowwise`` a block is read twice, the second time from cache, to keep few
+    registers per thread); ``num_warps`` per program.
+    """
+    name = "quantize_fp8_rowwise_colwise"
+    _check_cast_transpose_input(x, name)
+    if tiles_k < 1 or num_warps < 1:
+        raise ValueError(f"{name}: tiles_k and num_warps must be >= 1, got {tiles_k}, {num_warps}")
+    if slice_k not in (16, 32, 64, 128):
+        raise ValueError(f"{name}: slice_k must be 16, 32, 64 or 128, got {slice_k}")
+    m, k = x.shape
+    dev = x.device
+    rows = (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(m, k // FP8_TILE, dev)) if rowwise else None
+    cols = (torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(k, m // FP8_TILE, dev)) if colwise else None
+    if m and k and (rowwise or colwise):
+        nt = k // FP8_TILE
+        tiles_k = min(tiles_k, nt)
+        while nt % tiles_k:
+            tiles_k -= 1
+        dummy = (rows or cols)[1]
+        r, rs = (rows[0].view(torch.uint8), rows[1]) if rowwise else (dummy, dummy)
+        c, cs = (cols[0].view(torch.uint8), cols[1]) if colwise else (dummy, dummy)
+        raw = x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+        _cast_transpose_fp8_kernel[(m // FP8_TILE, nt // tiles_k)](
+            raw, r, rs, c, cs, m, k, IN_KIND=_CAST_T_DTYPES.index(x.dtype), WRITE_ROWS=rowwise, WRITE_COLS=colwise,
+            TILE=FP8_TILE, SUB=slice_k, TILES_K=tiles_k, num_warps=num_warps)
+    return rows, cols

@@ -260,3 +260,92 @@ def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 4) * 16)[None, None, :, None]
             + tl.arange(0, 16)[None, None, None, :])
     return rows, t, mask_t, mask_t[:, :, None], mask_t[:, :, None, None], pair
+
+
+@triton.jit
+def mxfp4_tiles_to_e4m3(byte, sb, valid3):
+    """Direct MXFP4 -> FP8 1x128 conversion of whole tiles, in registers (the rule of
+    ``fp8.mxfp4_to_fp8_rowwise_ref``). Shared by the row-wise converter and the grouped GEMM, which
+    decodes its MXFP4 A operand this way so that it is bit-identical to "convert, then GEMM".
+
+    byte: int32 [BM, T, 4, 16] MXFP4 bytes (two codes each) of T tiles of 128 values per row;
+    sb: int32 [BM, T, 4] their E8M0 scale bytes; valid3: bool [BM, T, 4], False for masked blocks
+    -> (q_lo, q_hi: int32 [BM, T, 4, 16] E4M3 bytes of the low / high nibbles, S: int32 [BM, T]
+    tile exponents: the FP8 scale is 2^S).
+    """
+    nan = sb == 255
+    emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
+    S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, T]
+    e_rel = sb - 127 - S[:, :, None]                                               # E - S <= 6
+    nan4 = nan[:, :, :, None]
+    if tl.min(tl.where(nan | ~valid3, 127, e_rel)) >= -5:
+        # Every block within 11 binades of its tile's largest: every value is an E4M3 normal or zero.
+        e4 = e_rel[:, :, :, None]
+        q_lo = e2m1_to_e4m3_normal(byte & 15, e4)
+        q_hi = e2m1_to_e4m3_normal(byte >> 4, e4)
+    else:
+        # General path: c * 2^(E - S) as exact fp32 bits (decode with the shifted byte E - S + 127;
+        # below 0 the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
+        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None]
+        q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True))
+        q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True))
+    q_lo = tl.where(nan4, 0x7F, q_lo)
+    q_hi = tl.where(nan4, 0x7F, q_hi)
+    return q_lo, q_hi, S
+
+
+@triton.jit
+def bf16_rne_bits(v):
+    """float32 v -> int32 fp32 bits of bf16(v) (low half zero): RNE, overflow to +-Inf, NaN -> 0x7FC00000.
+
+    On the bits because the interpreter's float32 -> bf16 cast truncates. Adding 0x7FFF plus the
+    kept lsb (bit 16) carries into bit 16 exactly when the dropped half is above the midpoint, or on
+    it with an odd kept lsb (ties to even); a carry out of the mantissa bumps the exponent, so the
+    largest values round to Inf as RNE requires. A NaN whose payload sits in the dropped half would
+    become Inf, hence the select (the canonical NaN of numerics.NAN_BITS).
+    """
+    b = v.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, r)
+
+
+@triton.jit
+def fp8_encode_tiles(lo, hi):
+    """lo/hi: int32 [BM, TILES, 4, 16] fp32 bits of elements 2i / 2i+1 of each 128-column tile
+    -> (int16 [BM, TILES, 4, 16] pair words of E4M3 bytes, float32 [BM, TILES] tile scales 2^S).
+    The FP8 1x128 rule of fp8.quantize_fp8_rowwise_ref (the row-wise quantizer and the fused SwiGLU use it)."""
+    a_lo = lo & 0x7FFFFFFF
+    a_hi = hi & 0x7FFFFFFF
+    fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
+    S = fp8_scale_exp(tl.max(tl.max(fin, axis=3), axis=2))
+    mult = pow2_f32(-tl.minimum(S, 126))[:, :, None, None]
+    if tl.max(tl.maximum(a_lo, a_hi)) < 0x7F800000:
+        # All finite: |x| * 2^-S <= 448, no saturation; the signs go from bit 31 to bit 7 of each byte.
+        q_lo = e4m3_rne_mag((a_lo.to(tl.float32, bitcast=True) * mult).to(tl.int32, bitcast=True), False)
+        q_hi = e4m3_rne_mag((a_hi.to(tl.float32, bitcast=True) * mult).to(tl.int32, bitcast=True), False)
+        word = (q_lo | (q_hi << 8) | ((lo >> 24) & 0x80) | ((hi >> 16) & 0x8000)).to(tl.int16)
+    else:
+        q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult)
+        q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
+        word = (q_lo | (q_hi << 8)).to(tl.int16)
+    return word, pow2_f32(S)
+
+
+@triton.jit
+def mx_encode_tiles(lo, hi):
+    """lo/hi: int32 [BM, TILES, 4, 16] fp32 bits -> (uint8 [BM, TILES, 4, 16] MXFP4 bytes, uint8
+    [BM, TILES, 4] E8M0 scales); the MXFP4 rule of mxfp4.quantize_mxfp4_rowwise_ref, on the
+    [.., 4 blocks, 16 pairs] view of 128-column tiles."""
+    a_lo = lo & 0x7FFFFFFF
+    a_hi = hi & 0x7FFFFFFF
+    amax_bits = tl.max(tl.maximum(a_lo, a_hi), axis=3)
+    nan_blk = amax_bits >= 0x7F800000
+    E = mx_scale_exp(amax_bits)
+    packed, sc = mx_encode_pairs(lo, hi, a_lo, a_hi, E, nan_blk, pow2_f32(-tl.minimum(E, 126)), False)
+    return packed.to(tl.uint8), sc.to(tl.uint8)
+
+
+@triton.jit
+def f32_to_bf16_rne(x):
+    """float32 -> bfloat16 with round-to-nearest-even (see bf16_rne_bits)."""
+    return (bf16_rne_bits(x) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)

@@ -8,6 +8,8 @@ the twins) are thin layers over this module.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
@@ -21,7 +23,8 @@ def _pick(module, name: str, use_triton: bool):
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
+    # Not reshape(-1, K): with K = 0 the -1 is ambiguous and torch refuses.
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def quantize_mxfp4(x, use_triton: bool) -> MXFP4Tensor:

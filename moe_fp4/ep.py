@@ -12,8 +12,10 @@ layer and step:
    (token, expert) pair would send up to k times the bytes). The receiver expands the rows into
    its local experts' groups, each padded to 128 rows, straight from the received bytes: an
    MXFP4Tensor (fp4) or FP8BlockTensor (fp8) for the experts' FP8 GEMM, bf16 rows for bf16.
-3. :func:`combine` — the receiver sums each received row's local expert outputs, weighted by the
-   router weights it received, and sends one row back per (token, rank); the sender adds them up.
+3. The experts apply the router weights (:meth:`Dispatched.row_weights` into
+   ``grouped_swiglu_experts(..., row_weights=...)``, a weighted SwiGLU); :func:`combine` sums each
+   received row's local expert outputs, keeping nothing for backward, and sends one row back per
+   (token, rank); the sender adds them up.
 
 Backward runs the same exchanges in reverse: the combine's gradient goes out (``combine_grad``
 format), the router-weight gradients ride in the dispatch gradient's rows (``dispatch_grad``
@@ -136,13 +138,11 @@ class ReceivedRoute:
     """Receiver-side map between received rows (R of them) and expert rows (Rp, padded groups).
 
     src_row: int64 [Rp], the received row of each expert row (R for padding rows);
-    row_weight: float32 [Rp], the router weight of each expert row's (token, expert) pair (0 for padding);
-    pair_row: int64 [R, k], the expert row of each received (row, slot) pair, Rp where the slot's
-    expert lives on another rank."""
+    row_pair: int64 [Rp], the received (row, slot) pair of each expert row, flattened (row * k +
+    slot), R * k for padding rows: it picks each row's router weight out of the received [R, k]."""
 
     src_row: torch.Tensor
-    row_weight: torch.Tensor
-    pair_row: torch.Tensor
+    row_pair: torch.Tensor
 
 
 def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> ReceivedRoute:
@@ -159,13 +159,11 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
     e = key[order]
     rank_in_group = torch.arange(npairs, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
     dest = (torch.cumsum(padded, 0) - padded)[e] + rank_in_group
-    pair_row = torch.full((r * k,), rows, dtype=torch.int64, device=dev)
-    pair_row[order] = dest
     src_row = torch.full((rows,), r, dtype=torch.int64, device=dev)
     src_row[dest] = order // k
-    row_weight = torch.zeros(rows, dtype=torch.float32, device=dev)
-    row_weight[dest] = weights.flatten()[order]
-    return ReceivedRoute(src_row, row_weight, pair_row.view(r, k))
+    row_pair = torch.full((rows,), r * k, dtype=torch.int64, device=dev)
+    row_pair[dest] = order
+    return ReceivedRoute(src_row, row_pair)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -233,36 +231,31 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, recv_w, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
+    def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
         r, hidden = plan.received, y.shape[1]
         if route is None:
             z = y
         else:
+            # Sum each received row's expert rows (already weighted by the experts): nothing saved.
             z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
-            z.index_add_(0, route.src_row, y.float() * route.row_weight[:, None])
+            z.index_add_(0, route.src_row, y.float())
         back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group)
         out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
         out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
-        ctx.save_for_backward(y if route is not None else None)
         ctx.route, ctx.plan, ctx.grad_fmt = route, plan, grad_fmt
         return out.to(y.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        (y,) = ctx.saved_tensors
         route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
-        r, hidden = plan.received, g.shape[1]
+        hidden = g.shape[1]
         g_send = g.index_select(0, plan.src_token).contiguous()
-        recv = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g.device)
         got = exchange_rows(pack(g_send, fmt), plan.send_splits, plan.recv_splits, plan.group)
-        recv[:r] = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
+        recv = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
         if route is None:
-            return recv[:r].to(g.dtype), None, None, None, None, None
-        g_exp = recv.index_select(0, route.src_row)                               # [Rp, H] float32
-        dy = (g_exp * route.row_weight[:, None]).to(y.dtype)
-        d_row_w = (g_exp * y.float()).sum(1)
-        dw = torch.cat([d_row_w, d_row_w.new_zeros(1)]).index_select(0, route.pair_row.flatten()).view(r, -1)
-        return dy, dw, None, None, None, None
+            return recv, None, None, None, None
+        recv = torch.cat([recv, recv.new_zeros(1, hidden)])
+        return recv.index_select(0, route.src_row), None, None, None, None
 
 
 def _check_hidden(hidden: int, formats, fn: str) -> None:
@@ -289,6 +282,14 @@ class Dispatched:
     route: ReceivedRoute | None
     local_ids: torch.Tensor | None = None
 
+    def row_weights(self) -> torch.Tensor:
+        """-> float32 [Rp]: the router weight of each expert row (0 for padding rows), on the graph
+        of ``weights`` (expanded dispatch only)."""
+        if self.route is None:
+            raise ValueError("Dispatched.row_weights: only an expanded dispatch has expert rows")
+        w = torch.cat([self.weights.flatten(), self.weights.new_zeros(1)])
+        return w.index_select(0, self.route.row_pair)
+
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan: DispatchPlan,
              fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16, expand: bool = True) -> Dispatched:
@@ -304,13 +305,14 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
 
 def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireFormat = WireFormat.BF16,
             grad_fmt: WireFormat = WireFormat.BF16) -> torch.Tensor:
-    """y: bf16 [Rp, H] expert outputs in the dispatched row order (or, for a dispatch with
-    ``expand=False``, [R, H] rows already reduced over their local experts with the router weights)
-    -> bf16 [T, H]: for each token the router-weighted sum of its k experts' outputs (one
-    collective; backward: one collective)."""
+    """y: bf16 [Rp, H] expert outputs in the dispatched row order, already multiplied by their router
+    weights (``grouped_swiglu_experts(..., row_weights=sent.row_weights())``), or, for a dispatch
+    with ``expand=False``, [R, H] rows already reduced over their local experts with the router
+    weights -> bf16 [T, H]: for each token the sum of its k experts' weighted outputs (one
+    collective; backward: one collective). Nothing is saved for backward."""
     fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
     _check_hidden(y.shape[1], (fmt, grad_fmt), "combine")
-    return _Combine.apply(y, sent.weights, sent.route, plan, fmt, grad_fmt)
+    return _Combine.apply(y, sent.route, plan, fmt, grad_fmt)
 
 
 __all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch"]

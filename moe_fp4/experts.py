@@ -4,18 +4,29 @@ Rows arrive permuted by expert and padded so that every expert's group is a mult
 ``TOKEN_ALIGN`` = 128 rows: the weight-gradient GEMMs contract over tokens in 1x128 tiles, and a
 tile must not straddle two experts. Expert e owns rows ``offsets[e] : offsets[e] + counts[e]``.
 
+Every step runs once for all experts: the grouped GEMMs of :mod:`moe_fp4.gemm` (one Triton launch
+each on Hopper), the conversions over the whole [R, *] tensors (a 128-aligned group never shares a
+1x128 token tile with another expert, so the column-wise operands of all experts come from one
+launch), and SwiGLU fused with the quantization of its output.
+
+Router weights are applied inside the experts (a weighted SwiGLU, as Megatron-LM does):
+``a = w_row * silu(gate) * up``, so the caller's combine is an unweighted sum that keeps nothing for
+backward, and the router-weight gradient ``sum_f da * silu(gate) * up`` comes from the SwiGLU input
+that backward has anyway.
+
 What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 
 | tensor          | bf16 | fp8 (DeepSeek-V3 baseline)      | fp4                                   |
 | --------------- | ---- | ------------------------------- | ------------------------------------- |
 | FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or as received) |
-| SwiGLU input h  | bf16 | bf16                            | MXFP4                                 |
-| FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast)       |
+| SwiGLU input h  | bf16 | bf16                            | MXFP4 (fused with SwiGLU)             |
+| FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with SwiGLU and the FP8 cast) |
 
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
-``mxfp4_to_fp8_colwise`` (fp4) per expert, and ``quantize_fp8_colwise`` for the output gradient.
-The FP8 weights (128x128 blocks) are not kept: backward quantizes W^T for dgrad again from the
-master weights (one pass writing the transposed codes; bit-identical to transposing the forward's).
+``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
+for dgrad and its column-wise FP8 for wgrad from one read). The FP8 weights (128x128 blocks) are
+not kept: backward quantizes W^T for dgrad again from the master weights (one pass writing the
+transposed codes; bit-identical to transposing the forward's).
 
 Inside :func:`moe_fp4.compress_saved_activations` with ``compress_fp8=True``, the fp8 precision
 stores its FP8 activations as MXFP4 converted directly from the FP8 codes (no BF16 round trip); its
@@ -29,18 +40,14 @@ import enum
 
 import torch
 
-from moe_fp4.api import (
-    dequantize_mxfp4,
-    fp8_to_fp8_colwise,
-    mxfp4_to_fp8,
-    mxfp4_to_fp8_colwise,
-    quantize_fp8,
-    quantize_fp8_and_mxfp4,
-    quantize_mxfp4,
-)
+from moe_fp4 import _ops
+from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8_colwise, quantize_fp8, \
+    quantize_fp8_and_mxfp4, quantize_mxfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
-from moe_fp4.gemm import fp8_mm_nt, quantize_fp8_colwise, quantize_fp8_weight
+from moe_fp4.gemm import grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, quantize_fp8_weight
 from moe_fp4.hook import current_compression
+from moe_fp4.kernels import swiglu as _swiglu
+from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.saved import label_saved, report_saved
 
 TOKEN_ALIGN = 128
@@ -52,20 +59,29 @@ class Precision(str, enum.Enum):
     FP4 = "fp4"    # FP8 GEMMs, activations saved in MXFP4
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """h: bf16 [M, 2F] = [gate | up] -> bf16 [M, F] = silu(gate) * up, computed in float32."""
+def swiglu(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """h: bf16 [M, 2F] = [gate | up], w: float32 [M] row weights or None -> bf16 [M, F] =
+    w * silu(gate) * up, computed in float32."""
     gate, up = h.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+    a = torch.nn.functional.silu(gate) * up
+    if w is not None:
+        a = a * w[:, None]
+    return a.to(h.dtype)
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """h: [M, 2F], da: [M, F] (gradient of swiglu(h)) -> [M, 2F] gradient of h, in h's dtype."""
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w: torch.Tensor | None = None):
+    """h: [M, 2F], da: [M, F] (gradient of swiglu(h, w)), w: float32 [M] or None -> gradient of h
+    [M, 2F] in h's dtype (and, with w, float32 [M] gradient of w), computed in float32."""
     gate, up = h.float().chunk(2, dim=-1)
     da = da.float()
     sig = torch.sigmoid(gate)
     silu = gate * sig
+    dw = (da * silu * up).sum(-1) if w is not None else None
+    if w is not None:
+        da = da * w[:, None]
     d_gate = da * up * sig * (1 + gate * (1 - sig))
-    return torch.cat([d_gate, da * silu], dim=-1).to(h.dtype)
+    dh = torch.cat([d_gate, da * silu], dim=-1).to(h.dtype)
+    return dh if w is None else (dh, dw)
 
 
 def padded_offsets(counts) -> list[int]:
@@ -88,131 +104,180 @@ def _keep_fp8(label: str, t: FP8BlockTensor):
     return t
 
 
-def _colwise(kept, start: int, stop: int) -> FP8BlockTensor:
-    """Rows start..stop-1 of a kept activation -> FP8BlockTensor [K, stop-start] in 1x128 tiles along tokens."""
+def _colwise(kept) -> FP8BlockTensor:
+    """A kept activation [R, K] -> FP8BlockTensor [K, R] in 1x128 tiles along tokens (all experts in
+    one launch: 128-aligned groups never share a tile)."""
     if isinstance(kept, MXFP4Tensor):
-        return mxfp4_to_fp8_colwise(kept.rows(start, stop))
-    return fp8_to_fp8_colwise(kept.rows(start, stop))
+        return mxfp4_to_fp8_colwise(kept)
+    return fp8_to_fp8_colwise(kept)
+
+
+def _swiglu_quantize(h: torch.Tensor, w, fp4: bool):
+    """h: bf16 [R, 2F] -> (FP8BlockTensor [R, F] of swiglu(h, w), MXFP4Tensor of it or None,
+    MXFP4Tensor of h or None): one read of h (fp4 writes all three)."""
+    fn = _ops._pick(_swiglu, "swiglu_quantize", _use_triton(h))
+    (fd, fs), a_mx, h_mx, _ = fn(h, w, write_h_mxfp4=fp4, write_a_mxfp4=fp4)
+    r, f = fd.shape
+    aq = FP8BlockTensor(fd, fs, (r, f), h.dtype)
+    if not fp4:
+        return aq, None, None
+    return aq, MXFP4Tensor(*a_mx, (r, f), h.dtype), MXFP4Tensor(*h_mx, tuple(h.shape), h.dtype)
+
+
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, w):
+    """-> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass."""
+    return _ops._pick(_swiglu, "swiglu_backward", _use_triton(h))(h, da, w)
+
+
+def _rows_and_cols(g: torch.Tensor, rows: bool):
+    """g: bf16 [R, N] -> (FP8BlockTensor [R, N] or None, FP8BlockTensor [N, R] in 1x128 tiles along R):
+    the dgrad and wgrad operands of a gradient from one read."""
+    fn = _ops._pick(_transpose, "quantize_fp8_rowwise_colwise", _use_triton(g))
+    r_pair, c_pair = fn(g, rowwise=rows, colwise=True)
+    m, n = g.shape
+    rq = FP8BlockTensor(*r_pair, (m, n), g.dtype) if rows else None
+    return rq, FP8BlockTensor(*c_pair, (n, m), g.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16: torch's grouped GEMM (CUTLASS on sm90) where there is one.
+
+def _bf16_offsets(counts, device) -> torch.Tensor:
+    ends, acc = [], 0
+    for c in counts:
+        acc += c
+        ends.append(acc)
+    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _has_grouped_mm(device: torch.device) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _bf16_mm(a: torch.Tensor, b: torch.Tensor, counts, offs) -> torch.Tensor:
+    """a [R, K] rows grouped by expert, b [E, K, N] -> [R, N] (expert e's rows times b[e])."""
+    if offs is not None:
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    for e, (s, c) in enumerate(zip(padded_offsets(counts), counts)):
+        torch.mm(a[s:s + c], b[e], out=out[s:s + c])
+    return out
+
+
+def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
+    """g [R, N], x [R, K] -> [E, N, K]: g_e^T x_e per expert (contraction over its rows)."""
+    if offs is not None:
+        return torch._grouped_mm(g.t(), x, offs=offs)
+    out = g.new_zeros(len(counts), g.shape[1], x.shape[1])
+    for e, (s, c) in enumerate(zip(padded_offsets(counts), counts)):
+        if c:
+            torch.mm(g[s:s + c].t(), x[s:s + c], out=out[e])
+    return out
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, precision, x_q):
-        offsets = padded_offsets(counts)
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
-        ffn = w2.shape[-1]
-        ctx.precision = precision
-        groups = [(e, o, o + c) for e, (o, c) in enumerate(zip(offsets, counts)) if c > 0]
-        ctx.groups = groups
-        h = x.new_empty(rows, 2 * ffn) if x_q is None else torch.empty(rows, 2 * ffn, dtype=torch.bfloat16,
-                                                                         device=x_q.device)
-        y = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
+        dev = x.device if x_q is None else x_q.device
+        ctx.precision, ctx.counts = precision, counts
+        ctx.row_w = None if row_w is None else row_w.detach()
+        if row_w is not None:
+            report_saved("row_weights", ctx.row_w)
 
         if precision is Precision.BF16:
-            w13c, w2c = w13.to(h.dtype), w2.to(h.dtype)
-            xin = x if x_q is None else x_q.dequantize(h.dtype)
-            for e, s, t in groups:
-                torch.mm(xin[s:t], w13c[e].t(), out=h[s:t])
-            a = swiglu(h)
-            for e, s, t in groups:
-                torch.mm(a[s:t], w2c[e].t(), out=y[s:t])
+            xin = x if x_q is None else x_q.dequantize(torch.bfloat16)
+            offs = _bf16_offsets(counts, dev) if _has_grouped_mm(dev) else None
+            w13c, w2c = w13.to(xin.dtype), w2.to(xin.dtype)
+            h = _bf16_mm(xin, w13c.transpose(1, 2), counts, offs)
+            a = swiglu(h, ctx.row_w)
+            y = _bf16_mm(a, w2c.transpose(1, 2), counts, offs)
             for tensor, label in ((xin, "fc1_input"), (h, "swiglu_input"), (a, "fc2_input")):
                 label_saved(tensor, label)
+            ctx.offs = offs
             ctx.save_for_backward(w13, w2, xin, h, a)
             return y
 
+        fp4 = precision is Precision.FP4
         w13q, w2q = quantize_fp8_weight(w13), quantize_fp8_weight(w2)
         if isinstance(x_q, MXFP4Tensor):
-            xq = mxfp4_to_fp8(x_q)
-            ctx.x_kept = x_q
+            xq = ctx.x_kept = x_q                      # the GEMM decodes MXFP4 to FP8 in registers
             report_saved("fc1_input", x_q)
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
-            if precision is Precision.FP4:
+            if fp4:
                 ctx.x_kept = quantize_mxfp4(x_q)
                 report_saved("fc1_input", ctx.x_kept)
             else:
                 ctx.x_kept = _keep_fp8("fc1_input", x_q)
-        elif precision is Precision.FP4:
-            xq, x_mx_new = quantize_fp8_and_mxfp4(x)
-            ctx.x_kept = x_mx_new
-            report_saved("fc1_input", x_mx_new)
+        elif fp4:
+            xq, ctx.x_kept = quantize_fp8_and_mxfp4(x)
+            report_saved("fc1_input", ctx.x_kept)
         else:
             xq = quantize_fp8(x)
             ctx.x_kept = _keep_fp8("fc1_input", xq)
-        for e, s, t in groups:
-            h[s:t] = fp8_mm_nt(xq.rows(s, t), w13q[e], h.dtype)
-        del xq
-        a = swiglu(h)
-        if precision is Precision.FP4:
-            aq, ctx.a_kept = quantize_fp8_and_mxfp4(a)
-            ctx.h_kept = quantize_mxfp4(h)
-            report_saved("fc2_input", ctx.a_kept)
-            report_saved("swiglu_input", ctx.h_kept)
+        h = grouped_fp8_mm_nt(xq, w13q, counts, torch.bfloat16)
+        del xq, w13q
+        aq, a_mx, h_mx = _swiglu_quantize(h, ctx.row_w, fp4)
+        if fp4:
+            ctx.a_kept, ctx.h_kept = a_mx, h_mx
+            report_saved("fc2_input", a_mx)
+            report_saved("swiglu_input", h_mx)
             ctx.save_for_backward(w13, w2)
         else:
-            aq = quantize_fp8(a)
             ctx.a_kept = _keep_fp8("fc2_input", aq)
             label_saved(h, "swiglu_input")
             ctx.save_for_backward(w13, w2, h)
-        del w13q
-        for e, s, t in groups:
-            y[s:t] = fp8_mm_nt(aq.rows(s, t), w2q[e], y.dtype)
-        return y
+        return grouped_fp8_mm_nt(aq, w2q, counts, torch.bfloat16)
 
     @staticmethod
     def backward(ctx, dy):
-        precision, groups = ctx.precision, ctx.groups
-        need_dx = ctx.needs_input_grad[0]
+        precision, counts, row_w = ctx.precision, ctx.counts, ctx.row_w
+        need_dx, need_dw13, need_dw2, need_dr = ctx.needs_input_grad[:4]
         dy = dy.contiguous()
         if precision is Precision.BF16:
             w13, w2, xin, h, a = ctx.saved_tensors
-        elif precision is Precision.FP4:
+            offs = ctx.offs
+            w13c, w2c = w13.to(dy.dtype), w2.to(dy.dtype)
+            da = _bf16_mm(dy, w2c, counts, offs)
+            dw2 = _bf16_wgrad(dy, a, counts, offs).to(w2.dtype) if need_dw2 else None
+            dh, d_row = _swiglu_grad(h, da, row_w)
+            dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
+            dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
+            return dx, dw13, dw2, d_row, None, None, None
+
+        if precision is Precision.FP4:
             w13, w2 = ctx.saved_tensors
             h = dequantize_mxfp4(ctx.h_kept, dy.dtype)
         else:
             w13, w2, h = ctx.saved_tensors
-        dw13 = torch.zeros_like(w13) if ctx.needs_input_grad[1] else None
-        dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[2] else None
-        da = torch.empty(dy.shape[0], w2.shape[-1], dtype=dy.dtype, device=dy.device)
-
-        if precision is Precision.BF16:
-            w13c, w2c = w13.to(dy.dtype), w2.to(dy.dtype)
-            for e, s, t in groups:
-                torch.mm(dy[s:t], w2c[e], out=da[s:t])
-                if dw2 is not None:
-                    dw2[e] = (dy[s:t].t() @ a[s:t]).to(dw2.dtype)
-            dh = swiglu_backward(h, da)
-            dx = torch.empty(dy.shape[0], w13.shape[-1], dtype=dy.dtype, device=dy.device) if need_dx else None
-            for e, s, t in groups:
-                if dx is not None:
-                    torch.mm(dh[s:t], w13c[e], out=dx[s:t])
-                if dw13 is not None:
-                    dw13[e] = (dh[s:t].t() @ xin[s:t]).to(dw13.dtype)
-            return dx, dw13, dw2, None, None, None
-
-        dyq = quantize_fp8(dy)
-        w2qt = quantize_fp8_weight(w2, transposed=True)
-        for e, s, t in groups:
-            da[s:t] = fp8_mm_nt(dyq.rows(s, t), w2qt[e], da.dtype)
-            if dw2 is not None:
-                dw2[e] = fp8_mm_nt(quantize_fp8_colwise(dy[s:t]), _colwise(ctx.a_kept, s, t), dw2.dtype)
-        del dyq, w2qt
-        dh = swiglu_backward(h, da)
+        dyq, dyt = _rows_and_cols(dy, rows=True)
+        da = grouped_fp8_mm_nt(dyq, quantize_fp8_weight(w2, transposed=True), counts, dy.dtype)
+        del dyq
+        dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(ctx.a_kept), counts, w2.dtype) if need_dw2 else None
+        del dyt
+        dh, d_row = _swiglu_grad(h, da, row_w)
         del h, da
-        dx = torch.empty(dy.shape[0], w13.shape[-1], dtype=dy.dtype, device=dy.device) if need_dx else None
-        dhq = quantize_fp8(dh) if need_dx else None
-        w13qt = quantize_fp8_weight(w13, transposed=True) if need_dx else None
-        for e, s, t in groups:
-            if dx is not None:
-                dx[s:t] = fp8_mm_nt(dhq.rows(s, t), w13qt[e], dx.dtype)
-            if dw13 is not None:
-                dw13[e] = fp8_mm_nt(quantize_fp8_colwise(dh[s:t]), _colwise(ctx.x_kept, s, t), dw13.dtype)
-        return dx, dw13, dw2, None, None, None
+        dhq, dht = _rows_and_cols(dh, rows=need_dx)
+        del dh
+        dx = grouped_fp8_mm_nt(dhq, quantize_fp8_weight(w13, transposed=True), counts, dy.dtype) if need_dx else None
+        dw13 = grouped_fp8_mm_wgrad(dht, _colwise(ctx.x_kept), counts, w13.dtype) if need_dw13 else None
+        return dx, dw13, dw2, d_row, None, None, None
+
+
+def _swiglu_grad(h, da, row_w):
+    """-> (dh, d_row_w or None)."""
+    if row_w is None:
+        dh, _ = _swiglu_backward(h, da, None)
+        return dh, None
+    return _swiglu_backward(h, da, row_w)
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
-                           x_q: MXFP4Tensor | FP8BlockTensor | None = None) -> torch.Tensor:
+                           x_q: MXFP4Tensor | FP8BlockTensor | None = None,
+                           row_weights: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -224,10 +289,13 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
-            MXFP4 is converted to FP8 directly for the GEMM and kept as is for backward; FP8 is the
-            GEMM operand itself, kept as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16
-            precision dequantizes it.
-    -> bf16 [R, H]: for each expert, swiglu(x W13^T) W2^T.
+            MXFP4 is the FC1 GEMM's operand itself (decoded to FP8 in registers) and kept as is for
+            backward; FP8 is the GEMM operand, kept as is (fp8) or converted FP8 -> MXFP4 directly
+            (fp4). bf16 precision dequantizes it.
+    row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
+            differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight
+            applied to the SwiGLU output.
+    -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
     """
     precision = Precision(precision)
     if w13.dim() != 3 or w2.dim() != 3:
@@ -246,6 +314,11 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"grouped_swiglu_experts: x must be bfloat16, got {x.dtype}")
+    if row_weights is not None:
+        if row_weights.dtype != torch.float32 or tuple(row_weights.shape) != (sum(counts),):
+            raise ValueError(f"grouped_swiglu_experts: row_weights must be float32 [{sum(counts)}], got "
+                             f"{row_weights.dtype} {tuple(row_weights.shape)}")
+        row_weights = row_weights.contiguous()
     if x_q is not None:
         if not isinstance(x_q, (MXFP4Tensor, FP8BlockTensor)):
             raise TypeError(f"grouped_swiglu_experts: x_q must be an MXFP4Tensor or FP8BlockTensor, "
@@ -254,4 +327,4 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_q is [{x_q.m}, {x_q.k}], expected {tuple(x.shape)}")
     elif not x.is_contiguous():
         x = x.contiguous()
-    return _GroupedSwiGLU.apply(x, w13, w2, counts, precision, x_q)
+    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q)

@@ -14,19 +14,23 @@ multiplied in float32, so every code path runs in CI with the same quantized val
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
 
-from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, _fail
+from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
 from moe_fp4.kernels import fp8 as fp8_kernels
+from moe_fp4.kernels import grouped_gemm as grouped_kernels
 from moe_fp4.kernels.fp8 import WEIGHT_BLOCK
 from moe_fp4.kernels.numerics import FP8_TILE
 
 
 class GemmBackend(enum.Enum):
-    SCALED_MM = "scaled_mm"  # cuBLAS blockwise FP8 through torch.nn.functional.scaled_mm (sm90+)
+    TRITON = "triton"        # grouped only: moe_fp4's Triton kernels, one launch for all experts (sm90+)
+    SCALED_MM = "scaled_mm"  # cuBLAS blockwise FP8 through torch.nn.functional.scaled_mm (sm90+), per expert
     EMULATED = "emulated"    # exact dequantization to float32, float32 matmul
 
 
@@ -194,11 +198,132 @@ def fp8_mm_nt(a: FP8BlockTensor, b: FP8BlockTensor | FP8WeightTensor,
     return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs: all experts in one call.
+
+GROUPED_BACKEND_ENV = "MOE_FP4_GROUPED_GEMM"
+_forced_grouped: list[GemmBackend] = []
+
+
+def grouped_gemm_backend(device: torch.device) -> GemmBackend:
+    """The implementation of the grouped GEMMs for tensors on ``device``.
+
+    Default: the Triton kernels on sm90+ GPUs, the float32 emulation elsewhere. Overridden by
+    :func:`use_grouped_backend` (innermost wins), else by ``MOE_FP4_GROUPED_GEMM`` = ``triton`` |
+    ``scaled_mm`` | ``emulated`` (``scaled_mm`` = one cuBLAS blockwise GEMM per expert, the reference
+    path; ``triton`` on a CPU tensor needs ``TRITON_INTERPRET=1``).
+    """
+    if _forced_grouped:
+        return _forced_grouped[-1]
+    env = os.environ.get(GROUPED_BACKEND_ENV, "").strip().lower()
+    if env:
+        try:
+            return GemmBackend(env)
+        except ValueError:
+            raise ValueError(f"{GROUPED_BACKEND_ENV}={env!r}: expected one of "
+                             f"{[b.value for b in GemmBackend]}") from None
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return GemmBackend.TRITON
+    return GemmBackend.EMULATED
+
+
+@contextlib.contextmanager
+def use_grouped_backend(backend: GemmBackend | str):
+    """Run the grouped GEMMs inside the ``with`` block on ``backend`` (tests, benchmarks)."""
+    _forced_grouped.append(GemmBackend(backend))
+    try:
+        yield
+    finally:
+        _forced_grouped.pop()
+
+
+def _grouped_impl(name: str, device: torch.device):
+    backend = grouped_gemm_backend(device)
+    if backend is GemmBackend.TRITON:
+        return backend, getattr(grouped_kernels, name)
+    return backend, getattr(grouped_kernels, name + "_ref")
+
+
+def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, counts,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a: FP8BlockTensor [R, K] (1x128 tiles along K) or MXFP4Tensor [R, K] (decoded to FP8 inside the
+    GEMM, bit-identical to ``mxfp4_to_fp8`` first), rows grouped by expert; b: FP8WeightTensor
+    [E, N, K]; counts: E ints, multiples of 128, summing to R -> out_dtype [R, N]: expert e's rows
+    times b[e]^T. Fprop (x W^T) and dgrad (dy W, with ``b`` = the transposed weights)."""
+    if not isinstance(a, (FP8BlockTensor, MXFP4Tensor)) or not isinstance(b, FP8WeightTensor):
+        raise TypeError(f"grouped_fp8_mm_nt: expected FP8BlockTensor/MXFP4Tensor and FP8WeightTensor, "
+                        f"got {type(a).__name__} and {type(b).__name__}")
+    if b.data.dim() != 3:
+        raise ValueError(f"grouped_fp8_mm_nt: b must be an [E, N, K] stack, got {tuple(b.data.shape)}")
+    _check_out(out_dtype, "grouped_fp8_mm_nt")
+    backend, fn = _grouped_impl("grouped_mm_nt", a.device)
+    if backend is GemmBackend.SCALED_MM:
+        return _grouped_nt_scaled_mm(a, b, counts, out_dtype)
+    kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32
+    return fn(a.data, a.scale, b.data, b.scale, counts, kernel_dtype).to(out_dtype)
+
+
+def _grouped_nt_scaled_mm(a, b: FP8WeightTensor, counts, out_dtype) -> torch.Tensor:
+    from moe_fp4.api import mxfp4_to_fp8
+
+    # Same validation as the kernels (shapes, counts), then one cuBLAS GEMM per expert.
+    grouped_kernels._nt_shapes(a.data, a.scale, b.data, b.scale, counts, "grouped_fp8_mm_nt")
+    if isinstance(a, MXFP4Tensor):
+        a = mxfp4_to_fp8(a)
+    out = torch.empty(a.m, b.data.shape[1], dtype=out_dtype, device=a.device)
+    offs = grouped_kernels.group_offsets(counts)
+    for e in range(len(offs) - 1):
+        if offs[e + 1] > offs[e]:
+            out[offs[e]:offs[e + 1]] = fp8_mm_nt(a.rows(offs[e], offs[e + 1]), b[e], out_dtype)
+    return out
+
+
+def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a: FP8BlockTensor [N, R], b: FP8BlockTensor [K, R], both in 1x128 tiles along R (the tokens,
+    grouped by expert: ``*_colwise`` of the row-wise activations); counts: E ints, multiples of 128,
+    summing to R -> out_dtype [E, N, K]: out[e] = a[:, tokens of e] @ b[:, tokens of e]^T, the
+    weight gradient dY_e^T X_e (zeros for an expert without tokens)."""
+    if not isinstance(a, FP8BlockTensor) or not isinstance(b, FP8BlockTensor):
+        raise TypeError(f"grouped_fp8_mm_wgrad: expected two FP8BlockTensors, got {type(a).__name__} and "
+                        f"{type(b).__name__}")
+    _check_out(out_dtype, "grouped_fp8_mm_wgrad")
+    backend, fn = _grouped_impl("grouped_mm_wgrad", a.device)
+    if backend is not GemmBackend.SCALED_MM:
+        kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32
+        return fn(a.data, a.scale, b.data, b.scale, counts, kernel_dtype).to(out_dtype)
+    n, k, counts = grouped_kernels._wgrad_shapes(a.data, a.scale, b.data, b.scale, counts, "grouped_fp8_mm_wgrad")
+    out = torch.zeros(len(counts), n, k, dtype=out_dtype, device=a.device)
+    offs = grouped_kernels.group_offsets(counts)
+    for e in range(len(counts)):
+        s, t = offs[e], offs[e + 1]
+        if t > s:
+            out[e] = fp8_mm_nt(_column_slice(a, s, t), _column_slice(b, s, t), out_dtype)
+    return out
+
+
+def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
+    """Columns start..stop-1 (tile-aligned) of an FP8BlockTensor [N, R] in 1x128 tiles along R."""
+    data = t.data[:, start:stop]
+    scale = fp8_kernels.m_major(t.scale[:, start // FP8_TILE: stop // FP8_TILE])
+    return FP8BlockTensor(data, scale, data.shape, t.dtype)
+
+
+def _check_out(dtype, fn: str) -> None:
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
+
+
 __all__ = [
     "FP8WeightTensor",
     "GemmBackend",
     "fp8_mm_nt",
     "gemm_backend",
+    "grouped_fp8_mm_nt",
+    "grouped_fp8_mm_wgrad",
+    "grouped_gemm_backend",
+    "use_grouped_backend",
     "quantize_fp8_colwise",
     "quantize_fp8_weight",
 ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 

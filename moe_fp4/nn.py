@@ -2,8 +2,8 @@
 
 Router (top-k over softmax or sigmoid scores, in float32) -> dropless permutation of the (token,
 expert) pairs by expert, each expert's group padded to 128 rows -> grouped SwiGLU experts
-(:mod:`moe_fp4.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4) -> weighted combine
--> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
+(:mod:`moe_fp4.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4, the router weights
+applied to the SwiGLU output) -> unweighted combine (nothing saved for backward) -> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
 the permutation and the combine are identical in every precision.
 """
 
@@ -119,11 +119,18 @@ def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     return _Permute.apply(x, routing.dest, routing.rows)
 
 
+def row_weights(routing: Routing) -> torch.Tensor:
+    """-> float32 [rows]: the router weight of each permuted row (0 for padding rows), on the graph of
+    ``routing.weights``: the experts apply it (``grouped_swiglu_experts(..., row_weights=...)``)."""
+    w = routing.weights.flatten()
+    return w.new_zeros(routing.rows).scatter(0, routing.dest, w)
+
+
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """y: [rows, H] -> [T, H]: sum over slots j of weights[t, j] * y[dest(t, j)]."""
+    """y: [rows, H] expert outputs already weighted by the experts -> [T, H]: sum over slots j of
+    y[dest(t, j)] (summed in float32, rounded once). Keeps only the row map for backward."""
     t, k = routing.experts.shape
-    pairs = y.index_select(0, routing.dest).view(t, k, y.shape[1])
-    return torch.bmm(routing.weights.to(y.dtype).unsqueeze(1), pairs).squeeze(1)
+    return y.index_select(0, routing.dest).view(t, k, y.shape[1]).sum(1)
 
 
 class MoE(nn.Module):
@@ -200,7 +207,8 @@ class MoE(nn.Module):
         ep = self.ep
         plan = plan_dispatch(experts, self.config.num_experts, ep.process_group)
         sent = dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad)
-        y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q)
+        y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
+                                   row_weights=sent.row_weights())
         return combine(y, sent, plan, ep.combine, ep.combine_grad)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +229,7 @@ class MoE(nn.Module):
         else:
             routing = self.route(x2)
             y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
-                                            self.precision)
+                                            self.precision, row_weights=row_weights(routing))
             y = unpermute(y_perm, routing)
         if self.shared_w13 is not None:
             y = y + self._shared(x2)

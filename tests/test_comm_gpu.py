@@ -83,7 +83,8 @@ def _sync_case(rank, world):
             with warnings.catch_warnings(record=True) as move_w:
                 warnings.simplefilter("always")
                 sent = dispatch(x, w, experts, plan, fmt, expand=True)
-                y = combine(sent.x * 1.0 if fmt == "bf16" else sent.x + 1.0, sent, plan)
+                rows = sent.x * 1.0 if fmt == "bf16" else sent.x + 1.0
+                y = combine(rows * sent.row_weights()[:, None].to(rows.dtype), sent, plan)
                 y.float().sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")

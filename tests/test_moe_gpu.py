@@ -1,5 +1,6 @@
-"""The MoE layer on a GPU at DeepSeek-V3-like shapes (cuBLAS blockwise FP8 GEMMs): fp8 and fp4 against
-bf16, saved bytes, fp8/fp4 forward identity. Marked gpu; skipped without CUDA."""
+"""The MoE layer on a GPU at DeepSeek-V3-like shapes (the Triton grouped FP8 GEMMs): fp8 and fp4 against
+bf16, saved bytes, fp8/fp4 forward identity, against the per-expert cuBLAS path, host syncs per step.
+Marked gpu; skipped without CUDA."""
 
 import pytest
 import torch
@@ -48,3 +49,50 @@ def test_moe_precisions_on_gpu(name):
     fp8, fp4 = res["fp8"][1].labelled(*EXPERT_LABELS), res["fp4"][1].labelled(*EXPERT_LABELS)
     print(f"{name} expert saved bytes fp8 {fp8:,} fp4 {fp4:,} ratio {fp4 / fp8:.3f}")
     assert fp4 <= FP4_SAVED_RATIO_MAX * fp8
+
+
+# The layer with the Triton grouped GEMMs against the same layer with one cuBLAS scaled_mm per
+# expert (the reference path): the same FP8 operands summed in another order.
+TRITON_VS_CUBLAS_FLOOR_DB = 40.0
+
+
+def test_triton_grouped_layer_matches_per_expert_cublas_layer():
+    from moe_fp4.gemm import use_grouped_backend
+
+    cfg, tokens = CONFIGS["h2048"]
+    torch.manual_seed(1)
+    m = MoE(cfg, "fp4", device="cuda")
+    x = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    res = {}
+    for backend in ("triton", "scaled_mm"):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with use_grouped_backend(backend):
+            y = m(xi)
+            y.float().square().mean().backward()
+        res[backend] = {"out": y.detach(), "dx": xi.grad, "w13": m.w13.grad, "w2": m.w2.grad,
+                        "router": m.router.weight.grad}
+    measured = {k: round(sqnr_db(res["scaled_mm"][k].float(), v.float()), 2) for k, v in res["triton"].items()}
+    print(f"\ntriton vs per-expert scaled_mm layer SQNR (dB): {measured}")
+    assert min(measured.values()) > TRITON_VS_CUBLAS_FLOOR_DB, measured
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
+def test_layer_step_syncs_the_host_once(precision):
+    """One host sync per layer step: the routing counts (CUDA's sync debug mode warns on each)."""
+    import warnings
+
+    cfg = MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2)
+    m = MoE(cfg, precision, device="cuda")
+    x = torch.randn(512, cfg.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    m(x).float().sum().backward()                      # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    msgs = [str(w.message)[:100] for w in caught]
+    assert len(msgs) == 1, msgs

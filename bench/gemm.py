@@ -1,0 +1,175 @@
+"""Grouped FP8 GEMMs (moe_fp4's Triton kernels) against cuBLAS blockwise scaled_mm, in one run.
+
+For each GEMM of the expert layer's step at the dsv3 and small shapes of bench/moe_layer.py, with
+tokens spread evenly over the experts (each group a multiple of 128):
+
+- ``triton``:  moe_fp4.gemm.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
+- ``cublas``:  ONE torch.nn.functional.scaled_mm of the same total M, N, K (1x128 x 128x128 blockwise
+               for fprop/dgrad, 1x128 x 1x128 for wgrad): the speed of light we compare with;
+- ``loop``:    one cuBLAS scaled_mm per expert (the layer's previous path, still the reference);
+- ``bf16``:    torch._grouped_mm in bf16 on the same shapes (the bf16 layer's path).
+
+Columns: median ms over --iters after --warmup (CUDA events), TFLOP/s = 2 R N K / time, and
+triton / cublas as a ratio of throughputs. ``--sweep`` times every tile config in CONFIGS per GEMM
+and reports the best.
+
+    python bench/gemm.py                      # GPU (sm90): both shapes
+    python bench/gemm.py --shape dsv3 --sweep --json bench/results/gemm_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import moe_fp4
+from moe_fp4.gemm import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
+    quantize_fp8_weight, use_grouped_backend
+from moe_fp4.kernels import grouped_gemm as G
+
+SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer.py
+    "dsv3": (4096, 8, 32, 7168, 2048),
+    "small": (8192, 6, 64, 2048, 1408),
+}
+CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+           for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
+                                (64, 128, 4, 4), (128, 64, 4, 4)]]
+
+
+def commit() -> str:
+    if os.environ.get("MOE_FP4_COMMIT"):
+        return os.environ["MOE_FP4_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - a header field
+        return "unknown"
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    """-> median milliseconds of fn() over iters runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gemms(shape: str):
+    """-> [(name, kind, R, N, K, experts)]: the step's GEMMs (kind nt / nt_mxfp4 / wgrad)."""
+    t, k, e, h, f = SHAPES[shape]
+    return [("fc1 fprop", "nt", h, 2 * f), ("fc1 fprop (MXFP4 A)", "nt_mxfp4", h, 2 * f),
+            ("fc2 fprop", "nt", f, h), ("fc2 dgrad", "nt", h, f), ("fc1 dgrad", "nt", 2 * f, h),
+            ("fc2 wgrad", "wgrad", h, f), ("fc1 wgrad", "wgrad", 2 * f, h)], t * k, e
+
+
+def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
+    """One GEMM: [rows, k_dim] x per-expert [n_dim, k_dim]^T (nt), or dW [n_dim, k_dim] over rows (wgrad)."""
+    counts = [rows // e // 128 * 128] * e
+    counts[-1] += rows - sum(counts)
+    counts = [c + (-c) % 128 for c in counts]
+    r = sum(counts)
+    dev = "cuda"
+    flop = 2 * r * n_dim * k_dim
+    res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e}
+    if kind == "wgrad":
+        dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
+        a, b = moe_fp4.quantize_fp8(dy.t().contiguous()), moe_fp4.quantize_fp8(x.t().contiguous())
+        run_triton = lambda cfg: lambda: G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts,  # noqa: E731
+                                                            torch.float32, config=cfg)
+        configs = CONFIGS if args.sweep else [G.WGRAD_CONFIG]
+        cublas = lambda: fp8_mm_nt(a, b, torch.float32)  # noqa: E731
+        with use_grouped_backend("scaled_mm"):
+            loop_ms = timed(lambda: grouped_fp8_mm_wgrad(a, b, counts), args.warmup, max(3, args.iters // 4))
+        offs = torch.tensor(counts, device=dev).cumsum(0).int()
+        bf16 = lambda: torch._grouped_mm(dy.t(), x, offs=offs)  # noqa: E731
+    else:
+        x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(e, n_dim, k_dim, device=dev) * k_dim ** -0.5
+        wq = quantize_fp8_weight(w)
+        a = moe_fp4.quantize_mxfp4(x) if kind == "nt_mxfp4" else moe_fp4.quantize_fp8(x)
+        run_triton = lambda cfg: lambda: G.grouped_mm_nt(a.data, a.scale, wq.data, wq.scale, counts,  # noqa: E731
+                                                         torch.bfloat16, config=cfg)
+        configs = CONFIGS if args.sweep else [G.NT_CONFIG]
+        # cuBLAS: one [R, K] x [N, K]^T GEMM with a 128x128-block weight of the same N, K.
+        dense = moe_fp4.quantize_fp8(x) if kind == "nt_mxfp4" else a
+        w1 = FP8WeightTensor(wq.data[0], wq.scale[0])
+        cublas = lambda: fp8_mm_nt(dense, w1, torch.bfloat16)  # noqa: E731
+        with use_grouped_backend("scaled_mm"):
+            loop_ms = timed(lambda: grouped_fp8_mm_nt(a, wq, counts), args.warmup, max(3, args.iters // 4))
+        offs = torch.tensor(counts, device=dev).cumsum(0).int()
+        wb = w.to(torch.bfloat16)
+        bf16 = lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)  # noqa: E731
+    best = None
+    for cfg in configs:
+        try:
+            ms = timed(run_triton(cfg), args.warmup, args.iters)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            log(f"  {name}: config {cfg} failed: {str(exc).splitlines()[0][:120]}")
+            continue
+        res.setdefault("sweep", []).append({"config": cfg.__dict__, "ms": ms})
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    cublas_ms = timed(cublas, args.warmup, args.iters)
+    bf16_ms = timed(bf16, args.warmup, args.iters)
+    res.update(triton_ms=best[0], config=best[1].__dict__, cublas_ms=cublas_ms, loop_ms=loop_ms, bf16_ms=bf16_ms,
+               triton_tflops=flop / best[0] / 1e9, cublas_tflops=flop / cublas_ms / 1e9,
+               bf16_tflops=flop / bf16_ms / 1e9, triton_vs_cublas=cublas_ms / best[0],
+               triton_vs_loop=loop_ms / best[0])
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="time every config in CONFIGS, report the best")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        sys.exit("bench/gemm.py: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "commit": commit(), "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
+    results = []
+    for shape in args.shape:
+        table, rows, e = gemms(shape)
+        log(f"\n{shape}: {rows} rows over {e} experts")
+        log("| GEMM | R x N x K | triton ms | TFLOP/s | cuBLAS ms | TFLOP/s | triton/cuBLAS | per-expert loop ms "
+            "| bf16 grouped TFLOP/s | config |")
+        log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name, kind, k_dim, n_dim in table:
+            r = bench_one(name, kind, k_dim, n_dim, rows, e, args, log)
+            r["shape"] = shape
+            results.append(r)
+            c = r["config"]
+            log(f"| {name} | {r['R']} x {r['N']} x {r['K']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} "
+                f"| {r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {r['triton_vs_cublas']:.2f} "
+                f"| {r['loop_ms']:.3f} | {r['bf16_tflops']:.0f} "
+                f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"header": head, "results": results}, fh, indent=1)
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

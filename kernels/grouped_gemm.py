@@ -1,0 +1,324 @@
+"""Grouped blockwise FP8 GEMMs for the expert MLPs: Triton kernels, launchers, pure-torch references.
+
+DeepSeek-V3 scaling: E4M3 operands with float32 power-of-two scales, float32 accumulation, the
+scales applied per 128-wide step of the contraction (one ``tl.dot`` per step, then
+``acc += dot * scale_a * scale_b``). One launch covers every expert; rows are grouped by expert in
+128-aligned groups (``counts``: E multiples of 128), so no 128-row tile straddles two experts and a
+tile finds its expert in a small table instead of a host loop.
+
+- :func:`grouped_mm_nt` (fprop and dgrad, "M-grouped"): ``out[rows of e] = A[rows of e] @ B[e]^T``.
+  A: FP8 [R, K] in 1x128 tiles along K, or MXFP4 [R, K] (decoded to FP8 in registers by the device
+  function the row-wise MXFP4 -> FP8 converter uses: bit-identical to converting first).
+  B: FP8 [E, N, K] in 128x128 blocks.
+- :func:`grouped_mm_wgrad` (weight gradients, "K-grouped"): ``out[e] = A[:, cols of e] @ B[:, cols of e]^T``
+  with A [N, R] and B [K, R], both FP8 in 1x128 tiles along R (the tokens): dW = dY^T X per expert.
+
+Each launcher ``name`` has a twin ``name_ref`` with the same signature: dequantize exactly to
+float32 and multiply per expert in float32. The kernels sum the same products in another order, so
+they agree with the twins to float32 rounding (tests/test_grouped_gemm.py bounds it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, mxfp4_to_fp8_rowwise_ref
+from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
+from moe_fp4.kernels.triton_numerics import f32_to_bf16_rne, mxfp4_tiles_to_e4m3, pow2_f32
+
+GROUP_ALIGN = 128   # rows per expert are a multiple of this (one FP8 1x128 tile along tokens)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipeline depth of one grouped GEMM launch."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+    group_m: int = 8      # M tiles per L2 swizzle group (M-grouped kernel)
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"GemmConfig: block_m must be 64 or 128, got {self.block_m}")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"GemmConfig: block_n must be 64, 128 or 256, got {self.block_n}")
+        if self.num_warps not in (4, 8) or self.num_stages < 1 or self.group_m < 1:
+            raise ValueError(f"GemmConfig: bad num_warps / num_stages / group_m in {self}")
+
+
+NT_CONFIG = GemmConfig()
+WGRAD_CONFIG = GemmConfig()
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_a_tile(a_ptr, as_ptr, rows, k0, stride_am, stride_asm, stride_ask, A_MXFP4: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-> (float8e4nv [BLOCK_M, 128] codes of A[rows, k0 : k0 + 128], float32 [BLOCK_M] their scales)."""
+    if A_MXFP4:
+        # 64 bytes and 4 E8M0 scales per row; viewed as [BM, 1 tile, 4 blocks, 16 bytes].
+        pair = tl.arange(0, 4)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
+        byte = tl.load(a_ptr + rows[:, None, None, None] * stride_am + k0 // 2 + pair).to(tl.int32)
+        blk = tl.arange(0, 4)[None, None, :]
+        sb = tl.load(as_ptr + rows[:, None, None] * stride_asm + k0 // 32 + blk).to(tl.int32)
+        q_lo, q_hi, S = mxfp4_tiles_to_e4m3(byte, sb, sb >= 0)
+        # Element 2i is the low nibble of byte i: interleave (lo, hi) back into K order.
+        codes = tl.reshape(tl.join(q_lo, q_hi), (BLOCK_M, BLOCK_K))
+        a = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        sa = tl.reshape(pow2_f32(S), (BLOCK_M,))
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :])
+        sa = tl.load(as_ptr + rows * stride_asm + (k0 // BLOCK_K) * stride_ask)
+    return a, sa
+
+
+
+@triton.jit
+def _epilogue(acc, c_ptr):
+    """float32 accumulator -> the output's element type (bfloat16 or float32), rounded to nearest even."""
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        return f32_to_bf16_rne(acc)
+    return acc
+
+
+@triton.jit
+def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
+                          M, N, K,
+                          stride_am, stride_asm, stride_ask,
+                          stride_be, stride_bn, stride_bse, stride_bsn,
+                          stride_cm,
+                          A_MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Swizzled tile order: GROUP_M consecutive M tiles share each N tile while it is in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // 128).to(tl.int64)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols_n < N
+    b_base = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn
+    bs_base = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a, sa = _load_a_tile(a_ptr, as_ptr, rows, k0, stride_am, stride_asm, stride_ask, A_MXFP4,
+                             BLOCK_M, BLOCK_K)
+        b = tl.load(b_base + (k0 + kk)[None, :], mask=mask_n[:, None], other=0.0)
+        sb = tl.load(bs_base + k0 // BLOCK_K, mask=mask_n, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    c = c_ptr + rows[:, None] * stride_cm + cols_n[None, :]
+    tl.store(c, _epilogue(acc, c_ptr), mask=mask_n[None, :])
+
+
+@triton.jit
+def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
+                             N, K,
+                             stride_am, stride_asn, stride_ast,
+                             stride_bk, stride_bsk, stride_bst,
+                             stride_ce, stride_cn,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Program (tile of dW[e], expert e): contract over expert e's tokens in steps of one 1x128 tile.
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_N)
+    pid_m = pid // tiles_k
+    pid_n = pid % tiles_k
+    start = tl.load(offsets_ptr + e)
+    stop = tl.load(offsets_ptr + e + 1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < N
+    mask_n = cols < K
+    rr = tl.arange(0, BLOCK_R).to(tl.int64)
+    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
+    b_base = b_ptr + cols[:, None].to(tl.int64) * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, stop, BLOCK_R):
+        a = tl.load(a_base + (r0 + rr)[None, :], mask=mask_m[:, None], other=0.0)
+        b = tl.load(b_base + (r0 + rr)[None, :], mask=mask_n[:, None], other=0.0)
+        t = r0 // BLOCK_R
+        sa = tl.load(as_ptr + rows * stride_asn + t * stride_ast, mask=mask_m, other=0.0)
+        sb = tl.load(bs_ptr + cols * stride_bsk + t * stride_bst, mask=mask_n, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    c = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cn + cols[None, :]
+    tl.store(c, _epilogue(acc, c_ptr), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers and references
+# --------------------------------------------------------------------------------------------
+
+def group_offsets(counts) -> list[int]:
+    """counts: E ints -> E + 1 offsets (0, c0, c0 + c1, ..., sum)."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return out
+
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_out_dtype(dtype, fn: str) -> None:
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be bfloat16 or float32, got {dtype}")
+
+
+def _check_counts(counts, rows: int, n_exp: int, fn: str) -> tuple[int, ...]:
+    counts = tuple(int(c) for c in counts)
+    if len(counts) != n_exp:
+        raise ValueError(f"{fn}: expected {n_exp} counts (one per expert), got {len(counts)}")
+    if any(c < 0 or c % GROUP_ALIGN for c in counts):
+        raise ValueError(f"{fn}: counts must be non-negative multiples of {GROUP_ALIGN}, got {counts}")
+    if sum(counts) != rows:
+        raise ValueError(f"{fn}: counts sum to {sum(counts)}, but the operand has {rows} rows")
+    return counts
+
+
+def _nt_shapes(a, a_scale, b, b_scale, counts, fn: str):
+    """-> (mxfp4, R, N, K, counts) after checking the operands of grouped_mm_nt."""
+    mxfp4 = a.dtype == torch.uint8
+    if a.dim() != 2 or (not mxfp4 and a.dtype != torch.float8_e4m3fn):
+        raise TypeError(f"{fn}: A must be float8_e4m3fn [R, K] or MXFP4 uint8 [R, K/2], got {a.dtype} "
+                        f"{tuple(a.shape)}")
+    r = a.shape[0]
+    k = a.shape[1] * (2 if mxfp4 else 1)
+    want_scale = (torch.uint8, (r, k // MXFP4_BLOCK)) if mxfp4 else (torch.float32, (r, k // FP8_TILE))
+    if a_scale.dtype != want_scale[0] or tuple(a_scale.shape) != want_scale[1]:
+        raise ValueError(f"{fn}: A's scale must be {want_scale[0]} {want_scale[1]}, got {a_scale.dtype} "
+                         f"{tuple(a_scale.shape)}")
+    if b.dtype != torch.float8_e4m3fn or b.dim() != 3 or b.shape[2] != k:
+        raise ValueError(f"{fn}: B must be float8_e4m3fn [E, N, K = {k}], got {b.dtype} {tuple(b.shape)}")
+    n_exp, n = b.shape[:2]
+    if k % FP8_TILE or n % WEIGHT_BLOCK:
+        raise ValueError(f"{fn}: N = {n} and K = {k} must be multiples of {FP8_TILE}")
+    if b_scale.dtype != torch.float32 or tuple(b_scale.shape) != (n_exp, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK):
+        raise ValueError(f"{fn}: B's scale must be float32 {(n_exp, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK)}, "
+                         f"got {b_scale.dtype} {tuple(b_scale.shape)}")
+    if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k:
+        raise ValueError(f"{fn}: A's rows and B's [N, K] matrices must be contiguous")
+    if len({a.device, a_scale.device, b.device, b_scale.device}) != 1:
+        raise ValueError(f"{fn}: operands on different devices")
+    return mxfp4, r, n, k, _check_counts(counts, r, n_exp, fn)
+
+
+def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                  out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = NT_CONFIG) -> torch.Tensor:
+    """A: float8_e4m3fn [R, K] with a_scale float32 [R, K/128] (any strides), or MXFP4 uint8 [R, K/2]
+    with a_scale uint8 [R, K/32] (row-major); B: float8_e4m3fn [E, N, K] with b_scale float32
+    [E, N/128, K/128] (128x128 blocks); counts: E ints, multiples of 128, summing to R
+    -> out_dtype [R, N]: rows of expert e times B[e]^T, one launch."""
+    mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
+    _check_out_dtype(out_dtype, "grouped_mm_nt")
+    out = torch.empty(r, n, dtype=out_dtype, device=a.device)
+    if r == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    tile_expert = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
+                                          torch.tensor(counts) // GROUP_ALIGN).to(a.device, non_blocking=True)
+    bs = b_scale.contiguous()
+    cfg = config
+    grid = (triton.cdiv(r, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _grouped_mm_nt_kernel[grid](
+        a, a_scale, b, bs, out, tile_expert, r, n, k,
+        a.stride(0), a_scale.stride(0), a_scale.stride(1),
+        b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
+        A_MXFP4=mxfp4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _dequant_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 [M, K] codes and float32 [M, K/128] scales -> exact float32 values."""
+    return data.float() * scale.repeat_interleave(FP8_TILE, dim=1)
+
+
+def grouped_mm_nt_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                      out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = NT_CONFIG) -> torch.Tensor:
+    """Pure-torch twin of grouped_mm_nt: per expert, float32 matmul of the exactly dequantized operands
+    (an MXFP4 A is converted to FP8 by mxfp4_to_fp8_rowwise_ref first). ``config`` is ignored."""
+    mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
+    if mxfp4:
+        a, a_scale = mxfp4_to_fp8_rowwise_ref(a, a_scale)
+    out = torch.zeros(r, n, dtype=out_dtype, device=a.device)
+    bf = b.float() * b_scale.repeat_interleave(WEIGHT_BLOCK, 1).repeat_interleave(WEIGHT_BLOCK, 2)
+    offs = group_offsets(counts)
+    for e in range(len(counts)):
+        s, t = offs[e], offs[e + 1]
+        if t > s:
+            out[s:t] = (_dequant_rows(a[s:t], a_scale[s:t]) @ bf[e].t()).to(out_dtype)
+    return out
+
+
+def _wgrad_shapes(a, a_scale, b, b_scale, counts, fn: str):
+    for name, t, s in (("A", a, a_scale), ("B", b, b_scale)):
+        if t.dtype != torch.float8_e4m3fn or t.dim() != 2:
+            raise TypeError(f"{fn}: {name} must be float8_e4m3fn [*, R], got {t.dtype} {tuple(t.shape)}")
+        if t.stride(1) != 1:
+            raise ValueError(f"{fn}: {name}'s rows must be contiguous")
+        if s.dtype != torch.float32 or tuple(s.shape) != (t.shape[0], t.shape[1] // FP8_TILE):
+            raise ValueError(f"{fn}: {name}'s scale must be float32 {(t.shape[0], t.shape[1] // FP8_TILE)}, "
+                             f"got {s.dtype} {tuple(s.shape)}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{fn}: A is [N, R] = {tuple(a.shape)}, B must be [K, R], got {tuple(b.shape)}")
+    if len({a.device, a_scale.device, b.device, b_scale.device}) != 1:
+        raise ValueError(f"{fn}: operands on different devices")
+    return a.shape[0], b.shape[0], _check_counts(counts, a.shape[1], len(tuple(counts)), fn)
+
+
+def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                     out_dtype: torch.dtype = torch.float32, config: GemmConfig = WGRAD_CONFIG) -> torch.Tensor:
+    """A: float8_e4m3fn [N, R] with a_scale float32 [N, R/128], B: float8_e4m3fn [K, R] with b_scale
+    float32 [K, R/128] (both in 1x128 tiles along R, the tokens; scales any strides); counts: E ints,
+    multiples of 128, summing to R -> out_dtype [E, N, K]: out[e] = A[:, cols of e] @ B[:, cols of e]^T
+    (zeros for an expert without rows), one launch."""
+    n, k, counts = _wgrad_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_wgrad")
+    _check_out_dtype(out_dtype, "grouped_mm_wgrad")
+    n_exp = len(counts)
+    out = torch.empty(n_exp, n, k, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    offsets = torch.tensor(group_offsets(counts), dtype=torch.int64).to(a.device, non_blocking=True)
+    cfg = config
+    grid = (triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n), n_exp)
+    _grouped_mm_wgrad_kernel[grid](
+        a, a_scale, b, b_scale, out, offsets, n, k,
+        a.stride(0), a_scale.stride(0), a_scale.stride(1),
+        b.stride(0), b_scale.stride(0), b_scale.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=FP8_TILE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def grouped_mm_wgrad_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                         out_dtype: torch.dtype = torch.float32, config: GemmConfig = WGRAD_CONFIG) -> torch.Tensor:
+    """Pure-torch twin of grouped_mm_wgrad (float32 matmul of the exactly dequantized operands per
+    expert). ``config`` is ignored."""
+    n, k, counts = _wgrad_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_wgrad")
+    out = torch.zeros(len(counts), n, k, dtype=out_dtype, device=a.device)
+    af, bf = _dequant_rows(a, a_scale), _dequant_rows(b, b_scale)
+    offs = group_offsets(counts)
+    for e in range(len(counts)):
+        s, t = offs[e], offs[e + 1]
+        if t > s:
+            out[e] = (af[:, s:t] @ bf[:, s:t].t()).to(out_dtype)
+    return out

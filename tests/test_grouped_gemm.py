@@ -1,0 +1,230 @@
+"""Grouped FP8 GEMMs (kernels/grouped_gemm.py, moe_fp4.gemm.grouped_fp8_mm_*) against the per-expert
+references.
+
+The kernels sum the same FP8 products in another order than the float32 references (per-128 partial
+sums, scaled, then accumulated), so results agree to float32 rounding: |got - ref| is bounded by
+ORDER_RTOL times sum_k |a_k b_k| (the magnitude the rounding errors scale with), elementwise. The
+MXFP4-operand GEMM is compared bit for bit with "convert to FP8, then the same GEMM". On CPU the
+kernels run under the Triton interpreter; the `gpu` tests compare with one cuBLAS blockwise
+``scaled_mm`` per expert at MoE sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_fp4
+from moe_fp4.gemm import GemmBackend, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, grouped_gemm_backend, \
+    quantize_fp8_weight, use_grouped_backend
+from moe_fp4.kernels import fp8 as K8
+from moe_fp4.kernels import grouped_gemm as G
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Float32 reordering error relative to sum_k |a_k b_k|: measured max 1.6e-7 (CPU interpreter, K <= 384)
+# and 3.2e-7 (H200, K = 7168); the bound leaves a factor of ~8 over the worst seen.
+ORDER_RTOL = 2.0 ** -19
+COUNTS = [(128, 0, 256), (384,), (0, 0, 128), (128, 128, 0, 384)]
+
+
+def _weights(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_fp8_weight((torch.randn(e, n, k, generator=g) * k ** -0.5).to(DEVICE))
+
+
+def _acts(r, k, seed, spread=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, k, generator=g)
+    if spread:  # row and block magnitudes 2^-20 .. 2^20: MXFP4 blocks far below their tile's maximum
+        x = x * torch.exp2(torch.randint(-20, 21, (r, k // 32), generator=g).float()).repeat_interleave(32, 1)
+    return x.to(DEVICE)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> None:
+    err = (got.float() - ref.float()).abs()
+    bound = ORDER_RTOL * magnitude + 1e-30
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+def _abs_nt(a, b, counts):
+    """sum_k |a_k b_k| per output element, in float64."""
+    af = a.dequantize(torch.float32).double().abs()
+    bf = b.dequantize(torch.float32).double().abs()
+    out = torch.zeros(af.shape[0], bf.shape[1], dtype=torch.float64, device=af.device)
+    offs = G.group_offsets(counts)
+    for e in range(len(counts)):
+        out[offs[e]:offs[e + 1]] = af[offs[e]:offs[e + 1]] @ bf[e].t()
+    return out
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("n,k", [(128, 128), (384, 256), (256, 384)])
+def test_grouped_nt_matches_reference(counts, n, k):
+    r = sum(counts)
+    a = moe_fp4.quantize_fp8(_acts(r, k, seed=r + n))
+    b = _weights(len(counts), n, k, seed=k)
+    got = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    ref = G.grouped_mm_nt_ref(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    _close(got, ref, _abs_nt(a, b, counts))
+    # bf16 output: the float32 accumulator rounded once (RNE).
+    got16 = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.bfloat16)
+    assert torch.equal(got16, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("config", [G.GemmConfig(block_m=64, block_n=256, num_warps=4, group_m=1),
+                                    G.GemmConfig(block_n=64, num_stages=2)])
+def test_grouped_nt_other_tile_configs(config):
+    counts = (256, 0, 128)
+    a = moe_fp4.quantize_fp8(_acts(384, 256, seed=1))
+    b = _weights(3, 512, 256, seed=2)
+    got = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32, config=config)
+    base = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    _close(got, base, _abs_nt(a, b, counts))
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_mxfp4_operand_is_bit_identical_to_converting_first(spread):
+    counts = (128, 0, 256)
+    x = _acts(384, 384, seed=3, spread=spread)
+    x[5, :64] = 0.0                                       # zero blocks and a zero tile
+    x[6, :128] = 0.0
+    q = moe_fp4.quantize_mxfp4(x.to(torch.bfloat16))
+    b = _weights(3, 256, 384, seed=4)
+    got = G.grouped_mm_nt(q.data, q.scale, b.data, b.scale, counts, torch.float32)
+    fd, fs = K8.mxfp4_to_fp8_rowwise(q.data, q.scale)
+    want = G.grouped_mm_nt(fd, fs, b.data, b.scale, counts, torch.float32)
+    assert torch.equal(got, want)
+    ref = G.grouped_mm_nt_ref(q.data, q.scale, b.data, b.scale, counts, torch.float32)
+    assert torch.equal(G.grouped_mm_nt_ref(fd, fs, b.data, b.scale, counts, torch.float32), ref)
+
+
+@pytest.mark.gpu
+def test_mxfp4_operand_nan_block_poisons_its_row_only():
+    # GPU only: the interpreter's float8 -> float32 conversion does not map the NaN byte 0x7F to NaN.
+    counts = (128,)
+    x = _acts(128, 128, seed=5).to(torch.bfloat16)
+    x[3, 40] = float("nan")
+    q = moe_fp4.quantize_mxfp4(x)
+    b = _weights(1, 128, 128, seed=6)
+    got = G.grouped_mm_nt(q.data, q.scale, b.data, b.scale, counts, torch.float32)
+    assert torch.isnan(got[3]).all() and torch.isfinite(got[torch.arange(128) != 3]).all()
+
+
+def _colwise(x):
+    return moe_fp4.quantize_fp8(x.t().contiguous())
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_wgrad_matches_reference(counts, out_dtype):
+    r = sum(counts)
+    n, k = 256, 384
+    dy, x = _acts(r, n, seed=7), _acts(r, k, seed=8)
+    a, b = _colwise(dy), _colwise(x)
+    got = G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, out_dtype)
+    ref = G.grouped_mm_wgrad_ref(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    assert got.shape == (len(counts), n, k) and got.dtype == out_dtype
+    af, bf = a.dequantize(torch.float32).double().abs(), b.dequantize(torch.float32).double().abs()
+    offs = G.group_offsets(counts)
+    mag = torch.stack([af[:, offs[e]:offs[e + 1]] @ bf[:, offs[e]:offs[e + 1]].t() for e in range(len(counts))])
+    if out_dtype is torch.float32:
+        _close(got, ref, mag)
+    else:
+        assert torch.equal(got, G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts).to(out_dtype))
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.count_nonzero(got[e]) == 0
+
+
+def test_empty_and_degenerate_shapes():
+    b = _weights(2, 128, 128, seed=9)
+    a = moe_fp4.quantize_fp8(torch.zeros(0, 128, device=DEVICE))
+    assert G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, (0, 0)).shape == (0, 128)
+    z = moe_fp4.quantize_fp8(torch.zeros(128, 0, device=DEVICE))
+    out = G.grouped_mm_wgrad(z.data, z.scale, z.data, z.scale, (0, 0))
+    assert out.shape == (2, 128, 128) and torch.count_nonzero(out) == 0
+
+
+def test_validation_messages():
+    a = moe_fp4.quantize_fp8(_acts(256, 128, seed=10))
+    b = _weights(2, 128, 128, seed=11)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, (200, 56))
+    with pytest.raises(ValueError, match="sum to 128"):
+        G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, (128, 0))
+    with pytest.raises(ValueError, match="2 counts"):
+        G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, (256,))
+    with pytest.raises(ValueError, match=r"K = 128"):
+        G.grouped_mm_nt(a.data, a.scale, _weights(2, 128, 256, 1).data, b.scale, (128, 128))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        G.grouped_mm_nt(a.data.float(), a.scale, b.data, b.scale, (128, 128))
+    with pytest.raises(ValueError, match="scale"):
+        G.grouped_mm_nt(a.data, a.scale[:, :0], b.data, b.scale, (128, 128))
+    with pytest.raises(ValueError, match="block_m"):
+        G.GemmConfig(block_m=32)
+    with pytest.raises(ValueError, match=r"\[K, R\]"):
+        c = moe_fp4.quantize_fp8(_acts(128, 256, seed=12))
+        G.grouped_mm_wgrad(a.data, a.scale, c.data, c.scale, (128, 0))
+
+
+def test_container_api_and_backends(monkeypatch):
+    counts = (128, 256)
+    x = _acts(384, 256, seed=12).to(torch.bfloat16)
+    b = _weights(2, 128, 256, seed=13)
+    q = moe_fp4.quantize_mxfp4(x)
+    with use_grouped_backend("triton"):
+        assert grouped_gemm_backend(torch.device("cpu")) is GemmBackend.TRITON
+        tri = grouped_fp8_mm_nt(q, b, counts, torch.float32)
+        tri_w = grouped_fp8_mm_wgrad(_colwise(x.float()), _colwise(x.float()), counts)
+    with use_grouped_backend(GemmBackend.EMULATED):
+        emu = grouped_fp8_mm_nt(q, b, counts, torch.float32)
+        emu_w = grouped_fp8_mm_wgrad(_colwise(x.float()), _colwise(x.float()), counts)
+    assert torch.allclose(tri, emu, rtol=1e-5, atol=1e-5) and torch.allclose(tri_w, emu_w, rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("MOE_FP4_GROUPED_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="MOE_FP4_GROUPED_GEMM"):
+        grouped_gemm_backend(torch.device("cpu"))
+    monkeypatch.setenv("MOE_FP4_GROUPED_GEMM", "emulated")
+    assert grouped_gemm_backend(torch.device(DEVICE)) is GemmBackend.EMULATED
+    with pytest.raises(TypeError, match="FP8WeightTensor"):
+        grouped_fp8_mm_nt(q, b.data, counts)
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_fp8_mm_nt(q, b, counts, torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the Triton kernels against one cuBLAS blockwise scaled_mm per expert at MoE sizes.
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="FP8 tensor cores need sm90")
+@pytest.mark.parametrize("h,f,e", [(7168, 2048, 8), (2048, 1408, 16)])
+def test_gpu_grouped_gemms_match_scaled_mm_per_expert(h, f, e):
+    torch.manual_seed(14)
+    counts = tuple(128 * int(c) for c in torch.randint(0, 9, (e,)))
+    counts = (0,) + counts[1:]
+    r = sum(counts)
+    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
+    w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
+    xq, xmx = moe_fp4.quantize_fp8_and_mxfp4(x)
+    for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
+        with use_grouped_backend("triton"):
+            got = grouped_fp8_mm_nt(a, b, counts, torch.float32)
+        with use_grouped_backend("scaled_mm"):
+            ref = grouped_fp8_mm_nt(a, b, counts, torch.float32)
+        _close(got, ref, _abs_nt(a, b, counts))
+    with use_grouped_backend("triton"):
+        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
+        got = grouped_fp8_mm_wgrad(_colwise(dy), _colwise(x), counts)
+    with use_grouped_backend("scaled_mm"):
+        ref = grouped_fp8_mm_wgrad(_colwise(dy), _colwise(x), counts)
+    a, b = _colwise(dy), _colwise(x)
+    af, bf = a.dequantize(torch.float32).double().abs(), b.dequantize(torch.float32).double().abs()
+    offs = G.group_offsets(counts)
+    mag = torch.stack([af[:, offs[i]:offs[i + 1]] @ bf[:, offs[i]:offs[i + 1]].t() for i in range(e)])
+    _close(got, ref, mag)
