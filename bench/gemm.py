@@ -39,8 +39,8 @@ SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer
     "small": (8192, 6, 64, 2048, 1408),
 }
 CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-           for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
-                                (64, 128, 4, 4), (128, 64, 4, 4)]]
+           for bm, bn, w, s in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 5), (128, 128, 8, 3),
+                                (64, 256, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)]]
 
 
 def commit() -> str:
@@ -125,6 +125,9 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         res.setdefault("sweep", []).append({"config": cfg.__dict__, "ms": ms})
         if best is None or ms < best[0]:
             best = (ms, cfg)
+    if best is None:
+        res["error"] = "no config compiled"
+        return res
     cublas_ms = timed(cublas, args.warmup, args.iters)
     bf16_ms = timed(bf16, args.warmup, args.iters)
     res.update(triton_ms=best[0], config=best[1].__dict__, cublas_ms=cublas_ms, loop_ms=loop_ms, bf16_ms=bf16_ms,
@@ -134,6 +137,23 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     return res
 
 
+def compiled_kernels() -> list[str]:
+    """One line per compiled specialization of the grouped GEMM kernels: registers, spills, shared
+    memory, and whether the PTX uses Hopper's wgmma or the older mma.sync (a 2-4x slower path)."""
+    out = []
+    for fn in (G._grouped_mm_nt_kernel, G._grouped_mm_wgrad_kernel):
+        caches = getattr(fn, "device_caches", {})
+        for entry in caches.values():
+            for kernel in entry[0].values():
+                ptx = kernel.asm.get("ptx", "")
+                out.append(f"{fn.__name__}: regs {getattr(kernel, 'n_regs', '?')} spills "
+                           f"{getattr(kernel, 'n_spills', '?')} smem {kernel.metadata.shared} "
+                           f"warps {kernel.metadata.num_warps} stages {kernel.metadata.num_stages} "
+                           f"wgmma {ptx.count('wgmma.mma_async')} mma.sync {ptx.count('mma.sync')} "
+                           f"constants {getattr(kernel, 'constants', '')}"[:400])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -141,6 +161,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="time every config in CONFIGS, report the best")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--asm", action="store_true",
+                   help="after the run, print each compiled grouped-GEMM kernel's registers, spills and MMA kind")
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         sys.exit("bench/gemm.py: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
@@ -160,11 +182,17 @@ def main() -> None:
             r = bench_one(name, kind, k_dim, n_dim, rows, e, args, log)
             r["shape"] = shape
             results.append(r)
+            if "error" in r:
+                log(f"| {name} | {r['error']} |")
+                continue
             c = r["config"]
             log(f"| {name} | {r['R']} x {r['N']} x {r['K']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} "
                 f"| {r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {r['triton_vs_cublas']:.2f} "
                 f"| {r['loop_ms']:.3f} | {r['bf16_tflops']:.0f} "
                 f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} |")
+    if args.asm:
+        for info in compiled_kernels():
+            log(info)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"header": head, "results": results}, fh, indent=1)

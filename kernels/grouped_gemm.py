@@ -52,8 +52,10 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: bad num_warps / num_stages / group_m in {self}")
 
 
-NT_CONFIG = GemmConfig()
-WGRAD_CONFIG = GemmConfig()
+# Measured on an H200 (bench/gemm.py --sweep, dsv3 shapes): 64x128 tiles with 4 warps beat 128x128 with 8
+# (the per-step scaled accumulation keeps two fp32 tiles live; larger tiles spill or lose occupancy).
+NT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+WGRAD_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,34 +63,43 @@ WGRAD_CONFIG = GemmConfig()
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_a_tile(a_ptr, as_ptr, rows, k0, stride_am, stride_asm, stride_ask, A_MXFP4: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-> (float8e4nv [BLOCK_M, 128] codes of A[rows, k0 : k0 + 128], float32 [BLOCK_M] their scales)."""
+def _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-> (data pointers, scale pointers) of A's first 128-column step for these rows."""
     if A_MXFP4:
-        # 64 bytes and 4 E8M0 scales per row; viewed as [BM, 1 tile, 4 blocks, 16 bytes].
+        # 64 bytes and 4 E8M0 scales per row and step, viewed as [BM, 1 tile, 4 blocks, 16 bytes].
         pair = tl.arange(0, 4)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
-        byte = tl.load(a_ptr + rows[:, None, None, None] * stride_am + k0 // 2 + pair).to(tl.int32)
-        blk = tl.arange(0, 4)[None, None, :]
-        sb = tl.load(as_ptr + rows[:, None, None] * stride_asm + k0 // 32 + blk).to(tl.int32)
+        a_ptrs = a_ptr + rows[:, None, None, None] * stride_am + pair
+        as_ptrs = as_ptr + rows[:, None, None] * stride_asm + tl.arange(0, 4)[None, None, :]
+    else:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
+        as_ptrs = as_ptr + rows * stride_asm
+    return a_ptrs, as_ptrs
+
+
+@triton.jit
+def _load_a_tile(a_ptrs, as_ptrs, A_MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-> (float8e4nv [BLOCK_M, 128] codes of one 128-column step of A, float32 [BLOCK_M] their scales)."""
+    if A_MXFP4:
+        byte = tl.load(a_ptrs).to(tl.int32)
+        sb = tl.load(as_ptrs).to(tl.int32)
         q_lo, q_hi, S = mxfp4_tiles_to_e4m3(byte, sb, sb >= 0)
         # Element 2i is the low nibble of byte i: interleave (lo, hi) back into K order.
         codes = tl.reshape(tl.join(q_lo, q_hi), (BLOCK_M, BLOCK_K))
         a = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         sa = tl.reshape(pow2_f32(S), (BLOCK_M,))
     else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :])
-        sa = tl.load(as_ptr + rows * stride_asm + (k0 // BLOCK_K) * stride_ask)
+        a = tl.load(a_ptrs)
+        sa = tl.load(as_ptrs)
     return a, sa
 
 
-
 @triton.jit
-def _epilogue(acc, c_ptr):
+def _epilogue(acc, OUT_BF16: tl.constexpr):
     """float32 accumulator -> the output's element type (bfloat16 or float32), rounded to nearest even."""
-    if c_ptr.dtype.element_ty == tl.bfloat16:
+    if OUT_BF16:
         return f32_to_bf16_rne(acc)
-    return acc
+    else:
+        return acc
 
 
 @triton.jit
@@ -97,7 +108,8 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
                           stride_am, stride_asm, stride_ask,
                           stride_be, stride_bn, stride_bse, stride_bsn,
                           stride_cm,
-                          A_MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          A_MXFP4: tl.constexpr, OUT_BF16: tl.constexpr, EVEN_N: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Swizzled tile order: GROUP_M consecutive M tiles share each N tile while it is in L2.
     pid = tl.program_id(0)
@@ -113,18 +125,29 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
     e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // 128).to(tl.int64)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols_n < N
-    b_base = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn
-    bs_base = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
-    kk = tl.arange(0, BLOCK_K)
+    a_ptrs, as_ptrs = _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4, BLOCK_K)
+    b_ptrs = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn + tl.arange(0, BLOCK_K)[None, :]
+    bs_ptrs = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a, sa = _load_a_tile(a_ptr, as_ptr, rows, k0, stride_am, stride_asm, stride_ask, A_MXFP4,
-                             BLOCK_M, BLOCK_K)
-        b = tl.load(b_base + (k0 + kk)[None, :], mask=mask_n[:, None], other=0.0)
-        sb = tl.load(bs_base + k0 // BLOCK_K, mask=mask_n, other=0.0)
+    for _ in range(0, tl.cdiv(K, BLOCK_K)):
+        a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+            sb = tl.load(bs_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=mask_n[:, None], other=0.0)
+            sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if A_MXFP4:
+            a_ptrs += BLOCK_K // 2
+            as_ptrs += BLOCK_K // 32
+        else:
+            a_ptrs += BLOCK_K
+            as_ptrs += stride_ask
+        b_ptrs += BLOCK_K
+        bs_ptrs += 1
     c = c_ptr + rows[:, None] * stride_cm + cols_n[None, :]
-    tl.store(c, _epilogue(acc, c_ptr), mask=mask_n[None, :])
+    tl.store(c, _epilogue(acc, OUT_BF16), mask=mask_n[None, :])
 
 
 @triton.jit
@@ -133,37 +156,59 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
                              stride_am, stride_asn, stride_ast,
                              stride_bk, stride_bsk, stride_bst,
                              stride_ce, stride_cn,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                             OUT_BF16: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (tile of dW[e], expert e): contract over expert e's tokens in steps of one 1x128 tile.
     pid = tl.program_id(0)
     e = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_N)
     pid_m = pid // tiles_k
     pid_n = pid % tiles_k
-    start = tl.load(offsets_ptr + e)
-    stop = tl.load(offsets_ptr + e + 1)
+    # Group offsets are multiples of 128: saying so lets the loads below be 16-byte vectors (Triton
+    # cannot prove the alignment of a value loaded at run time and would load byte by byte).
+    start = tl.multiple_of(tl.load(offsets_ptr + e), 128)
+    stop = tl.multiple_of(tl.load(offsets_ptr + e + 1), 128)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = rows < N
     mask_n = cols < K
-    rr = tl.arange(0, BLOCK_R).to(tl.int64)
-    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    b_base = b_ptr + cols[:, None].to(tl.int64) * stride_bk
+    rr = tl.arange(0, BLOCK_R)
+    t0 = start // BLOCK_R
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + start + rr[None, :]
+    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * stride_bk + start + rr[None, :]
+    as_ptrs = as_ptr + rows * stride_asn + t0 * stride_ast
+    bs_ptrs = bs_ptr + cols * stride_bsk + t0 * stride_bst
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, stop, BLOCK_R):
-        a = tl.load(a_base + (r0 + rr)[None, :], mask=mask_m[:, None], other=0.0)
-        b = tl.load(b_base + (r0 + rr)[None, :], mask=mask_n[:, None], other=0.0)
-        t = r0 // BLOCK_R
-        sa = tl.load(as_ptr + rows * stride_asn + t * stride_ast, mask=mask_m, other=0.0)
-        sb = tl.load(bs_ptr + cols * stride_bsk + t * stride_bst, mask=mask_n, other=0.0)
+    for _ in range(0, (stop - start) // BLOCK_R):
+        if EVEN:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            sa = tl.load(as_ptrs)
+            sb = tl.load(bs_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[:, None], other=0.0)
+            sa = tl.load(as_ptrs, mask=mask_m, other=0.0)
+            sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        a_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
+        as_ptrs += stride_ast
+        bs_ptrs += stride_bst
     c = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cn + cols[None, :]
-    tl.store(c, _epilogue(acc, c_ptr), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c, _epilogue(acc, OUT_BF16), mask=mask_m[:, None] & mask_n[None, :])
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers and references
 # --------------------------------------------------------------------------------------------
+
+def device_ints(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A short host list -> a tensor on ``device`` without a host sync (pinned staging for CUDA: a
+    pageable host-to-device copy would wait for the stream)."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
 
 def group_offsets(counts) -> list[int]:
     """counts: E ints -> E + 1 offsets (0, c0, c0 + c1, ..., sum)."""
@@ -232,8 +277,8 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out
     if k == 0:
         return out.zero_()
-    tile_expert = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
-                                          torch.tensor(counts) // GROUP_ALIGN).to(a.device, non_blocking=True)
+    tile_expert = device_ints([e for e, c in enumerate(counts) for _ in range(c // GROUP_ALIGN)], torch.int32,
+                              a.device)
     bs = b_scale.contiguous()
     cfg = config
     grid = (triton.cdiv(r, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
@@ -241,7 +286,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         a, a_scale, b, bs, out, tile_expert, r, n, k,
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
-        A_MXFP4=mxfp4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
+        A_MXFP4=mxfp4, OUT_BF16=out_dtype == torch.bfloat16, EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -296,7 +341,7 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     out = torch.empty(n_exp, n, k, dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    offsets = torch.tensor(group_offsets(counts), dtype=torch.int64).to(a.device, non_blocking=True)
+    offsets = device_ints(group_offsets(counts), torch.int64, a.device)
     cfg = config
     grid = (triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n), n_exp)
     _grouped_mm_wgrad_kernel[grid](
@@ -304,6 +349,7 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b_scale.stride(0), b_scale.stride(1),
         out.stride(0), out.stride(1),
+        OUT_BF16=out_dtype == torch.bfloat16, EVEN=n % cfg.block_m == 0 and k % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=FP8_TILE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -41,16 +41,21 @@ import enum
 import torch
 
 from moe_fp4 import _ops
-from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8_colwise, quantize_fp8, \
-    quantize_fp8_and_mxfp4, quantize_mxfp4
+from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
+    quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.gemm import grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, quantize_fp8_weight
 from moe_fp4.hook import current_compression
 from moe_fp4.kernels import swiglu as _swiglu
+from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
 from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.saved import label_saved, report_saved
 
 TOKEN_ALIGN = 128
+# A received MXFP4 FC1 input: decode it inside the grouped GEMM (no FP8 copy in memory) or convert it
+# to FP8 first (one bandwidth-bound pass). Measured on an H200 (bench/gemm.py, dsv3 FC1, commit
+# 1d1dac3): the in-GEMM decode ran at 154 TFLOP/s against 619 for the FP8 operand, so convert first.
+DECODE_MXFP4_IN_GEMM = False
 
 
 class Precision(str, enum.Enum):
@@ -143,11 +148,8 @@ def _rows_and_cols(g: torch.Tensor, rows: bool):
 # bf16: torch's grouped GEMM (CUTLASS on sm90) where there is one.
 
 def _bf16_offsets(counts, device) -> torch.Tensor:
-    ends, acc = [], 0
-    for c in counts:
-        acc += c
-        ends.append(acc)
-    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+    """int32 [E] end offsets of the groups, on ``device`` (torch._grouped_mm's ``offs``)."""
+    return device_ints(group_offsets(counts)[1:], torch.int32, device)
 
 
 def _has_grouped_mm(device: torch.device) -> bool:
@@ -203,7 +205,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         fp4 = precision is Precision.FP4
         w13q, w2q = quantize_fp8_weight(w13), quantize_fp8_weight(w2)
         if isinstance(x_q, MXFP4Tensor):
-            xq = ctx.x_kept = x_q                      # the GEMM decodes MXFP4 to FP8 in registers
+            xq = x_q if DECODE_MXFP4_IN_GEMM else mxfp4_to_fp8(x_q)
+            ctx.x_kept = x_q
             report_saved("fc1_input", x_q)
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
@@ -289,8 +292,8 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
-            MXFP4 is the FC1 GEMM's operand itself (decoded to FP8 in registers) and kept as is for
-            backward; FP8 is the GEMM operand, kept as is (fp8) or converted FP8 -> MXFP4 directly
+            MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it, with
+            ``DECODE_MXFP4_IN_GEMM``) and kept as is for backward; FP8 is the GEMM operand, kept as is (fp8) or converted FP8 -> MXFP4 directly
             (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
             differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight

@@ -305,7 +305,7 @@ def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
 
 def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
     """Columns start..stop-1 (tile-aligned) of an FP8BlockTensor [N, R] in 1x128 tiles along R."""
-    data = t.data[:, start:stop]
+    data = t.data[:, start:stop].contiguous()
     scale = fp8_kernels.m_major(t.scale[:, start // FP8_TILE: stop // FP8_TILE])
     return FP8BlockTensor(data, scale, data.shape, t.dtype)
 

@@ -62,7 +62,9 @@ class Routing:
 
     weights: float32 [T, k] combine weights; experts: int64 [T, k] expert ids;
     dest: int64 [T*k] row of pair (t, j) (flattened t*k + j) in the permuted, padded buffer;
-    counts: E ints, tokens per expert; padded_counts: E ints, rounded up to 128; rows = sum(padded_counts).
+    counts: E ints, tokens per expert; padded_counts: E ints, rounded up to 128; rows = sum(padded_counts);
+    src_row: int64 [rows], the token of each row (T for padding rows): permute and unpermute's
+    backward are gathers through it (no scatter, no atomics).
     """
 
     weights: torch.Tensor
@@ -70,6 +72,7 @@ class Routing:
     dest: torch.Tensor
     counts: tuple[int, ...]
     padded_counts: tuple[int, ...]
+    src_row: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -80,7 +83,9 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts)."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the maximum on the host (a sync) on CUDA.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + align - 1) // align * align
     start = torch.cumsum(counts, 0) - counts
     pad_start = torch.cumsum(padded, 0) - padded
@@ -89,34 +94,53 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     dest = torch.empty_like(flat)
     dest[order] = pad_start[sorted_e] + rank
     host = torch.stack([counts, padded]).tolist()
-    return Routing(weights, experts, dest, tuple(host[0]), tuple(host[1]))
+    t, k = experts.shape
+    src_row = torch.full((sum(host[1]),), t, dtype=torch.int64, device=flat.device)
+    src_row[dest] = torch.arange(t * k, device=flat.device) // k
+    return Routing(weights, experts, dest, tuple(host[0]), tuple(host[1]), src_row)
+
+
+def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
+    """x: [T, H] -> [rows, H] = x[src_row], zero where src_row == T."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src_row)
+
+
+def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
+    """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)], in float32, rounded once."""
+    return y.index_select(0, dest).view(tokens, -1, y.shape[1]).sum(1, dtype=torch.float32).to(y.dtype)
 
 
 class _Permute(torch.autograd.Function):
-    """Scatter tokens to their (token, slot) rows. Autograd's index_copy would keep the [T*k, H] source
-    alive for backward; this keeps only the int64 row map."""
+    """Tokens to their (token, slot) rows and back: two gathers, keeping only the int64 row maps (the
+    autograd of index_copy / index_select would keep [T*k, H] or scatter-add with atomics)."""
 
     @staticmethod
-    def forward(ctx, x, dest, rows):
-        t, h = x.shape
-        dest_tk = dest.view(t, -1)
-        out = x.new_zeros(rows, h)
-        for j in range(dest_tk.shape[1]):
-            out.index_copy_(0, dest_tk[:, j], x)
-        ctx.save_for_backward(dest)
-        ctx.tokens = t
-        return out
+    def forward(ctx, x, dest, src_row):
+        ctx.save_for_backward(dest, src_row)
+        ctx.tokens = x.shape[0]
+        return _gather_rows(x, src_row)
 
     @staticmethod
     def backward(ctx, g):
-        (dest,) = ctx.saved_tensors
-        pairs = g.index_select(0, dest)
-        return pairs.view(ctx.tokens, -1, g.shape[1]).float().sum(1).to(g.dtype), None, None
+        dest, _ = ctx.saved_tensors
+        return _sum_slots(g, dest, ctx.tokens), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, dest, src_row, tokens):
+        ctx.save_for_backward(src_row)
+        return _sum_slots(y, dest, tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        (src_row,) = ctx.saved_tensors
+        return _gather_rows(g, src_row), None, None, None
 
 
 def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero."""
-    return _Permute.apply(x, routing.dest, routing.rows)
+    return _Permute.apply(x, routing.dest, routing.src_row)
 
 
 def row_weights(routing: Routing) -> torch.Tensor:
@@ -129,8 +153,7 @@ def row_weights(routing: Routing) -> torch.Tensor:
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """y: [rows, H] expert outputs already weighted by the experts -> [T, H]: sum over slots j of
     y[dest(t, j)] (summed in float32, rounded once). Keeps only the row map for backward."""
-    t, k = routing.experts.shape
-    return y.index_select(0, routing.dest).view(t, k, y.shape[1]).sum(1)
+    return _Unpermute.apply(y, routing.dest, routing.src_row, routing.experts.shape[0])
 
 
 class MoE(nn.Module):

@@ -12,12 +12,14 @@ from test_moe import EXPERT_LABELS, FP4_SAVED_RATIO_MAX
 
 pytestmark = pytest.mark.gpu
 
-# dB floors against bf16, 1 dB under the lower of the two configs as measured on an H200 (seed 0):
-# fp8 out 23.60/23.61, dx 32.14/24.01, w13 22.26/21.20, w2 20.67/20.61, router 34.87/30.60;
-# fp4 out 23.60/23.61, dx 28.90/19.18, w13 14.94/14.55, w2 15.05/15.02, router 34.87/30.60 (dsv3/h2048).
+# dB floors against bf16, 1 dB under the lower of the two configs as measured on an H200 (seed 0,
+# commit 1d1dac3, router weights applied inside the experts):
+# fp8 out 23.61/23.60, dx 32.78/24.04, w13 22.24/21.20, w2 20.67/20.61, router 36.22/31.55;
+# fp4 out 23.61/23.60, dx 25.56/18.98, w13 14.92/14.55, w2 15.06/15.02, router 27.21/23.75 (dsv3/h2048).
+# fp4's router gradient comes from the MXFP4 SwiGLU input (tests/test_moe.py says why).
 GPU_SQNR_FLOOR_DB = {
-    "fp8": {"out": 22.6, "dx": 23.0, "w13": 20.2, "w2": 19.6, "router": 29.6},
-    "fp4": {"out": 22.6, "dx": 18.1, "w13": 13.5, "w2": 14.0, "router": 29.6},
+    "fp8": {"out": 22.6, "dx": 23.0, "w13": 20.2, "w2": 19.6, "router": 30.5},
+    "fp4": {"out": 22.6, "dx": 17.9, "w13": 13.5, "w2": 14.0, "router": 22.7},
 }
 CONFIGS = {
     "dsv3": (MoEConfig(hidden=7168, ffn=2048, num_experts=32, top_k=8), 1024),
@@ -94,5 +96,5 @@ def test_layer_step_syncs_the_host_once(precision):
             m(x).float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    msgs = [str(w.message)[:100] for w in caught]
+    msgs = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught]
     assert len(msgs) == 1, msgs
