@@ -106,8 +106,9 @@ def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
-    """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)], in float32, rounded once."""
-    return y.index_select(0, dest).view(tokens, -1, y.shape[1]).sum(1, dtype=torch.float32).to(y.dtype)
+    """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)] (16-bit dtypes in float32, rounded once)."""
+    acc = torch.float32 if y.element_size() < 4 else y.dtype
+    return y.index_select(0, dest).view(tokens, -1, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
 
 
 class _Permute(torch.autograd.Function):
