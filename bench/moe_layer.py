@@ -78,6 +78,9 @@ def sync(device: torch.device) -> None:
 
 
 def commit() -> str:
+    """MOE_FP4_COMMIT if set (a copy of the tree without its git history), else git's HEAD."""
+    if os.environ.get("MOE_FP4_COMMIT"):
+        return os.environ["MOE_FP4_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
