@@ -38,9 +38,10 @@ SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer
     "dsv3": (4096, 8, 32, 7168, 2048),
     "small": (8192, 6, 64, 2048, 1408),
 }
-CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-           for bm, bn, w, s in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 5), (128, 128, 8, 3),
-                                (64, 256, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)]]
+CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=tma)
+           for bm, bn, w, s, tma in [(64, 128, 4, 4, False), (64, 128, 4, 4, True), (128, 128, 8, 4, True),
+                                     (128, 128, 8, 3, True), (128, 256, 8, 3, True), (64, 128, 4, 3, True),
+                                     (128, 64, 4, 4, True)]]
 
 
 def commit() -> str:
@@ -189,7 +190,8 @@ def main() -> None:
             log(f"| {name} | {r['R']} x {r['N']} x {r['K']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} "
                 f"| {r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {r['triton_vs_cublas']:.2f} "
                 f"| {r['loop_ms']:.3f} | {r['bf16_tflops']:.0f} "
-                f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} |")
+                f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
+                f"{' tma' if c['use_tma'] else ''} |")
     if args.asm:
         for info in compiled_kernels():
             log(info)

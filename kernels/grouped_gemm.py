@@ -30,6 +30,11 @@ from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, mxfp4_to_fp8_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
 from moe_fp4.kernels.triton_numerics import f32_to_bf16_rne, mxfp4_tiles_to_e4m3, pow2_f32
 
+try:  # Triton >= 3.4 (host-side TMA descriptors; the interpreter emulates them)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer path only
+    TensorDescriptor = None
+
 GROUP_ALIGN = 128   # rows per expert are a multiple of this (one FP8 1x128 tile along tokens)
 
 
@@ -42,6 +47,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     group_m: int = 8      # M tiles per L2 swizzle group (M-grouped kernel)
+    use_tma: bool = False  # FP8 operands through TMA tensor descriptors (needs even tiles; not MXFP4 A)
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -109,7 +115,7 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
                           stride_be, stride_bn, stride_bse, stride_bsn,
                           stride_cm,
                           A_MXFP4: tl.constexpr, OUT_BF16: tl.constexpr, EVEN_N: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Swizzled tile order: GROUP_M consecutive M tiles share each N tile while it is in L2.
     pid = tl.program_id(0)
@@ -125,16 +131,33 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
     e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // 128).to(tl.int64)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols_n < N
-    a_ptrs, as_ptrs = _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4, BLOCK_K)
-    b_ptrs = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn + tl.arange(0, BLOCK_K)[None, :]
+    if USE_TMA and not A_MXFP4:
+        a_ptrs = a_ptr   # unused: the descriptor addresses A
+        as_ptrs = as_ptr + rows * stride_asm
+    else:
+        a_ptrs, as_ptrs = _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4, BLOCK_K)
+    if USE_TMA:
+        b_ptrs = b_ptr
+    else:
+        b_ptrs = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn + tl.arange(0, BLOCK_K)[None, :]
     bs_ptrs = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, tl.cdiv(K, BLOCK_K)):
-        a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
-        if EVEN_N:
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if USE_TMA:
+            # a_ptr / b_ptr are tensor descriptors of A [R, K] and B viewed as [E * N, K] (EVEN_N).
+            if A_MXFP4:
+                a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
+            else:
+                a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
+                sa = tl.load(as_ptrs)
+            b = b_ptr.load([(e * N + pid_n * BLOCK_N).to(tl.int32), kt * BLOCK_K])
+            sb = tl.load(bs_ptrs)
+        elif EVEN_N:
+            a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
             b = tl.load(b_ptrs)
             sb = tl.load(bs_ptrs)
         else:
+            a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
             b = tl.load(b_ptrs, mask=mask_n[:, None], other=0.0)
             sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
@@ -142,9 +165,11 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
             a_ptrs += BLOCK_K // 2
             as_ptrs += BLOCK_K // 32
         else:
-            a_ptrs += BLOCK_K
+            if not USE_TMA:
+                a_ptrs += BLOCK_K
             as_ptrs += stride_ask
-        b_ptrs += BLOCK_K
+        if not USE_TMA:
+            b_ptrs += BLOCK_K
         bs_ptrs += 1
     c = c_ptr + rows[:, None] * stride_cm + cols_n[None, :]
     tl.store(c, _epilogue(acc, OUT_BF16), mask=mask_n[None, :])
@@ -156,7 +181,8 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
                              stride_am, stride_asn, stride_ast,
                              stride_bk, stride_bsk, stride_bst,
                              stride_ce, stride_cn,
-                             OUT_BF16: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                             OUT_BF16: tl.constexpr, EVEN: tl.constexpr, USE_TMA: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (tile of dW[e], expert e): contract over expert e's tokens in steps of one 1x128 tile.
     pid = tl.program_id(0)
     e = tl.program_id(1)
@@ -173,13 +199,24 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
     mask_n = cols < K
     rr = tl.arange(0, BLOCK_R)
     t0 = start // BLOCK_R
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + start + rr[None, :]
-    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * stride_bk + start + rr[None, :]
+    if USE_TMA:
+        # a_ptr / b_ptr are tensor descriptors of A [N, R] and B [K, R] (EVEN).
+        a_ptrs = a_ptr
+        b_ptrs = b_ptr
+    else:
+        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + start + rr[None, :]
+        b_ptrs = b_ptr + cols[:, None].to(tl.int64) * stride_bk + start + rr[None, :]
     as_ptrs = as_ptr + rows * stride_asn + t0 * stride_ast
     bs_ptrs = bs_ptr + cols * stride_bsk + t0 * stride_bst
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, (stop - start) // BLOCK_R):
-        if EVEN:
+    for it in range(0, (stop - start) // BLOCK_R):
+        if USE_TMA:
+            r0 = (start + it * BLOCK_R).to(tl.int32)
+            a = a_ptr.load([pid_m * BLOCK_M, r0])
+            b = b_ptr.load([pid_n * BLOCK_N, r0])
+            sa = tl.load(as_ptrs)
+            sb = tl.load(bs_ptrs)
+        elif EVEN:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
             sa = tl.load(as_ptrs)
@@ -190,8 +227,9 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
             sa = tl.load(as_ptrs, mask=mask_m, other=0.0)
             sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        if not USE_TMA:
+            a_ptrs += BLOCK_R
+            b_ptrs += BLOCK_R
         as_ptrs += stride_ast
         bs_ptrs += stride_bst
     c = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cn + cols[None, :]
@@ -224,6 +262,12 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 def _check_out_dtype(dtype, fn: str) -> None:
     if dtype not in OUT_DTYPES:
         raise TypeError(f"{fn}: out_dtype must be bfloat16 or float32, got {dtype}")
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA descriptors need a contiguous last dimension and 16-byte aligned base and row stride."""
+    return (TensorDescriptor is not None and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st % 16 == 0 for st in t.stride()[:-1]))
 
 
 def _check_counts(counts, rows: int, n_exp: int, fn: str) -> tuple[int, ...]:
@@ -281,12 +325,19 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
                               a.device)
     bs = b_scale.contiguous()
     cfg = config
+    even_n = n % cfg.block_n == 0
+    tma = cfg.use_tma and even_n and _tma_ok(a)
+    a_arg, b_arg = a, b
+    if tma:
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cfg.block_n, FP8_TILE])
+        if not mxfp4:
+            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, FP8_TILE])
     grid = (triton.cdiv(r, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _grouped_mm_nt_kernel[grid](
-        a, a_scale, b, bs, out, tile_expert, r, n, k,
+        a_arg, a_scale, b_arg, bs, out, tile_expert, r, n, k,
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
-        A_MXFP4=mxfp4, OUT_BF16=out_dtype == torch.bfloat16, EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
+        A_MXFP4=mxfp4, OUT_BF16=out_dtype == torch.bfloat16, EVEN_N=even_n, USE_TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -343,13 +394,19 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         return out
     offsets = device_ints(group_offsets(counts), torch.int64, a.device)
     cfg = config
+    even = n % cfg.block_m == 0 and k % cfg.block_n == 0
+    tma = cfg.use_tma and even and _tma_ok(a) and _tma_ok(b)
+    a_arg, b_arg = a, b
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, FP8_TILE])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, FP8_TILE])
     grid = (triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n), n_exp)
     _grouped_mm_wgrad_kernel[grid](
-        a, a_scale, b, b_scale, out, offsets, n, k,
+        a_arg, a_scale, b_arg, b_scale, out, offsets, n, k,
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b_scale.stride(0), b_scale.stride(1),
         out.stride(0), out.stride(1),
-        OUT_BF16=out_dtype == torch.bfloat16, EVEN=n % cfg.block_m == 0 and k % cfg.block_n == 0,
+        OUT_BF16=out_dtype == torch.bfloat16, EVEN=even, USE_TMA=tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=FP8_TILE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
