@@ -58,10 +58,12 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: bad num_warps / num_stages / group_m in {self}")
 
 
-# Measured on an H200 (bench/gemm.py --sweep, dsv3 shapes): 64x128 tiles with 4 warps beat 128x128 with 8
-# (the per-step scaled accumulation keeps two fp32 tiles live; larger tiles spill or lose occupancy).
-NT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
-WGRAD_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+# Measured on an H200 (bench/gemm.py --sweep, dsv3 shapes, commit 4a0b56c; bench/RESULTS.md): TMA
+# descriptor loads, 64x128 tiles, 4 warps, 3 stages were the fastest or within 5% of it for every GEMM
+# (TMA: 0.59-0.64 of cuBLAS where pointer loads gave 0.47-0.49). 128x128 with 8 warps is slower: the
+# per-step scaled accumulation keeps two fp32 tiles live, and the wgrad kernel spilled at that size.
+NT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True)
+WGRAD_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True)
 
 
 # --------------------------------------------------------------------------------------------
