@@ -113,7 +113,7 @@ def test_mxfp4_operand_nan_block_poisons_its_row_only():
 
 
 # The default configs use TMA; the same tiles through pointers must give the same bits.
-TMA_OF_DEFAULT = G.GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=False)
+POINTERS_OF_DEFAULT = G.GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=False)
 
 
 def test_grouped_tma_descriptors_load_what_the_pointers_load():
@@ -121,10 +121,10 @@ def test_grouped_tma_descriptors_load_what_the_pointers_load():
     order, bit for bit."""
     counts = (256, 0, 128)
     a, b = _colwise(_acts(384, 256, seed=15)), _colwise(_acts(384, 384, seed=16))
-    assert torch.equal(G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, config=TMA_OF_DEFAULT),
+    assert torch.equal(G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, config=POINTERS_OF_DEFAULT),
                        G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts))
     x, w = moe_fp4.quantize_fp8(_acts(384, 256, seed=19)), _weights(3, 256, 256, seed=20)
-    assert torch.equal(G.grouped_mm_nt(x.data, x.scale, w.data, w.scale, counts, config=TMA_OF_DEFAULT),
+    assert torch.equal(G.grouped_mm_nt(x.data, x.scale, w.data, w.scale, counts, config=POINTERS_OF_DEFAULT),
                        G.grouped_mm_nt(x.data, x.scale, w.data, w.scale, counts))
 
 
@@ -140,11 +140,11 @@ def test_grouped_wgrad_tiles_that_do_not_divide_k():
     _close(got, ref, mag)
 
 
-def test_mxfp4_operand_with_tma_config_is_bit_identical():
+def test_mxfp4_operand_with_pointer_config_is_bit_identical():
     counts = (128, 256)
     q = moe_fp4.quantize_mxfp4(_acts(384, 256, seed=17).to(torch.bfloat16))
     b = _weights(2, 256, 256, seed=18)
-    cfg = TMA_OF_DEFAULT
+    cfg = POINTERS_OF_DEFAULT
     got = G.grouped_mm_nt(q.data, q.scale, b.data, b.scale, counts, torch.float32, config=cfg)
     fd, fs = K8.mxfp4_to_fp8_rowwise(q.data, q.scale)
     assert torch.equal(got, G.grouped_mm_nt(fd, fs, b.data, b.scale, counts, torch.float32, config=cfg))
@@ -257,7 +257,7 @@ def test_gpu_grouped_gemms_match_scaled_mm_per_expert(h, f, e):
         with use_grouped_backend("scaled_mm"):
             ref = grouped_fp8_mm_nt(a, b, counts, torch.float32)
         _close(got, ref, _abs_nt(a, b, counts))
-    assert torch.equal(G.grouped_mm_nt(xq.data, xq.scale, w13.data, w13.scale, counts, config=TMA_OF_DEFAULT),
+    assert torch.equal(G.grouped_mm_nt(xq.data, xq.scale, w13.data, w13.scale, counts, config=POINTERS_OF_DEFAULT),
                        G.grouped_mm_nt(xq.data, xq.scale, w13.data, w13.scale, counts))
     with use_grouped_backend("triton"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
