@@ -238,7 +238,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         precision, counts, row_w = ctx.precision, ctx.counts, ctx.row_w
-        need_dx, need_dw13, need_dw2, need_dr = ctx.needs_input_grad[:4]
+        need_dx, need_dw13, need_dw2 = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         if precision is Precision.BF16:
             w13, w2, xin, h, a = ctx.saved_tensors
@@ -246,7 +246,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             w13c, w2c = w13.to(dy.dtype), w2.to(dy.dtype)
             da = _bf16_mm(dy, w2c, counts, offs)
             dw2 = _bf16_wgrad(dy, a, counts, offs).to(w2.dtype) if need_dw2 else None
-            dh, d_row = _swiglu_grad(h, da, row_w)
+            dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
             return dx, dw13, dw2, d_row, None, None, None
@@ -261,21 +261,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(ctx.a_kept), counts, w2.dtype) if need_dw2 else None
         del dyt
-        dh, d_row = _swiglu_grad(h, da, row_w)
+        dh, d_row = _swiglu_backward(h, da, row_w)
         del h, da
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
         dx = grouped_fp8_mm_nt(dhq, quantize_fp8_weight(w13, transposed=True), counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(ctx.x_kept), counts, w13.dtype) if need_dw13 else None
         return dx, dw13, dw2, d_row, None, None, None
-
-
-def _swiglu_grad(h, da, row_w):
-    """-> (dh, d_row_w or None)."""
-    if row_w is None:
-        dh, _ = _swiglu_backward(h, da, None)
-        return dh, None
-    return _swiglu_backward(h, da, row_w)
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
@@ -293,8 +285,8 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
             MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it, with
-            ``DECODE_MXFP4_IN_GEMM``) and kept as is for backward; FP8 is the GEMM operand, kept as is (fp8) or converted FP8 -> MXFP4 directly
-            (fp4). bf16 precision dequantizes it.
+            ``DECODE_MXFP4_IN_GEMM``) and kept as is for backward; FP8 is the GEMM operand, kept
+            as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
             differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight
             applied to the SwiGLU output.

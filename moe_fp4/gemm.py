@@ -10,6 +10,11 @@ Operands:
 :func:`fp8_mm_nt` computes ``a @ b^T`` with ``torch.nn.functional.scaled_mm`` on sm90+ GPUs. Elsewhere
 (CPU, older GPUs) it emulates the FP8 GEMM: both operands are dequantized exactly to float32 and
 multiplied in float32, so every code path runs in CI with the same quantized values.
+
+The expert layer uses the grouped forms, all experts in one call: :func:`grouped_fp8_mm_nt` (fprop,
+dgrad) and :func:`grouped_fp8_mm_wgrad` (weight gradients), on the Triton kernels of
+``kernels/grouped_gemm.py`` (sm90+), one cuBLAS ``scaled_mm`` per expert, or the float32 emulation
+(:func:`grouped_gemm_backend` chooses).
 """
 
 from __future__ import annotations
