@@ -105,10 +105,10 @@ def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src_row)
 
 
-def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int) -> torch.Tensor:
+def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
     """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)] (16-bit dtypes in float32, rounded once)."""
     acc = torch.float32 if y.element_size() < 4 else y.dtype
-    return y.index_select(0, dest).view(tokens, -1, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
+    return y.index_select(0, dest).view(tokens, k, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
 
 
 class _Permute(torch.autograd.Function):
@@ -116,32 +116,32 @@ class _Permute(torch.autograd.Function):
     autograd of index_copy / index_select would keep [T*k, H] or scatter-add with atomics)."""
 
     @staticmethod
-    def forward(ctx, x, dest, src_row):
+    def forward(ctx, x, dest, src_row, k):
         ctx.save_for_backward(dest, src_row)
-        ctx.tokens = x.shape[0]
+        ctx.tokens, ctx.k = x.shape[0], k
         return _gather_rows(x, src_row)
 
     @staticmethod
     def backward(ctx, g):
         dest, _ = ctx.saved_tensors
-        return _sum_slots(g, dest, ctx.tokens), None, None
+        return _sum_slots(g, dest, ctx.tokens, ctx.k), None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, dest, src_row, tokens):
+    def forward(ctx, y, dest, src_row, tokens, k):
         ctx.save_for_backward(src_row)
-        return _sum_slots(y, dest, tokens)
+        return _sum_slots(y, dest, tokens, k)
 
     @staticmethod
     def backward(ctx, g):
         (src_row,) = ctx.saved_tensors
-        return _gather_rows(g, src_row), None, None, None
+        return _gather_rows(g, src_row), None, None, None, None
 
 
 def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero."""
-    return _Permute.apply(x, routing.dest, routing.src_row)
+    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1])
 
 
 def row_weights(routing: Routing) -> torch.Tensor:
@@ -154,7 +154,7 @@ def row_weights(routing: Routing) -> torch.Tensor:
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """y: [rows, H] expert outputs already weighted by the experts -> [T, H]: sum over slots j of
     y[dest(t, j)] (summed in float32, rounded once). Keeps only the row map for backward."""
-    return _Unpermute.apply(y, routing.dest, routing.src_row, routing.experts.shape[0])
+    return _Unpermute.apply(y, routing.dest, routing.src_row, *routing.experts.shape)
 
 
 class MoE(nn.Module):

@@ -268,6 +268,19 @@ def test_empty_experts_get_zero_weight_grads(precision):
     assert torch.count_nonzero(x.grad[100:TOKEN_ALIGN]) == 0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
+def test_zero_tokens(precision):
+    """A rank may receive no tokens: empty output and input gradient, zero weight gradients."""
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=128)
+    m = MoE(cfg, precision)
+    x = torch.zeros(0, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+    y = m(x)
+    y.float().sum().backward()
+    assert y.shape == (0, cfg.hidden) and x.grad.shape == (0, cfg.hidden)
+    for p in (m.w13, m.w2, m.shared_w13, m.router.weight):
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0
+
+
 @pytest.mark.parametrize("precision", ["fp8", "fp4"])
 def test_one_token(precision):
     torch.manual_seed(6)
