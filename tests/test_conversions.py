@@ -177,6 +177,22 @@ def test_zero_sized(shape):
     assert moe_fp4.quantize_mxfp4(f).nbytes == 0
 
 
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0)])
+def test_zero_width(shape):
+    """K = 0 (a rank whose slice of the hidden dimension is empty): every conversion returns empty
+    containers of the right shapes instead of failing in a reshape."""
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    m = math.prod(shape[:-1])
+    q, f = moe_fp4.quantize_mxfp4(x), moe_fp4.quantize_fp8(x)
+    f2, q2 = moe_fp4.quantize_fp8_and_mxfp4(x)
+    assert q.dequantize().shape == x.shape and f.dequantize().shape == x.shape
+    assert f2.data.shape == (m, 0) and q2.data.shape == (m, 0)
+    assert moe_fp4.mxfp4_to_fp8(q).data.shape == (m, 0)
+    assert moe_fp4.mxfp4_to_fp8_colwise(q).data.shape == (0, m)
+    assert moe_fp4.fp8_to_fp8_colwise(f).data.shape == (0, m)
+    assert moe_fp4.quantize_mxfp4(f).nbytes == 0
+
+
 def test_all_zero_tensor_gives_exact_zeros():
     x = torch.zeros(3, 256, dtype=torch.bfloat16)
     x[1] = -0.0
