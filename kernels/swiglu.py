@@ -94,7 +94,7 @@ def _to_bf16(x: torch.Tensor) -> torch.Tensor:
 # References
 # --------------------------------------------------------------------------------------------
 
-def _swiglu_a_ref(h: torch.Tensor, w=None) -> torch.Tensor:
+def swiglu_ref(h: torch.Tensor, w=None) -> torch.Tensor:
     """h: bf16 [M, 2F] = [gate | up], w: float32 [M] or None -> a: bf16 [M, F] = bf16(g * sigmoid(g)
     * u * w), multiplied left to right in float32 (w None: no multiply); NaN as 0x7FC0."""
     g, u = h.float().chunk(2, dim=-1)
@@ -111,11 +111,11 @@ def swiglu_quantize_ref(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: 
         (data uint8 [M, F], scale uint8 [M, 2F/32]) or None,
         a bf16 [M, F] or None).
 
-    a = _swiglu_a_ref(h, w); the outputs are quantize_fp8_rowwise_ref(a), quantize_mxfp4_rowwise_ref(a)
+    a = swiglu_ref(h, w); the outputs are quantize_fp8_rowwise_ref(a), quantize_mxfp4_rowwise_ref(a)
     if write_a_mxfp4, quantize_mxfp4_rowwise_ref(h) if write_h_mxfp4, and a if write_a.
     """
     _check_inputs("swiglu_quantize_ref", h, w, contiguous=False)
-    a = _swiglu_a_ref(h, w)
+    a = swiglu_ref(h, w)
     return (quantize_fp8_rowwise_ref(a),
             quantize_mxfp4_rowwise_ref(a) if write_a_mxfp4 else None,
             quantize_mxfp4_rowwise_ref(h) if write_h_mxfp4 else None,

@@ -64,39 +64,6 @@ class Precision(str, enum.Enum):
     FP4 = "fp4"    # FP8 GEMMs, activations saved in MXFP4
 
 
-def swiglu(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """h: bf16 [M, 2F] = [gate | up], w: float32 [M] row weights or None -> bf16 [M, F] =
-    w * silu(gate) * up, computed in float32."""
-    gate, up = h.float().chunk(2, dim=-1)
-    a = torch.nn.functional.silu(gate) * up
-    if w is not None:
-        a = a * w[:, None]
-    return a.to(h.dtype)
-
-
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w: torch.Tensor | None = None):
-    """h: [M, 2F], da: [M, F] (gradient of swiglu(h, w)), w: float32 [M] or None -> gradient of h
-    [M, 2F] in h's dtype (and, with w, float32 [M] gradient of w), computed in float32."""
-    gate, up = h.float().chunk(2, dim=-1)
-    da = da.float()
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    dw = (da * silu * up).sum(-1) if w is not None else None
-    if w is not None:
-        da = da * w[:, None]
-    d_gate = da * up * sig * (1 + gate * (1 - sig))
-    dh = torch.cat([d_gate, da * silu], dim=-1).to(h.dtype)
-    return dh if w is None else (dh, dw)
-
-
-def padded_offsets(counts) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
-
-
 def _keep_fp8(label: str, t: FP8BlockTensor):
     """The fp8 precision's saved FP8 activation: as is, or MXFP4 straight from its codes when the
     compression hook asks for it."""
@@ -163,7 +130,7 @@ def _bf16_mm(a: torch.Tensor, b: torch.Tensor, counts, offs) -> torch.Tensor:
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
     out = a.new_empty(a.shape[0], b.shape[-1])
-    for e, (s, c) in enumerate(zip(padded_offsets(counts), counts)):
+    for e, (s, c) in enumerate(zip(group_offsets(counts), counts)):
         torch.mm(a[s:s + c], b[e], out=out[s:s + c])
     return out
 
@@ -173,7 +140,7 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
     if offs is not None:
         return torch._grouped_mm(g.t(), x, offs=offs)
     out = g.new_zeros(len(counts), g.shape[1], x.shape[1])
-    for e, (s, c) in enumerate(zip(padded_offsets(counts), counts)):
+    for e, (s, c) in enumerate(zip(group_offsets(counts), counts)):
         if c:
             torch.mm(g[s:s + c].t(), x[s:s + c], out=out[e])
     return out
@@ -194,7 +161,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             offs = _bf16_offsets(counts, dev) if _has_grouped_mm(dev) else None
             w13c, w2c = w13.to(xin.dtype), w2.to(xin.dtype)
             h = _bf16_mm(xin, w13c.transpose(1, 2), counts, offs)
-            a = swiglu(h, ctx.row_w)
+            a = _swiglu.swiglu_ref(h, ctx.row_w)
             y = _bf16_mm(a, w2c.transpose(1, 2), counts, offs)
             for tensor, label in ((xin, "fc1_input"), (h, "swiglu_input"), (a, "fc2_input")):
                 label_saved(tensor, label)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_fp4.api import _check_out_dtype
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
 from moe_fp4.kernels import fp8 as fp8_kernels
 from moe_fp4.kernels import grouped_gemm as grouped_kernels
@@ -261,7 +262,7 @@ def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, count
                         f"got {type(a).__name__} and {type(b).__name__}")
     if b.data.dim() != 3:
         raise ValueError(f"grouped_fp8_mm_nt: b must be an [E, N, K] stack, got {tuple(b.data.shape)}")
-    _check_out(out_dtype, "grouped_fp8_mm_nt")
+    _check_out_dtype(out_dtype, "grouped_fp8_mm_nt")
     backend, fn = _grouped_impl("grouped_mm_nt", a.device)
     if backend is GemmBackend.SCALED_MM:
         return _grouped_nt_scaled_mm(a, b, counts, out_dtype)
@@ -293,7 +294,7 @@ def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
     if not isinstance(a, FP8BlockTensor) or not isinstance(b, FP8BlockTensor):
         raise TypeError(f"grouped_fp8_mm_wgrad: expected two FP8BlockTensors, got {type(a).__name__} and "
                         f"{type(b).__name__}")
-    _check_out(out_dtype, "grouped_fp8_mm_wgrad")
+    _check_out_dtype(out_dtype, "grouped_fp8_mm_wgrad")
     backend, fn = _grouped_impl("grouped_mm_wgrad", a.device)
     if backend is not GemmBackend.SCALED_MM:
         kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32
@@ -313,11 +314,6 @@ def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
     data = t.data[:, start:stop].contiguous()
     scale = fp8_kernels.m_major(t.scale[:, start // FP8_TILE: stop // FP8_TILE])
     return FP8BlockTensor(data, scale, data.shape, t.dtype)
-
-
-def _check_out(dtype, fn: str) -> None:
-    if dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"{fn}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
 
 
 __all__ = [

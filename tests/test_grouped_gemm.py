@@ -230,7 +230,7 @@ def test_container_api_and_backends(monkeypatch):
     assert grouped_gemm_backend(torch.device(DEVICE)) is GemmBackend.EMULATED
     with pytest.raises(TypeError, match="FP8WeightTensor"):
         grouped_fp8_mm_nt(q, b.data, counts)
-    with pytest.raises(TypeError, match="out_dtype"):
+    with pytest.raises(TypeError, match="output dtype"):
         grouped_fp8_mm_nt(q, b, counts, torch.int32)
 
 
