@@ -47,6 +47,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")       # before moe_fp4 imports triton
 
 import moe_fp4  # noqa: E402
+from moe_fp4.api import conversion_path  # noqa: E402
 from moe_fp4.metrics import sqnr_db  # noqa: E402
 from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 from moe_fp4.saved import saved_bytes  # noqa: E402
@@ -429,7 +430,7 @@ def main(argv=None) -> int:
         f"| triton {result['triton']} | commit {result['commit']} | {result['date']}")
     log(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if device.type == "cpu":
-        log("CPU SMOKE RUN: Triton kernels in the interpreter, FP8 GEMMs emulated in float32, wall-clock "
+        log(f"CPU SMOKE RUN: conversions by {conversion_path(device)}, FP8 GEMMs emulated in float32, wall-clock "
             "timing, no memory numbers. Exercises the code paths; it is not a measurement.")
 
     def save():

@@ -30,6 +30,14 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or _INTERPRET
 
 
+def conversion_path(device) -> str:
+    """What runs the conversions on ``device``: "Triton kernels", "Triton kernels in the interpreter"
+    (CPU with TRITON_INTERPRET=1 set before moe_fp4 was imported) or "pure-torch references"."""
+    if torch.device(device).type == "cuda":
+        return "Triton kernels"
+    return "Triton kernels in the interpreter" if _INTERPRET else "pure-torch references"
+
+
 def _check_high_precision(x, fn: str, multiple: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")

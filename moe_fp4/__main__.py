@@ -1,0 +1,3 @@
+from moe_fp4.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,567 @@
+"""The end-to-end comparison behind ``moe-fp4 compare``: train one model in bf16, fp8 and fp4.
+
+Each mode builds the same :class:`~moe_fp4.model.DecoderLM` (same seed: same initial weights,
+same batches) and trains it for ``steps`` steps with AdamW (float32 master weights, bf16 compute,
+global-norm clipping at 1, linear warmup then cosine decay). Measured per mode:
+
+- step time: CUDA events around every step after ``warmup``, median (wall clock on CPU); tokens/s
+  per GPU = batch * seq / step time, the slowest rank's under EP;
+- peak memory: ``torch.cuda.max_memory_allocated`` over the whole run (largest rank);
+- activation memory: what one forward keeps alive for backward. On CUDA the allocator's growth
+  over the forward (logits and loss included); on CPU the bytes saved for backward
+  (:func:`moe_fp4.saved.saved_bytes`, plus what the compression hook stored in the ``--hook`` run);
+- all-to-all share: the NCCL send/recv kernels' time in a few profiled steps over the step time
+  (EP only);
+- loss: every step's training loss (averaged over ranks), and a held-out loss at the end.
+
+Expert parallelism: under ``torchrun`` with more than one process every MoE layer is split over all
+ranks (:class:`moe_fp4.ep.EPConfig`); the other parameters are replicated and their gradients
+averaged (data parallel over the same ranks), each rank draws its own batches.
+
+``max_batch_gib``: for each mode, the largest batch (sequences per rank) whose step peaks within
+that budget (per device), found from two probe batches (peak memory is affine in the batch) and
+checked by running it; the timed run then uses each mode's own largest batch. On CPU the memory of
+a step is estimated (parameters, gradients, optimizer state and saved activations; there is no
+allocator to ask), so CPU budgets are for tests, not measurements.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_fp4.api import conversion_path
+from moe_fp4.data import RandomTokens, TokenBatches, stdlib_corpus
+from moe_fp4.ep import EPConfig
+from moe_fp4.experts import Precision
+from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
+from moe_fp4.saved import saved_bytes
+
+GiB = 2**30
+MODES = tuple(p.value for p in Precision)
+HF_MODES = ("hf", "hf+hook")
+DATA = ("stdlib", "random")
+CPU_NOTE = ("CPU run: conversions by {path}, FP8 GEMMs emulated in float32; CPU timings mean nothing, they "
+            "only show that every path runs. Measure on a GPU.")
+
+
+class BatchDoesNotFit(ValueError):
+    """The requested batch needs more memory than the budget."""
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What ``moe-fp4 compare`` runs. batch: sequences per rank; warmup: untimed first steps (they
+    still train); max_batch_gib: per-device budget for the largest-batch search (None: off);
+    budget_gib: per-device budget the requested batch must fit (None: no check; on CUDA an
+    out-of-memory step still ends with a clear error); hook: compare a Hugging Face MoE model with
+    and without :func:`moe_fp4.register_activation_compression` instead of the precision modes."""
+
+    preset: str = "small"
+    modes: tuple[str, ...] = MODES
+    steps: int = 200
+    warmup: int = 20
+    batch: int = 8
+    seq: int | None = None
+    experts: int | None = None
+    layers: int | None = None
+    lr: float = 1e-3
+    seed: int = 0
+    data: str = "stdlib"
+    eval_batches: int = 8
+    max_batch_gib: float | None = None
+    budget_gib: float | None = None
+    profile_steps: int = 3
+    hook: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        allowed = HF_MODES if self.hook else MODES
+        modes = tuple(HF_MODES if self.hook and self.modes == MODES else self.modes)
+        bad = [m for m in modes if m not in allowed]
+        if bad or not modes:
+            raise ValueError(f"unknown mode(s) {bad or modes}; choose from {', '.join(allowed)}")
+        object.__setattr__(self, "modes", modes)
+        if self.data not in DATA:
+            raise ValueError(f"unknown data {self.data!r}; choose one of {', '.join(DATA)}")
+        for name in ("steps", "batch", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup = {self.warmup} must be in [0, steps = {self.steps}): "
+                             "the timed steps come after it")
+        for name in ("max_batch_gib", "budget_gib"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        _ = self.model  # ModelConfig validates the overrides
+
+    @property
+    def model(self) -> ModelConfig:
+        return PRESETS[self.preset].with_(seq=self.seq, num_experts=self.experts, layers=self.layers)
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where the run happens: device, this rank, the world size and the EP config (None: one process)."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    ep: EPConfig | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def check_ep(model: ModelConfig, world: int) -> None:
+    if model.num_experts % world:
+        raise ValueError(f"expert parallelism over {world} ranks needs an expert count divisible by {world}; "
+                         f"the model has {model.num_experts} (pass --experts)")
+
+
+def commit() -> str:
+    if os.environ.get("MOE_FP4_COMMIT"):
+        return os.environ["MOE_FP4_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def describe(env: Env) -> dict:
+    import triton
+
+    dev = torch.cuda.get_device_name(env.device) if env.cuda else f"CPU ({platform.processor() or platform.machine()})"
+    return {"device": dev, "gpus": env.world if env.cuda else 0, "world": env.world,
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+
+
+def _all_reduce(x: torch.Tensor, env: Env, op=None) -> torch.Tensor:
+    if env.world > 1:
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+    return x
+
+
+def _max_over_ranks(v: float, env: Env) -> float:
+    return _all_reduce(torch.tensor([float(v)], dtype=torch.float64, device=env.device), env, dist.ReduceOp.MAX).item()
+
+
+class Trainer:
+    """One mode's model, optimizer and step: forward, backward, gradient averaging over the
+    replicated parameters, global-norm clipping, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, env: Env, lr: float, steps: int, sharded=()):
+        self.model, self.loss_fn, self.env = model, loss_fn, env
+        sharded_ids = {id(p) for p in sharded}
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = [p for p in params if id(p) in sharded_ids]
+        self.replicated = [p for p in params if id(p) not in sharded_ids]
+        self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
+                                     fused=env.cuda or None)
+        warm = max(1, min(100, steps // 10))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(s, steps) / steps)))
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.model, ids, targets)
+        loss.backward()
+        self._sync_and_clip()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _sync_and_clip(self, max_norm: float = 1.0) -> None:
+        env = self.env
+        rep = [p.grad for p in self.replicated if p.grad is not None]
+        shard = [p.grad for p in self.sharded if p.grad is not None]
+        if env.world > 1:
+            flat = torch._utils._flatten_dense_tensors(rep)
+            dist.all_reduce(flat)
+            flat /= env.world
+            for g, s in zip(rep, torch._utils._unflatten_dense_tensors(flat, rep)):
+                g.copy_(s)
+            # Each rank's loss is a mean over its own tokens, so a sharded expert collects the
+            # gradients of `world` such means: divide to get the gradient of their average.
+            torch._foreach_div_(shard, env.world)
+        def sq(gs):
+            return torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=env.device)
+
+        norm = (sq(rep) + _all_reduce(sq(shard), env)).sqrt()
+        torch._foreach_mul_(rep + shard, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
+def _lm_loss(model, ids, targets):
+    return model(ids, targets)
+
+
+def _hf_shifted_loss(model, ids, targets):
+    logits = model(input_ids=ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(cfg: CompareConfig, mode: str, env: Env):
+    """-> (model, loss_fn, sharded parameters, compression handle or None) for one mode, initialized
+    from cfg.seed."""
+    mc = cfg.model
+    if mode in HF_MODES:
+        from moe_fp4.hf import build_causal_lm
+
+        torch.manual_seed(cfg.seed)
+        model = build_causal_lm(mc, env.device)
+        handle = None
+        if mode == "hf+hook":
+            import moe_fp4
+
+            handle = moe_fp4.register_activation_compression(model)
+        return model, _hf_shifted_loss, (), handle
+    model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed)
+    return model, _lm_loss, model.expert_parameters() if env.ep is not None else (), None
+
+
+def _batches(cfg: CompareConfig, env: Env, corpus, held_out: bool = False):
+    seq = cfg.model.seq
+    seed = cfg.seed + (1 if held_out else 0)
+    if cfg.data == "random":
+        return RandomTokens(cfg.model.vocab, seq, seed, env.rank, env.device)
+    return TokenBatches(corpus.held_out if held_out else corpus.train, seq, seed, env.rank, env.device)
+
+
+def _sync(env: Env) -> None:
+    if env.cuda:
+        torch.cuda.synchronize(env.device)
+
+
+def activation_bytes(trainer: Trainer, ids, targets, handle=None) -> dict:
+    """One forward + backward; -> {"activation_bytes": what the forward kept alive for backward (on CUDA
+    the allocator's growth over the forward; on CPU the bytes saved for backward), "saved_bytes": the
+    bytes saved for backward by count (every device)}."""
+    env = trainer.env
+    _sync(env)
+    before = torch.cuda.memory_allocated(env.device) if env.cuda else 0
+    if handle is not None:
+        handle.stats.reset()
+    loss, report = saved_bytes(trainer.loss_fn, trainer.model, ids, targets)
+    saved = report.total
+    if handle is not None:
+        t = handle.stats.total
+        saved += t.bytes_after + t.bytes_skipped
+    _sync(env)
+    grown = torch.cuda.memory_allocated(env.device) - before if env.cuda else saved
+    loss.backward()
+    trainer.opt.zero_grad(set_to_none=True)
+    return {"activation_bytes": int(_max_over_ranks(grown, env)), "saved_bytes": int(_max_over_ranks(saved, env))}
+
+
+def _a2a_ms(trainer: Trainer, data, batch: int, steps: int) -> float | None:
+    """Milliseconds per step in the all-to-all (NCCL send/recv kernels on CUDA, the collective's ops on
+    CPU), from ``steps`` profiled training steps; None without EP."""
+    env = trainer.env
+    if env.world == 1 or steps == 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            trainer.step(*data.next(batch))
+        _sync(env)
+    total = 0.0
+    for e in prof.key_averages():
+        k = e.key.lower()
+        if env.cuda and "nccl" in k and ("sendrecv" in k or "alltoall" in k):
+            total += getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        elif not env.cuda and ("all_to_all" in k or "alltoall" in k) and "::" in k:
+            total += e.cpu_time_total
+    return total / 1e3 / steps
+
+
+def _progress(cfg: CompareConfig, env: Env, desc: str):
+    if not (cfg.progress and env.lead and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=cfg.steps, desc=desc, unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=print) -> dict:
+    """Train one mode for cfg.steps steps at ``batch`` sequences per rank -> its result row."""
+    mc = cfg.model
+    model, loss_fn, sharded, handle = build(cfg, mode, env)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
+    data, held = _batches(cfg, env, corpus), _batches(cfg, env, corpus, held_out=True)
+    if env.cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)
+    bar = _progress(cfg, env, f"{mode:>8}")
+    every = max(1, cfg.steps // 10)
+    losses, events, t_cpu = [], [], []
+    t0 = time.perf_counter()
+    for s in range(cfg.steps):
+        ids, targets = data.next(batch)
+        if s >= cfg.warmup:
+            if env.cuda:
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
+            else:
+                t_cpu.append(time.perf_counter())
+        losses.append(trainer.step(ids, targets))
+        if bar is not None:
+            bar.update(1)
+            if s % every == 0 or s == cfg.steps - 1:
+                bar.set_postfix(loss=f"{losses[-1].item():.3f}")
+        elif env.lead and cfg.progress and (s % every == 0 or s == cfg.steps - 1):
+            log(f"  {mode} step {s + 1}/{cfg.steps} loss {losses[-1].item():.4f}", flush=True)
+    if env.cuda:
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        _sync(env)
+        times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    else:
+        t_cpu.append(time.perf_counter())
+        times = [(b - a) * 1e3 for a, b in zip(t_cpu, t_cpu[1:])]
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    step_ms = _max_over_ranks(statistics.median(times), env)
+    peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
+    act = activation_bytes(trainer, *data.next(batch), handle)
+    a2a = _a2a_ms(trainer, data, batch, cfg.profile_steps)
+    curve = _all_reduce(torch.stack(losses).float(), env) / env.world
+    with torch.no_grad():
+        ev = torch.stack([loss_fn(model, *held.next(batch)).float() for _ in range(cfg.eval_batches)]).mean()
+    ev = (_all_reduce(ev, env) / env.world).item()
+    curve = curve.tolist()
+    tail = curve[-max(1, min(50, cfg.steps // 10)):]
+    row = {"mode": mode, "batch": batch, "seq": mc.seq, "tokens_per_step_per_rank": batch * mc.seq,
+           "step_ms": step_ms, "step_ms_all": times, "tokens_per_s_per_gpu": batch * mc.seq / step_ms * 1e3,
+           "peak_bytes": peak, **act, "a2a_ms": a2a,
+           "a2a_share": None if a2a is None else a2a / step_ms,
+           "loss_final": statistics.fmean(tail), "loss_eval": ev, "loss_curve": curve, "wall_s": wall}
+    if handle is not None:
+        handle.remove()
+    del model, trainer
+    _free(env)
+    return row
+
+
+def _free(env: Env) -> None:
+    import gc
+
+    gc.collect()
+    if env.cuda:
+        torch.cuda.empty_cache()
+
+
+def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[int]) -> dict[int, int]:
+    """Memory of one training step at each batch (per device, the largest rank): CUDA's peak
+    allocation, or on CPU parameters + gradients + optimizer state + saved activations. Builds its
+    own model (the probes train it) and frees it."""
+    model, loss_fn, sharded, handle = build(cfg, mode, env)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
+    data = _batches(cfg, env, corpus)
+    out = {}
+    try:
+        trainer.step(*data.next(batches[0]))                 # optimizer state exists from here on
+        for b in batches:
+            ids, targets = data.next(b)
+            if env.cuda:
+                _sync(env)
+                torch.cuda.reset_peak_memory_stats(env.device)
+                try:
+                    trainer.step(ids, targets)
+                    _sync(env)
+                    used = torch.cuda.max_memory_allocated(env.device)
+                except torch.OutOfMemoryError:
+                    trainer.opt.zero_grad(set_to_none=True)
+                    used = float("inf")
+            else:
+                static = sum(t.numel() * t.element_size() for p in model.parameters()
+                             for t in (p, *trainer.opt.state[p].values()) if isinstance(t, torch.Tensor))
+                act = activation_bytes(trainer, ids, targets, handle)["saved_bytes"]
+                used = static + sum(p.numel() * p.element_size() for p in model.parameters()) + act
+            out[b] = _max_over_ranks(used, env)
+    finally:
+        if handle is not None:
+            handle.remove()
+        del model, trainer
+        _free(env)
+    return out
+
+
+def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
+    """The largest batch whose step fits ``budget`` bytes: fit peak = a + b * batch through two probes,
+    then run the prediction and step down until it fits. -> {"batch_max", "probe": {batch: bytes},
+    "bytes_per_sequence", "fixed_bytes"}."""
+    b1 = max(1, cfg.batch // 2)
+    probe = step_bytes(cfg, mode, env, corpus, [b1, 2 * b1])
+    p1, p2 = probe[b1], probe[2 * b1]
+    if not math.isfinite(p2) or p2 > budget:
+        return {"batch_max": 0 if p1 > budget else b1, "probe": probe, "bytes_per_sequence": None, "fixed_bytes": None}
+    slope = max((p2 - p1) / b1, 1.0)
+    fixed = p1 - slope * b1
+    best, guess = 2 * b1, int((budget - fixed) // slope)
+    for _ in range(4):
+        if guess <= best:
+            break
+        used = step_bytes(cfg, mode, env, corpus, [guess])[guess]
+        probe[guess] = used
+        log(f"  {mode}: batch {guess} -> {used / GiB:.2f} GiB (budget {budget / GiB:.2f})", flush=True)
+        if used <= budget:
+            best = guess
+            break
+        guess = int(guess * min(0.97, budget / used)) if math.isfinite(used) else int(guess * 0.8)
+    return {"batch_max": best, "probe": {str(k): v for k, v in probe.items()}, "bytes_per_sequence": slope,
+            "fixed_bytes": fixed}
+
+
+def ratios(rows: dict[str, dict], base: str = "fp8") -> dict:
+    """{mode: {key: mode's value / base's}} for throughput and memory, and loss deltas in % of bf16 and fp8."""
+    out = {}
+    for m, r in rows.items():
+        d = {}
+        b = rows.get(base)
+        for key in ("tokens_per_s_per_gpu", "step_ms", "peak_bytes", "activation_bytes", "saved_bytes"):
+            if b and r.get(key) and b.get(key):
+                d[f"{key}_vs_{base}"] = r[key] / b[key]
+        for ref in ("bf16", "fp8"):
+            if ref in rows and ref != m:
+                for key in ("loss_final", "loss_eval"):
+                    d[f"{key}_delta_pct_vs_{ref}"] = 100.0 * (r[key] - rows[ref][key]) / rows[ref][key]
+        out[m] = d
+    return out
+
+
+def run(cfg: CompareConfig, env: Env, log=print) -> dict:
+    """Run every mode (and the largest-batch search with ``max_batch_gib``) -> the report dict that
+    ``moe-fp4 compare`` prints and writes as JSON."""
+    mc = cfg.model
+    if env.world > 1:
+        if cfg.hook:
+            raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
+        check_ep(mc, env.world)
+    t0 = time.perf_counter()
+    corpus = stdlib_corpus() if cfg.data == "stdlib" else None
+    meta = describe(env)
+    report = {"meta": meta, "config": {**asdict(cfg), "model": asdict(mc)}, "notes": [], "modes": {},
+              "max_batch": {}}
+    if not env.cuda:
+        report["notes"].append(CPU_NOTE.format(path=conversion_path(env.device)))
+    if corpus is not None:
+        meta["data"] = (f"stdlib: {corpus.files} Python source files, {corpus.train.numel() / 2**20:.1f} MiB train, "
+                        f"{corpus.held_out.numel() / 2**20:.1f} MiB held out, byte tokens")
+    if env.lead:
+        counts = parameter_count(DecoderLM(mc.with_(), precision="bf16", device="meta")) if not cfg.hook else None
+        log(f"moe-fp4 compare: preset {cfg.preset} ({mc.layers} layers, hidden {mc.hidden}, {mc.num_experts} experts "
+            f"top-{mc.top_k}, ffn {mc.ffn}, seq {mc.seq}), modes {', '.join(cfg.modes)}, {cfg.steps} steps "
+            f"({cfg.warmup} untimed), data {cfg.data}", flush=True)
+        if counts:
+            log(f"  parameters {counts['total'] / 1e6:.1f} M, active per token {counts['active_per_token'] / 1e6:.1f} M;"
+                f" {meta['device']} x {env.world}, torch {meta['torch']}, triton {meta['triton']}, "
+                f"commit {meta['commit']}", flush=True)
+        for n in report["notes"]:
+            log("  note: " + n, flush=True)
+    batch = {m: cfg.batch for m in cfg.modes}
+    if cfg.budget_gib is not None and cfg.max_batch_gib is None:
+        for m in cfg.modes:
+            fit = step_bytes(cfg, m, env, corpus, [max(1, cfg.batch // 2), cfg.batch])[cfg.batch]
+            if fit > cfg.budget_gib * GiB:
+                raise BatchDoesNotFit(
+                    f"batch {cfg.batch} x {mc.seq} does not fit in {cfg.budget_gib:g} GiB per device in mode {m}: "
+                    f"one step needs {fit / GiB:.2f} GiB. Lower --batch, or find the largest with --max-batch "
+                    f"{cfg.budget_gib:g}")
+    if cfg.max_batch_gib is not None:
+        for m in cfg.modes:
+            if env.lead:
+                log(f"[{m}] largest batch in {cfg.max_batch_gib:g} GiB per device", flush=True)
+            found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet)
+            report["max_batch"][m] = found
+            if found["batch_max"] == 0:
+                raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "
+                                      f"per device (probes: {found['probe']})")
+            batch[m] = found["batch_max"]
+    for m in cfg.modes:
+        if env.lead:
+            log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank", flush=True)
+        try:
+            report["modes"][m] = train_mode(cfg, m, env, corpus, batch[m], log if env.lead else _quiet)
+        except torch.OutOfMemoryError as e:
+            raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
+                                  f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
+        if env.lead:
+            log("  " + row_line(report["modes"][m]), flush=True)
+    report["ratios"] = ratios(report["modes"], "hf" if cfg.hook else "fp8")
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def _quiet(*_a, **_k) -> None:
+    return None
+
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v / GiB:.2f} G" if v >= GiB else f"{v / 2**20:.1f} M"
+
+
+def row_line(r: dict) -> str:
+    share = "-" if r["a2a_share"] is None else f"{100 * r['a2a_share']:.1f}%"
+    return (f"{r['mode']:<8} {r['tokens_per_s_per_gpu']:>12,.0f} {r['step_ms']:>9.1f} {_gib(r['peak_bytes']):>10} "
+            f"{_gib(r['activation_bytes']):>10} {share:>7} {r['loss_final']:>8.4f} {r['loss_eval']:>8.4f}")
+
+
+def table(report: dict) -> str:
+    """The comparison as text: one row per mode, then the ratios against the baseline."""
+    m = report["meta"]
+    base = "hf" if report["config"]["hook"] else "fp8"
+    lines = [f"{m['device']} x {m['world']} | torch {m['torch']} | triton {m['triton']} | commit {m['commit']} | "
+             f"{m['date']}",
+             f"{'mode':<8} {'tokens/s/GPU':>12} {'step ms':>9} {'peak mem':>10} {'act mem':>10} {'a2a':>7} "
+             f"{'loss':>8} {'eval':>8}"]
+    lines += [row_line(r) for r in report["modes"].values()]
+    lines.append(f"ratios vs {base}:")
+    for mode, d in report["ratios"].items():
+        if mode == base:
+            continue
+        parts = [f"tokens/s {d.get(f'tokens_per_s_per_gpu_vs_{base}', math.nan):.3f}x"]
+        if f"peak_bytes_vs_{base}" in d:
+            parts.append(f"peak memory {d[f'peak_bytes_vs_{base}']:.3f}x")
+        parts.append(f"activation memory {d.get(f'activation_bytes_vs_{base}', math.nan):.3f}x")
+        parts += [f"eval loss {d[k]:+.2f}% vs {k.rsplit('_', 1)[1]}" for k in d if k.startswith("loss_eval_delta")]
+        lines.append(f"  {mode:<8} " + ", ".join(parts))
+    if report["max_batch"]:
+        mb = report["max_batch"]
+        lines.append(f"largest batch per device in {report['config']['max_batch_gib']:g} GiB: "
+                     + ", ".join(f"{k} {v['batch_max']}" for k, v in mb.items())
+                     + ("" if base not in mb or not mb[base]["batch_max"] else
+                        " (" + ", ".join(f"{k} {v['batch_max'] / mb[base]['batch_max']:.2f}x"
+                                         for k, v in mb.items() if k != base) + f" of {base})"))
+    lines += ["note: " + n for n in report["notes"]]
+    return "\n".join(lines)
+
+
+__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "check_ep", "largest_batch", "ratios", "run", "table",
+           "train_mode"]

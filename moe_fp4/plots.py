@@ -1,0 +1,69 @@
+"""PNG plots of a ``moe-fp4 compare`` report (matplotlib, from the ``plot`` extra)."""
+
+from __future__ import annotations
+
+import os
+
+GiB = 2**30
+
+
+def _smooth(v: list[float], n: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x
+        if i >= n:
+            acc -= v[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def write_plots(report: dict, out_dir: str) -> list[str]:
+    """report: what :func:`moe_fp4.compare.run` returns -> paths of throughput.png, memory.png and
+    loss.png in ``out_dir``. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["modes"]
+    modes = list(rows)
+    m = report["meta"]
+    title = f"{report['config']['preset']} on {m['device']} x {m['world']} ({m['commit']})"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(modes, [rows[k]["tokens_per_s_per_gpu"] for k in modes], color="C0")
+    ax.set_ylabel("tokens / s per GPU")
+    ax.set_title(title, fontsize=9)
+    paths.append(os.path.join(out_dir, "throughput.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = [("activation", "activation_bytes")] + ([("peak", "peak_bytes")] if rows[modes[0]]["peak_bytes"] else [])
+    width = 0.8 / len(series)
+    for i, (name, key) in enumerate(series):
+        ax.bar([j + i * width for j in range(len(modes))], [rows[k][key] / GiB for k in modes], width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(modes))], modes)
+    ax.set_ylabel("GiB per GPU")
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    paths.append(os.path.join(out_dir, "memory.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in modes:
+        curve = rows[k]["loss_curve"]
+        ax.plot(range(1, len(curve) + 1), _smooth(curve, max(1, len(curve) // 50)), label=k, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (moving average)")
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    paths.append(os.path.join(out_dir, "loss.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
