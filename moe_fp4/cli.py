@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-plots", action="store_true")
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--profile-steps", type=int, default=3, help="profiled steps for the all-to-all share (EP)")
+    c.add_argument("--profile", action="store_true",
+                   help="also write the profiler's table of those steps to <out>/profile_<mode>.txt (rank 0)")
     return p
 
 
@@ -97,7 +99,7 @@ def compare(a: argparse.Namespace, err) -> int:
                             warmup=a.warmup if a.warmup is not None else min(20, steps // 5),
                             batch=a.batch or PRESET_BATCH[preset], seq=a.seq, experts=a.experts, layers=a.layers,
                             lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
-                            profile_steps=a.profile_steps, hook=a.hook, progress=not a.no_progress)
+                            profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
             if a.hook:
@@ -124,10 +126,16 @@ def compare(a: argparse.Namespace, err) -> int:
     if rank == 0:
         print(table(report))
         os.makedirs(a.out, exist_ok=True)
+        written = []
+        for mode, row in report["modes"].items():
+            if "profile_table" in row:
+                written.append(os.path.join(a.out, f"profile_{mode.replace('+', '_')}.txt"))
+                with open(written[-1], "w") as f:
+                    f.write(row.pop("profile_table"))
         path = os.path.join(a.out, "compare.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)
-        written = [path]
+        written.insert(0, path)
         if not a.no_plots:
             try:
                 from moe_fp4.plots import write_plots

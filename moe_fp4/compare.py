@@ -65,7 +65,8 @@ class CompareConfig:
     still train); max_batch_gib: per-device budget for the largest-batch search (None: off);
     budget_gib: per-device budget the requested batch must fit (None: no check; on CUDA an
     out-of-memory step still ends with a clear error); hook: compare a Hugging Face MoE model with
-    and without :func:`moe_fp4.register_activation_compression` instead of the precision modes."""
+    and without :func:`moe_fp4.register_activation_compression` instead of the precision modes;
+    profile: keep the profiler's table of the profiled steps in each row ("profile_table")."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -82,6 +83,7 @@ class CompareConfig:
     max_batch_gib: float | None = None
     budget_gib: float | None = None
     profile_steps: int = 3
+    profile: bool = False
     hook: bool = False
     progress: bool = True
 
@@ -276,12 +278,13 @@ def activation_bytes(trainer: Trainer, ids, targets, handle=None) -> dict:
     return {"activation_bytes": int(_max_over_ranks(grown, env)), "saved_bytes": int(_max_over_ranks(saved, env))}
 
 
-def _a2a_ms(trainer: Trainer, data, batch: int, steps: int) -> float | None:
-    """Milliseconds per step in the all-to-all (NCCL send/recv kernels on CUDA, the collective's ops on
-    CPU), from ``steps`` profiled training steps; None without EP."""
+def profile_steps(trainer: Trainer, data, batch: int, steps: int, table_rows: int = 0) -> tuple[float | None, str]:
+    """Run ``steps`` training steps under torch.profiler -> (milliseconds per step in the all-to-all: the
+    NCCL send/recv kernels on CUDA, the collective's ops on CPU; None without EP, and the profiler's
+    table of the ``table_rows`` most expensive ops ("" when 0))."""
     env = trainer.env
-    if env.world == 1 or steps == 0:
-        return None
+    if steps == 0 or (env.world == 1 and not table_rows):
+        return None, ""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
@@ -290,13 +293,18 @@ def _a2a_ms(trainer: Trainer, data, batch: int, steps: int) -> float | None:
             trainer.step(*data.next(batch))
         _sync(env)
     total = 0.0
-    for e in prof.key_averages():
+    events = prof.key_averages()
+    for e in events:
         k = e.key.lower()
         if env.cuda and "nccl" in k and ("sendrecv" in k or "alltoall" in k):
             total += getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
         elif not env.cuda and ("all_to_all" in k or "alltoall" in k) and "::" in k:
             total += e.cpu_time_total
-    return total / 1e3 / steps
+    text = ""
+    if table_rows:
+        text = events.table(sort_by="self_cuda_time_total" if env.cuda else "self_cpu_time_total", row_limit=table_rows,
+                            max_name_column_width=90)
+    return (total / 1e3 / steps if env.world > 1 else None), text
 
 
 def _progress(cfg: CompareConfig, env: Env, desc: str):
@@ -350,7 +358,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     step_ms = _max_over_ranks(statistics.median(times), env)
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
     act = activation_bytes(trainer, *data.next(batch), handle)
-    a2a = _a2a_ms(trainer, data, batch, cfg.profile_steps)
+    a2a, prof = profile_steps(trainer, data, batch, cfg.profile_steps, 60 if cfg.profile else 0)
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
         ev = torch.stack([loss_fn(model, *held.next(batch)).float() for _ in range(cfg.eval_batches)]).mean()
@@ -362,6 +370,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
            "peak_bytes": peak, **act, "a2a_ms": a2a,
            "a2a_share": None if a2a is None else a2a / step_ms,
            "loss_final": statistics.fmean(tail), "loss_eval": ev, "loss_curve": curve, "wall_s": wall}
+    if prof:
+        row["profile_table"] = prof
     if handle is not None:
         handle.remove()
     del model, trainer
