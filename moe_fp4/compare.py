@@ -357,12 +357,13 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     wall = time.perf_counter() - t0
     step_ms = _max_over_ranks(statistics.median(times), env)
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
-    act = activation_bytes(trainer, *data.next(batch), handle)
-    a2a, prof = profile_steps(trainer, data, batch, cfg.profile_steps, 60 if cfg.profile else 0)
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
         ev = torch.stack([loss_fn(model, *held.next(batch)).float() for _ in range(cfg.eval_batches)]).mean()
     ev = (_all_reduce(ev, env) / env.world).item()
+    act = activation_bytes(trainer, *data.next(batch), handle)
+    # After the eval: the profiled steps train the model further.
+    a2a, prof = profile_steps(trainer, data, batch, cfg.profile_steps, 60 if cfg.profile else 0)
     curve = curve.tolist()
     tail = curve[-max(1, min(50, cfg.steps // 10)):]
     row = {"mode": mode, "batch": batch, "seq": mc.seq, "tokens_per_step_per_rank": batch * mc.seq,

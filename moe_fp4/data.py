@@ -34,7 +34,8 @@ class Corpus:
 
 
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> Corpus:
-    """Read the standard library's .py files (sorted, at most ``max_bytes`` in all) -> Corpus."""
+    """Read the standard library's .py files (sorted; reading stops after the file that reaches
+    ``max_bytes``) -> Corpus."""
     root = root or sysconfig.get_paths()["stdlib"]
     paths = []
     for d, dirs, names in os.walk(root):

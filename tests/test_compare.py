@@ -1,0 +1,508 @@
+"""``moe-fp4 compare`` (moe_fp4.compare, moe_fp4.cli, moe_fp4.plots) and the model and data behind it
+(moe_fp4.model, moe_fp4.data), on CPU.
+
+Anything that trains runs as a subprocess (the CLI, or gloo ranks through tests/distributed.py) with
+TRITON_INTERPRET=0 and OMP_NUM_THREADS=1: the pure-torch reference conversions instead of the Triton
+kernels under the interpreter, as in test_examples.py. The in-process tests only parse arguments,
+validate configs or build models on the meta device; none of them starts training (a guard makes sure).
+moe_fp4 is imported inside the tests, never at the top: spawned ranks import this module by name
+before tests/distributed.py sets their TRITON_INTERPRET=0.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CLI_TIMEOUT_S = 240
+MODES = ("bf16", "fp8", "fp4")
+ROW_KEYS = {"mode", "batch", "seq", "tokens_per_step_per_rank", "step_ms", "step_ms_all", "tokens_per_s_per_gpu",
+            "peak_bytes", "activation_bytes", "saved_bytes", "a2a_ms", "a2a_share", "loss_final", "loss_eval",
+            "loss_curve", "wall_s"}
+META_KEYS = {"device", "world", "torch", "triton", "commit", "date", "command", "data"}
+
+# First-step training loss of each mode against bf16, same seed (same weights) and same first batch: the
+# first forward differs only by FP8 / MXFP4 rounding inside the MoE layers. Measured |mode - bf16| / bf16
+# (tiny preset, stdlib data): 1.2e-3 at seed 0, batch 4 (this test's run); at most 1.9e-3 over seeds 0-7 x
+# batch 2, 4, 8 (fp4's first loss equals fp8's on one process). Initial losses of different seeds range
+# 5.88-6.29, so models built from different weights or data would mostly fall outside 3e-3.
+FIRST_STEP_LOSS_RTOL = 3e-3
+
+# Gradients of the EP model on 2 ranks (each on its own batch, after Trainer._sync_and_clip without
+# clipping) against one process's gradients on both batches concatenated: the routed experts' match to
+# the last bit (measured 0), the replicated parameters' to 2.6e-3 (relative norm of the difference; each
+# rank's bf16 gradient is rounded before averaging, the single process's once). A missing average (or
+# a missing division of the expert gradients by the world size) would be off by 0.5 to 1.
+EP_GRAD_RTOL = 1e-2
+EP_SEED = 3
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1", **extra)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _cli(args, nproc: int = 1, **env) -> subprocess.CompletedProcess:
+    """Run ``python -m moe_fp4 <args>`` (under torchrun with ``nproc`` > 1) from the repository root."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else \
+        [sys.executable]
+    cmd = launch + ["-m", "moe_fp4", *map(str, args)]
+    try:
+        return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=ROOT,
+                              check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} timed out after {CLI_TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
+
+
+def _ok(run: subprocess.CompletedProcess) -> None:
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    assert "Traceback" not in run.stderr, run.stderr
+
+
+def _finite_losses(row: dict) -> None:
+    for v in row["loss_curve"] + [row["loss_final"], row["loss_eval"]]:
+        assert isinstance(v, float) and math.isfinite(v), row
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. The CLI end to end on one process: bf16, fp8 and fp4, 4 steps of the tiny preset.
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    run = _cli(["compare", "--preset", "tiny", "--steps", STEPS, "--out", out, "--no-progress"])
+    _ok(run)
+    with open(out / "compare.json") as f:
+        report = json.load(f)
+    return run, report, out
+
+
+def test_cli_prints_the_table(one_process):
+    run, report, out = one_process
+    lines = run.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["mode", "tokens/s/GPU"])
+    assert [line.split()[0] for line in lines[header + 1:header + 4]] == list(MODES), run.stdout
+    assert lines[header + 4] == "ratios vs fp8:", run.stdout
+    assert lines[header - 1].startswith(report["meta"]["device"] + " x 1 | torch "), run.stdout
+    assert any(line.startswith("note: CPU run") for line in lines[header:]), run.stdout
+    assert f"wrote {out / 'compare.json'}" in run.stdout
+
+
+def test_cli_report_fields(one_process):
+    _, report, _ = one_process
+    meta = report["meta"]
+    assert META_KEYS <= meta.keys(), meta
+    assert meta["world"] == 1 and meta["device"].startswith("CPU")
+    assert meta["torch"] == torch.__version__
+    assert meta["commit"] and meta["date"].endswith("UTC")
+    assert "compare --preset tiny --steps 4" in meta["command"]
+    assert meta["data"].startswith("stdlib: ")
+
+    cfg = report["config"]
+    assert cfg["preset"] == "tiny" and cfg["steps"] == STEPS and cfg["modes"] == list(MODES)
+    assert cfg["model"]["num_experts"] == 8 and cfg["model"]["seq"] == 64
+    assert len(report["notes"]) == 1 and report["notes"][0].startswith("CPU run")
+
+    assert list(report["modes"]) == list(MODES)
+    for mode, row in report["modes"].items():
+        assert ROW_KEYS <= row.keys(), (mode, row.keys())
+        assert row["mode"] == mode and row["seq"] == 64
+        assert row["tokens_per_step_per_rank"] == row["batch"] * row["seq"]
+        assert len(row["loss_curve"]) == STEPS
+        assert len(row["step_ms_all"]) == STEPS - cfg["warmup"]
+        assert row["step_ms"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["wall_s"] > 0
+        assert row["peak_bytes"] is None                     # no allocator to ask on CPU
+        assert row["a2a_ms"] is None and row["a2a_share"] is None   # one process: no all-to-all
+        assert row["activation_bytes"] == row["saved_bytes"] > 0    # on CPU the saved bytes are the measure
+        assert "profile_table" not in row
+        _finite_losses(row)
+
+    ratios = report["ratios"]
+    assert set(ratios) == set(MODES)
+    assert ratios["fp8"]["saved_bytes_vs_fp8"] == 1.0
+    assert ratios["fp4"]["saved_bytes_vs_fp8"] == pytest.approx(
+        report["modes"]["fp4"]["saved_bytes"] / report["modes"]["fp8"]["saved_bytes"])
+    assert {"loss_eval_delta_pct_vs_bf16", "loss_eval_delta_pct_vs_fp8"} <= ratios["fp4"].keys()
+    assert report["max_batch"] == {}
+
+
+def test_cli_fp4_saves_least(one_process):
+    """fp4 keeps the experts' activations in MXFP4 (4.25 bits), fp8 in FP8 1x128 (8.25 bits), bf16 in 16."""
+    modes = one_process[1]["modes"]
+    assert modes["fp4"]["saved_bytes"] < modes["fp8"]["saved_bytes"] < modes["bf16"]["saved_bytes"]
+
+
+def test_cli_modes_start_from_the_same_model_and_data(one_process):
+    modes = one_process[1]["modes"]
+    first = {m: row["loss_curve"][0] for m, row in modes.items()}
+    for m in ("fp8", "fp4"):
+        assert first[m] == pytest.approx(first["bf16"], rel=FIRST_STEP_LOSS_RTOL), first
+    assert len({row["batch"] for row in modes.values()}) == 1
+
+
+def test_cli_writes_plots(one_process):
+    out = one_process[2]
+    for name in ("throughput.png", "memory.png", "loss.png"):
+        data = (out / name).read_bytes()
+        assert len(data) > len(PNG_MAGIC) and data.startswith(PNG_MAGIC), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Expert parallelism under torchrun, 2 CPU ranks on gloo.
+
+def test_cli_ep_torchrun(tmp_path):
+    run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
+                "--no-progress", "--no-plots", "--profile"], nproc=2, MOE_FP4_COMMIT="test-commit")
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["meta"]["world"] == 2 and report["meta"]["commit"] == "test-commit"
+    assert list(report["modes"]) == ["fp8", "fp4"]
+    for mode, row in report["modes"].items():
+        assert isinstance(row["a2a_ms"], float) and row["a2a_ms"] > 0, row
+        assert isinstance(row["a2a_share"], float) and 0 < row["a2a_share"] < 1, row
+        assert len(row["loss_curve"]) == 3
+        _finite_losses(row)
+        assert "profile_table" not in row           # --profile writes it to its own file instead
+        assert (tmp_path / f"profile_{mode}.txt").stat().st_size > 0
+    assert report["modes"]["fp4"]["saved_bytes"] < report["modes"]["fp8"]["saved_bytes"]
+    # rank 0 alone prints the table
+    assert sum(line.startswith("mode ") and "tokens/s/GPU" in line for line in run.stdout.splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. --hook: a Hugging Face MoE model with and without register_activation_compression.
+
+def test_cli_hook(tmp_path):
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--hook", "--out", tmp_path, "--no-progress",
+                "--no-plots"])
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    modes = report["modes"]
+    assert list(modes) == ["hf", "hf+hook"]
+    assert "ratios vs hf:" in run.stdout
+    for row in modes.values():
+        _finite_losses(row)
+    assert 0 < modes["hf+hook"]["activation_bytes"] < modes["hf"]["activation_bytes"]
+    # Same seed, same weights and data; the hook changes only what backward reads.
+    assert modes["hf+hook"]["loss_curve"][0] == modes["hf"]["loss_curve"][0]
+    assert report["ratios"]["hf+hook"]["activation_bytes_vs_hf"] < 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. --max-batch: each mode's largest batch in a (CPU-estimated) budget, then trained at it.
+
+def test_cli_max_batch(tmp_path):
+    gib = 0.02   # tiny preset on CPU: ~13 MB fixed + ~0.9 MB per sequence -> batches of 8-10
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--max-batch", gib, "--data", "random",
+                "--out", tmp_path, "--no-progress", "--no-plots"])
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    found = report["max_batch"]
+    assert set(found) == set(MODES)
+    for mode, f in found.items():
+        assert f["batch_max"] > 0, found
+        assert report["modes"][mode]["batch"] == f["batch_max"]
+        # the chosen batch was measured, and fit
+        assert f["probe"][str(f["batch_max"])] <= gib * 2**30, f
+        assert f["bytes_per_sequence"] > 0
+    assert found["fp4"]["batch_max"] >= found["fp8"]["batch_max"], found
+    assert f"largest batch per device in {gib:g} GiB:" in run.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Argument errors: a message, exit code 2, no traceback. In process where nothing would train.
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Make any attempt to start a process group or to train fail the test loudly."""
+    import moe_fp4.cli
+    import moe_fp4.compare
+
+    def refuse(*_a, **_k):
+        raise AssertionError("argument validation let the run start")
+
+    monkeypatch.setattr(moe_fp4.compare, "run", refuse)
+    monkeypatch.setattr(moe_fp4.cli, "_distributed", refuse)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return moe_fp4.cli.main
+
+
+def test_cli_unknown_preset(no_training, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        no_training(["compare", "--preset", "huge", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preset: invalid choice: 'huge'" in err and "tiny" in err and "Traceback" not in err
+
+
+def test_compare_config_unknown_preset():
+    from moe_fp4.compare import CompareConfig
+
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny, small"):
+        CompareConfig(preset="huge")
+
+
+def test_cli_ep_size_must_divide_experts(no_training, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert no_training(["compare", "--preset", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-fp4 compare: error: expert parallelism over 3 ranks"), err
+    assert "the model has 8" in err and "--experts" in err
+    assert not torch.distributed.is_initialized()
+    # a divisible expert count passes this check (and would go on to start the process group)
+    with pytest.raises(AssertionError, match="let the run start"):
+        no_training(["compare", "--preset", "tiny", "--experts", "6", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "3", "--warmup", "3"], "warmup = 3 must be in [0, steps = 3)"),
+    (["--steps", "3", "--warmup", "5"], "warmup = 5 must be in [0, steps = 3)"),
+    (["--batch", "-1"], "batch must be positive, got -1"),
+    (["--steps", "-2"], "steps must be positive, got -2"),
+    (["--max-batch", "0"], "max_batch_gib must be positive, got 0.0"),
+    (["--budget-gib", "-1"], "budget_gib must be positive, got -1.0"),
+    (["--modes", "fp8", "fp16"], "unknown mode(s) ['fp16']; choose from bf16, fp8, fp4"),
+    (["--hook", "--modes", "fp8"], "unknown mode(s) ['fp8']; choose from hf, hf+hook"),
+    (["--seq", "0"], "seq must be positive, got 0"),
+])
+def test_cli_bad_arguments(no_training, capsys, tmp_path, args, message):
+    assert no_training(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-fp4 compare: error: ") and message in err, err
+    assert not (tmp_path / "compare.json").exists()
+
+
+@pytest.mark.parametrize("args", [["--batch", "0"], ["--steps", "0"]])
+def test_cli_zero_batch_or_steps_rejected(no_training, capsys, tmp_path, args):
+    assert no_training(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
+    assert "must be positive, got 0" in capsys.readouterr().err
+
+
+def test_cli_hook_refused_under_ep(no_training, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert no_training(["compare", "--preset", "tiny", "--hook", "--out", str(tmp_path)]) == 2
+    assert "--hook compares a Hugging Face model on one device" in capsys.readouterr().err
+
+
+def test_cli_batch_does_not_fit(tmp_path):
+    run = _cli(["compare", "--preset", "tiny", "--batch", 64, "--budget-gib", 0.01, "--out", tmp_path,
+                "--no-progress"])
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "moe-fp4 compare: error: batch 64 x 64 does not fit in 0.01 GiB per device in mode bf16" in run.stderr
+    assert "one step needs" in run.stderr and "--max-batch" in run.stderr
+    assert "[bf16] training" not in run.stdout            # checked before any mode trains
+    assert not (tmp_path / "compare.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. Model and data.
+
+def test_stdlib_corpus_is_deterministic():
+    from moe_fp4.data import stdlib_corpus
+
+    a, b = stdlib_corpus(), stdlib_corpus()
+    assert a.train.dtype == torch.uint8 and a.held_out.dtype == torch.uint8
+    assert a.train.numel() > 0 and a.held_out.numel() >= 2**16 and a.files > 0
+    assert a.held_out.numel() < a.train.numel()
+    assert a.files == b.files
+    assert torch.equal(a.train, b.train) and torch.equal(a.held_out, b.held_out)
+
+
+def test_stdlib_corpus_holds_out_whole_files(tmp_path):
+    """Every file lands whole in exactly one part, one file in EVAL_EVERY is held out, and
+    site-packages, __pycache__ and non-.py files are skipped."""
+    from moe_fp4.data import EVAL_EVERY, stdlib_corpus
+
+    n, size = 2 * EVAL_EVERY, 40_000
+    content = {}
+    for i in range(n):
+        d = tmp_path / f"pkg{i % 3}" if i % 2 else tmp_path
+        d.mkdir(exist_ok=True)
+        marker = f"<<file {i:03d}>>\n".encode()
+        content[i] = marker * (size // len(marker))
+        (d / f"m{i:03d}.py").write_bytes(content[i])
+    for skipped in ("site-packages", "__pycache__"):
+        (tmp_path / skipped).mkdir()
+        (tmp_path / skipped / "x.py").write_bytes(b"<<skipped>>\n" * 1000)
+    (tmp_path / "notes.txt").write_bytes(b"<<skipped>>\n" * 1000)
+
+    c = stdlib_corpus(root=str(tmp_path))
+    train, held = bytes(c.train.numpy()), bytes(c.held_out.numpy())
+    assert c.files == n
+    in_train = {i for i in content if content[i] in train}
+    in_held = {i for i in content if content[i] in held}
+    assert not in_train & in_held
+    assert in_train | in_held == set(content)
+    assert len(in_held) == n // EVAL_EVERY
+    assert b"<<skipped>>" not in train + held
+    # the parts are their files joined by one newline, nothing else
+    assert len(held) == sum(len(content[i]) for i in in_held) + len(in_held) - 1
+    assert len(train) == sum(len(content[i]) for i in in_train) + len(in_train) - 1
+
+
+def test_stdlib_corpus_too_little_source(tmp_path):
+    from moe_fp4.data import stdlib_corpus
+
+    (tmp_path / "a.py").write_bytes(b"x = 1\n")
+    with pytest.raises(RuntimeError, match="too little Python source"):
+        stdlib_corpus(root=str(tmp_path))
+
+
+def test_token_batches():
+    from moe_fp4.data import TokenBatches
+
+    stream = torch.arange(250, dtype=torch.uint8)       # each byte is its own position
+    seq, batch = 16, 5
+    ids, targets = TokenBatches(stream, seq, seed=3).next(batch)
+    assert ids.shape == targets.shape == (batch, seq) and ids.dtype == targets.dtype == torch.int64
+    assert torch.equal(ids[:, 1:], targets[:, :-1])
+    assert torch.equal(targets, ids + 1)                 # a contiguous window of seq + 1 bytes
+    assert torch.equal(ids - ids[:, :1], torch.arange(seq).expand(batch, seq))
+
+    def draws(seed, rank=0, n=3):
+        tb = TokenBatches(stream, seq, seed=seed, rank=rank)
+        return torch.cat([torch.cat(tb.next(batch)) for _ in range(n)])
+
+    assert torch.equal(draws(3), draws(3))
+    assert not torch.equal(draws(3, rank=0), draws(3, rank=1))
+    assert not torch.equal(draws(3), draws(4))
+    with pytest.raises(ValueError, match="too short"):
+        TokenBatches(stream[:seq + 1], seq, seed=0)
+
+
+def test_random_tokens():
+    from moe_fp4.data import RandomTokens
+
+    ids, targets = RandomTokens(vocab=50, seq=12, seed=1).next(4)
+    assert ids.shape == targets.shape == (4, 12) and ids.dtype == torch.int64
+    assert torch.equal(ids[:, 1:], targets[:, :-1])
+    assert 0 <= int(ids.min()) and int(torch.cat([ids, targets]).max()) < 50
+    assert torch.equal(RandomTokens(50, 12, 1).next(4)[0], ids)
+    assert not torch.equal(RandomTokens(50, 12, 1, rank=1).next(4)[0], ids)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"heads": 3}, "must be heads (3) times an even head_dim"),
+    ({"heads": 128}, "must be heads (128) times an even head_dim"),        # head_dim 1: odd
+    ({"dense_ffn": 200}, "dense_ffn = 200 must be a multiple of 128"),
+    ({"dense_layers": 3}, "dense_layers = 3 must be in [0, layers = 2]"),
+    ({"layers": 0}, "layers must be positive, got 0"),
+])
+def test_model_config_validation(change, message):
+    from moe_fp4.model import PRESETS
+
+    with pytest.raises(ValueError) as e:
+        replace(PRESETS["tiny"], **change)
+    assert message in str(e.value)
+
+
+def test_presets_build_and_count_on_meta():
+    from moe_fp4.model import PRESETS, DecoderLM, parameter_count
+
+    for name, c in PRESETS.items():
+        m = DecoderLM(c, precision="bf16", device="meta")
+        counts = parameter_count(m)
+        per_expert = 3 * c.hidden * c.ffn
+        assert counts["total"] == sum(p.numel() for p in m.parameters()), name
+        assert counts["experts"] == c.moe_layers * c.num_experts * per_expert, name
+        assert counts["active_per_token"] == counts["total"] - counts["experts"] + c.moe_layers * c.top_k * per_expert
+        assert len(m.moe_layers()) == c.moe_layers and m.precision.value == "bf16"
+    m = DecoderLM(PRESETS["tiny"], device="meta")
+    with pytest.raises(ValueError, match=r"expected ids \[B, S <= 64\]"):
+        m(torch.zeros(1, 65, dtype=torch.int64, device="meta"))
+
+
+def _ep_decoder_ranks(rank, world):
+    """On each rank: the EP DecoderLM against one built without EP (init, then gradients on the
+    concatenated batches), then two Trainer steps on per-rank data and the replicated parameters
+    gathered from every rank."""
+    import torch.distributed as dist
+
+    from moe_fp4.compare import Env, Trainer, _lm_loss
+    from moe_fp4.data import RandomTokens
+    from moe_fp4.ep import EPConfig
+    from moe_fp4.model import PRESETS, DecoderLM
+
+    c = PRESETS["tiny"]
+    model = DecoderLM(c, precision="fp8", ep=EPConfig(), seed=EP_SEED)
+    ref = DecoderLM(c, precision="fp8", seed=EP_SEED)
+    ref_params = dict(ref.named_parameters())
+    experts = {id(p) for p in model.expert_parameters()}
+    lo, hi = rank * c.num_experts // world, (rank + 1) * c.num_experts // world
+
+    def ref_slice(name, p, t):
+        return t[lo:hi] if id(p) in experts else t
+
+    out = {"expert_shapes": [tuple(p.shape) for p in model.expert_parameters()],
+           "init_mismatch": [n for n, p in model.named_parameters()
+                             if not torch.equal(p, ref_slice(n, p, ref_params[n]))]}
+
+    trainer = Trainer(model, _lm_loss, Env(torch.device("cpu"), rank, world, EPConfig()), lr=1e-3, steps=10,
+                      sharded=model.expert_parameters())
+    out["sharded"] = sorted(n for n, p in model.named_parameters() if any(p is q for q in trainer.sharded))
+    batches = [RandomTokens(c.vocab, c.seq, seed=0, rank=r).next(2) for r in range(world)]
+    model(*batches[rank]).backward()
+    trainer._sync_and_clip(max_norm=math.inf)
+    ref(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+    out["grad_err"] = {n: ((p.grad - ref_slice(n, p, ref_params[n].grad)).norm()
+                           / ref_slice(n, p, ref_params[n].grad).norm()).item()
+                       for n, p in model.named_parameters()}
+    trainer.opt.zero_grad(set_to_none=True)
+
+    before = torch.cat([p.detach().flatten() for p in trainer.replicated]).clone()
+    data = RandomTokens(c.vocab, c.seq, seed=1, rank=rank)
+    out["losses"] = [trainer.step(*data.next(2)).item() for _ in range(2)]
+    flat = torch.cat([p.detach().flatten() for p in trainer.replicated])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    out["replicated_identical"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    out["replicated_moved"] = not torch.equal(flat, before)
+    return out
+
+
+def test_decoder_ep_init_and_gradient_sync():
+    world = 2
+    from moe_fp4.model import PRESETS
+
+    c = PRESETS["tiny"]
+    results = run_ranks(_ep_decoder_ranks, world)
+    local = c.num_experts // world
+    for rank, r in enumerate(results):   # same model as one process builds: rank r holds experts r*E/2 ...
+        assert r["expert_shapes"] == [(local, 2 * c.ffn, c.hidden), (local, c.hidden, c.ffn)] * c.moe_layers
+        assert r["init_mismatch"] == [], (rank, r["init_mismatch"])
+        assert r["sharded"] == [f"blocks.{i}.mlp.{w}" for i in range(c.dense_layers, c.layers) for w in ("w13", "w2")]
+    for rank, r in enumerate(results):   # averaged gradients: those of one process on both ranks' batches
+        bad = {n: e for n, e in r["grad_err"].items() if not e <= EP_GRAD_RTOL}
+        assert not bad, (rank, bad)
+    for rank, r in enumerate(results):   # replicated parameters stay in lockstep through training
+        assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
+        assert r["replicated_moved"], rank
+        assert r["replicated_identical"], f"rank {rank}: replicated parameters differ across ranks after 2 steps"
+
+
+def test_profile_does_not_change_the_eval_loss(one_process, tmp_path):
+    """--profile trains `profile_steps` more steps; the held-out loss is measured before them."""
+    _, report, _ = one_process
+    run = _cli(["compare", "--preset", "tiny", "--steps", STEPS, "--modes", "bf16", "--profile", "--no-plots",
+                "--no-progress", "--out", tmp_path])
+    _ok(run)
+    with open(tmp_path / "compare.json") as f:
+        row = json.load(f)["modes"]["bf16"]
+    assert (tmp_path / "profile_bf16.txt").stat().st_size > 0
+    assert row["loss_curve"] == report["modes"]["bf16"]["loss_curve"]
+    assert row["loss_eval"] == report["modes"]["bf16"]["loss_eval"]
