@@ -1,12 +1,11 @@
-"""The main job: moe_fp4 against the FP8 baseline.
+"""Formats and kernels at a glance (the main job is ``moe-fp4 compare``, which trains a model).
 
 It compares the formats on one MoE-sized token batch (bytes per token on the wire and in storage,
 round-trip error) for BF16, FP8 1x128 (the DeepSeek-V3 baseline) and MXFP4; on a GPU it times every
 conversion kernel against a device copy of the same bytes (one shape). Then it runs the MoE layer
 in bf16, fp8 (the baseline) and fp4 side by side (bench/moe_layer.py: step time, activation memory;
-on a GPU the DeepSeek-V3-like config, on CPU a smoke run of the code paths). The end-to-end
-expert-parallel comparison (a multi-GPU run under torchrun: bench/all_to_all.py) is printed as the
-command to run; the end-to-end training comparison lands with the compare issue.
+on a GPU the DeepSeek-V3-like config, on CPU a smoke run of the code paths). Training a whole model
+in each mode, on one GPU or with expert parallelism under torchrun, is ``moe-fp4 compare``.
 
     python bench/run.py            # GPU if there is one, a small CPU run otherwise
     python bench/run.py --tokens 4096 --hidden 7168 --json out.json
@@ -85,7 +84,7 @@ def main() -> None:
     print("\nMoE layer, bf16 vs fp8 (baseline) vs fp4 (bench/moe_layer.py " + " ".join(layer_args) + "):", flush=True)
     _run_script(os.path.join(here, "moe_layer.py"), layer_args)
     print("expert-parallel all-to-all and EP layer (one process per GPU): "
-          "torchrun --nproc-per-node <GPUs> bench/all_to_all.py; not yet: end-to-end training throughput (the compare issue)")
+          "torchrun --nproc-per-node <GPUs> bench/all_to_all.py; training end to end: moe-fp4 compare")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "tokens": tokens, "hidden": a.hidden, "formats": results,
