@@ -35,7 +35,7 @@ def ep_step(x: torch.Tensor, dest: torch.Tensor, expert: torch.nn.Linear, group)
 
 
 def main() -> None:
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > local
     if cuda:
         torch.cuda.set_device(local)

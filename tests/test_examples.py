@@ -62,3 +62,16 @@ def test_hf_register_hooks_example():
     train = [float(v) for v in re.findall(r"^train step \d+ loss (\S+)", out, re.MULTILINE)]
     assert len(train) == 3 and all(map(math.isfinite, train)) and train[-1] < train[0], train
     assert "after handle.remove(): loss and gradients bit-identical to the unhooked step" in out, out
+
+
+def test_throughput_vs_fp8_example():
+    """examples/throughput_vs_fp8.py at its CPU size: both modes train, fp4 keeps less for backward."""
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "throughput_vs_fp8.py")], env=env,
+                         capture_output=True, text=True, timeout=180, cwd=ROOT, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    m = re.search(r"fp4 vs fp8: tokens/s ([\d.]+)x, activation memory (-?[\d.]+)% lower, "
+                  r"held-out loss ([\d.]+) vs ([\d.]+)", run.stdout)
+    assert m, run.stdout
+    assert float(m.group(2)) > 0, run.stdout
+    assert all(math.isfinite(float(m.group(i))) for i in (3, 4)), run.stdout
