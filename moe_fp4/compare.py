@@ -225,15 +225,32 @@ def _hf_shifted_loss(model, ids, targets):
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def hf_causal_lm(config, device=None, arch: str = "qwen3_moe", experts_implementation: str | None = None):
+    """A Hugging Face MoE causal LM of the shape of a :class:`moe_fp4.model.ModelConfig` (random bf16
+    weights from the current torch seed, built from a config: no download). Qwen3-MoE has no shared
+    expert, so ``shared_ffn`` is ignored; the first ``dense_layers`` layers are dense MLPs of
+    ``dense_ffn``. ``experts_implementation``: transformers' expert kernel ("grouped_mm" by default on
+    CUDA, "eager" elsewhere)."""
+    import transformers
+
+    c = config
+    impl = experts_implementation or ("grouped_mm" if torch.device(device or "cpu").type == "cuda" else "eager")
+    hf = transformers.AutoConfig.for_model(
+        arch, hidden_size=c.hidden, num_hidden_layers=c.layers, num_attention_heads=c.heads,
+        num_key_value_heads=c.heads, head_dim=c.hidden // c.heads, vocab_size=c.vocab, max_position_embeddings=c.seq,
+        num_experts=c.num_experts, num_experts_per_tok=c.top_k, moe_intermediate_size=c.ffn,
+        intermediate_size=c.dense_ffn, norm_topk_prob=True, mlp_only_layers=list(range(c.dense_layers)))
+    model = transformers.AutoModelForCausalLM.from_config(hf, experts_implementation=impl, dtype=torch.bfloat16)
+    return model.to(device).train()
+
+
 def build(cfg: CompareConfig, mode: str, env: Env):
     """-> (model, loss_fn, sharded parameters, compression handle or None) for one mode, initialized
     from cfg.seed."""
     mc = cfg.model
     if mode in HF_MODES:
-        from moe_fp4.hf import build_causal_lm
-
         torch.manual_seed(cfg.seed)
-        model = build_causal_lm(mc, env.device)
+        model = hf_causal_lm(mc, env.device)
         handle = None
         if mode == "hf+hook":
             import moe_fp4

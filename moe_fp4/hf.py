@@ -95,22 +95,3 @@ register("moe_fp4_fp8", dispatch="fp8")
 
 __all__ = ["HFEPFormats", "MoeFp4EP", "register"]
 
-
-def build_causal_lm(config, device=None, arch: str = "qwen3_moe", experts_implementation: str | None = None):
-    """A Hugging Face MoE causal LM of the shape of a :class:`moe_fp4.model.ModelConfig` (random bf16
-    weights from the current torch seed, built from a config: no download). Qwen3-MoE has no shared
-    expert, so ``shared_ffn`` is ignored; the first ``dense_layers`` layers are dense MLPs of
-    ``dense_ffn``. ``experts_implementation``: transformers' expert kernel ("grouped_mm" by default on
-    CUDA, "eager" elsewhere)."""
-    import torch
-    import transformers
-
-    c = config
-    impl = experts_implementation or ("grouped_mm" if torch.device(device or "cpu").type == "cuda" else "eager")
-    hf = transformers.AutoConfig.for_model(
-        arch, hidden_size=c.hidden, num_hidden_layers=c.layers, num_attention_heads=c.heads,
-        num_key_value_heads=c.heads, head_dim=c.hidden // c.heads, vocab_size=c.vocab, max_position_embeddings=c.seq,
-        num_experts=c.num_experts, num_experts_per_tok=c.top_k, moe_intermediate_size=c.ffn,
-        intermediate_size=c.dense_ffn, norm_topk_prob=True, mlp_only_layers=list(range(c.dense_layers)))
-    model = transformers.AutoModelForCausalLM.from_config(hf, experts_implementation=impl, dtype=torch.bfloat16)
-    return model.to(device).train()
