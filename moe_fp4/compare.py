@@ -158,7 +158,12 @@ def describe(env: Env) -> dict:
     return {"device": dev, "gpus": env.world if env.cuda else 0, "world": env.world,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+            "command": " ".join([_program()] + sys.argv[1:])}
+
+
+def _program() -> str:
+    name = os.path.basename(sys.argv[0])
+    return "moe-fp4" if name in ("__main__.py", "moe-fp4") else name
 
 
 def _all_reduce(x: torch.Tensor, env: Env, op=None) -> torch.Tensor:
