@@ -214,6 +214,7 @@ class Trainer:
             # Each rank's loss is a mean over its own tokens, so a sharded expert collects the
             # gradients of `world` such means: divide to get the gradient of their average.
             torch._foreach_div_(shard, env.world)
+
         def sq(gs):
             return torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=env.device)
 
