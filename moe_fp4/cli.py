@@ -99,7 +99,8 @@ def compare(a: argparse.Namespace, err) -> int:
     try:
         cfg = CompareConfig(preset=preset, modes=modes, steps=steps,
                             warmup=a.warmup if a.warmup is not None else min(20, steps // 5),
-                            batch=a.batch if a.batch is not None else PRESET_BATCH[preset], seq=a.seq, experts=a.experts, layers=a.layers,
+                            batch=a.batch if a.batch is not None else PRESET_BATCH[preset],
+                            seq=a.seq, experts=a.experts, layers=a.layers,
                             lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
                             profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
         world = int(os.environ.get("WORLD_SIZE", "1"))
