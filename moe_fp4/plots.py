@@ -17,6 +17,14 @@ def _smooth(v: list[float], n: int) -> list[float]:
     return out
 
 
+def _save(plt, fig, ax, title: str, path: str) -> str:
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: dict, out_dir: str) -> list[str]:
     """report: what :func:`moe_fp4.compare.run` returns -> paths of throughput.png, memory.png and
     loss.png in ``out_dir``. Raises ImportError without matplotlib."""
@@ -34,11 +42,7 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(modes, [rows[k]["tokens_per_s_per_gpu"] for k in modes], color="C0")
     ax.set_ylabel("tokens / s per GPU")
-    ax.set_title(title, fontsize=9)
-    paths.append(os.path.join(out_dir, "throughput.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "throughput.png")))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     series = [("activation", "activation_bytes")] + ([("peak", "peak_bytes")] if rows[modes[0]]["peak_bytes"] else [])
@@ -48,11 +52,7 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(modes))], modes)
     ax.set_ylabel("GiB per GPU")
     ax.legend()
-    ax.set_title(title, fontsize=9)
-    paths.append(os.path.join(out_dir, "memory.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "memory.png")))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in modes:
@@ -61,9 +61,5 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (moving average)")
     ax.legend()
-    ax.set_title(title, fontsize=9)
-    paths.append(os.path.join(out_dir, "loss.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "loss.png")))
     return paths
