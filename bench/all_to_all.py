@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -44,6 +43,7 @@ from moe_fp4.ep import EPConfig
 from moe_fp4.metrics import sqnr_db
 from moe_fp4.nn import MoE, MoEConfig
 from moe_fp4.wire import row_bytes
+from moe_fp4.compare import commit
 
 LAYER_CONFIGS = {
     "dsv3": dict(hidden=7168, ffn=2048, num_experts=32, top_k=8),
@@ -54,17 +54,6 @@ LAYER_CONFIGS = {
 def log(*a) -> None:
     if dist.get_rank() == 0:
         print(*a, flush=True)
-
-
-def commit() -> str:
-    if os.environ.get("MOE_FP4_COMMIT"):
-        return os.environ["MOE_FP4_COMMIT"]
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:

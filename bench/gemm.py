@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -33,6 +31,7 @@ import moe_fp4
 from moe_fp4.gemm import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
     quantize_fp8_weight, use_grouped_backend
 from moe_fp4.kernels import grouped_gemm as G
+from moe_fp4.compare import commit
 
 SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer.py
     "dsv3": (4096, 8, 32, 7168, 2048),
@@ -42,16 +41,6 @@ CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_t
            for bm, bn, w, s, tma in [(64, 128, 4, 4, False), (64, 128, 4, 4, True), (128, 128, 8, 4, True),
                                      (128, 128, 8, 3, True), (128, 256, 8, 3, True), (64, 128, 4, 3, True),
                                      (128, 64, 4, 4, True)]]
-
-
-def commit() -> str:
-    if os.environ.get("MOE_FP4_COMMIT"):
-        return os.environ["MOE_FP4_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - a header field
-        return "unknown"
 
 
 def timed(fn, warmup: int, iters: int) -> float:

@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -51,6 +50,7 @@ from moe_fp4.api import conversion_path  # noqa: E402
 from moe_fp4.metrics import sqnr_db  # noqa: E402
 from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 from moe_fp4.saved import saved_bytes  # noqa: E402
+from moe_fp4.compare import commit  # noqa: E402
 
 CONFIGS = {  # name: (MoEConfig without shared_ffn, default tokens)
     "dsv3": (dict(hidden=7168, ffn=2048, num_experts=32, top_k=8), 4096),
@@ -76,21 +76,6 @@ def free(device: torch.device) -> None:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def commit() -> str:
-    """MOE_FP4_COMMIT if set (a copy of the tree without its git history), else git's HEAD."""
-    if os.environ.get("MOE_FP4_COMMIT"):
-        return os.environ["MOE_FP4_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 - a header field, not worth failing for
-        return "unknown"
 
 
 def header(device: torch.device) -> dict:

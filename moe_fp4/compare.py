@@ -140,13 +140,17 @@ def check_ep(model: ModelConfig, world: int) -> None:
 
 
 def commit() -> str:
+    """MOE_FP4_COMMIT if set (a copy of the tree without its git history), else git's short HEAD of the
+    tree this module lives in, "+dirty" with uncommitted changes to tracked files; "unknown" outside git."""
     if os.environ.get("MOE_FP4_COMMIT"):
         return os.environ["MOE_FP4_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
