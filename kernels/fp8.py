@@ -17,14 +17,17 @@ import triton.language as tl
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
     tile_program,
+    e2m1_decode_scaled,
+    e2m1x4_to_e4m3x4,
     e4m3_rne,
     fp8_encode_tiles,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
     mx_encode_tiles,
-    mxfp4_tiles_to_e4m3,
+    nibbles_to_byte_lanes,
     pair_view,
     pow2_f32,
+    words_view,
 )
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
@@ -138,7 +141,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES, 16)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
     word, fscale = fp8_encode_tiles(lo, hi)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
@@ -155,13 +158,38 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
 @triton.jit
 def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
-    byte = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
+    # MXFP4 codes as int32 words (8 codes each: [M, K/8]), FP8 bytes as int32 words ([M, K/4]); a
+    # program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4 blocks, 4 words], and input word i
+    # becomes output words 2i (its low 16 bits: codes 0..3) and 2i + 1 (codes 4..7).
+    rows, t, mask_t, mask3, mask4, word = tile_program(M, NT, BLOCK_M, TILES, 4)
+    w = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + word, mask=mask4, other=0)
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
-    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk,
-                 mask=mask3, other=0).to(tl.int32)                                  # [BM, TILES, 4]
-    q_lo, q_hi, S = mxfp4_tiles_to_e4m3(byte, sb, mask3)
-    tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, (q_lo | (q_hi << 8)).to(tl.int16), mask=mask4)
+    sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
+    nan = sb == 255
+    S = tl.minimum(tl.maximum(tl.max(tl.where(nan, -1, sb), axis=2) - 127 - 6, -126), 127)  # [BM, TILES]
+    e_rel = sb - 127 - S[:, :, None]                                                # E - S <= 6
+    if tl.min(tl.where(nan | ~mask3, 127, e_rel)) >= -5:
+        # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
+        # four codes per integer operation.
+        k = (e_rel + 6)[:, :, :, None]
+        q0 = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(w & 0xFFFF), k)
+        q1 = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes((w >> 16) & 0xFFFF), k)
+    else:
+        # General path, one code at a time: c * 2^(E - S) as exact fp32 bits (decoded with the
+        # shifted byte E - S + 127; below 0 the values are under 6 * 2^-127 and round to zero like
+        # byte 0's), then RNE.
+        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None]
+        q0 = tl.zeros_like(w)
+        q1 = tl.zeros_like(w)
+        for j in tl.static_range(4):
+            c0 = e2m1_decode_scaled((w >> (4 * j)) & 15, shifted).to(tl.float32, bitcast=True)
+            c1 = e2m1_decode_scaled((w >> (16 + 4 * j)) & 15, shifted).to(tl.float32, bitcast=True)
+            q0 |= (e4m3_rne(c0) & 0xFF) << (8 * j)
+            q1 |= (e4m3_rne(c1) & 0xFF) << (8 * j)
+    nan4 = nan[:, :, :, None]
+    q = tl.join(tl.where(nan4, 0x7F7F7F7F, q0), tl.where(nan4, 0x7F7F7F7F, q1))     # [BM, TILES, 4, 4, 2]
+    tl.store(o_ptr + rows[:, None, None, None, None] * stride_om + tl.join(2 * word, 2 * word + 1), q,
+             mask=mask4[:, :, :, :, None])
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
 
@@ -213,9 +241,11 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
     if m and k:
         nt = k // FP8_TILE
         tiles = min(tiles, triton.next_power_of_2(nt))
-        ow = out.view(torch.int16)
+        words = words_view(data if data.stride(1) == 1 else data.contiguous(), torch.int32)
+        scale = scale if scale.stride(1) == 1 else scale.contiguous()
+        ow = out.view(torch.int32)
         _mxfp4_to_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
-            data, scale, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
+            words, scale, ow, oscale, m, nt, words.stride(0), scale.stride(0), ow.stride(0),
             BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
     return out, oscale
 

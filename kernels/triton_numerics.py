@@ -238,27 +238,29 @@ def e2m1_to_e4m3_normal(code, e_rel):
 
 
 @triton.jit
-def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
-    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as pair
-    words [BLOCK_M, NB, 16] -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1],
-    pair-word column [1, NB, 16]). Row offsets are int64: rows * stride can pass 2^31."""
+def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr, WPB: tl.constexpr):
+    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as
+    words [BLOCK_M, NB, WPB] (WPB words per 32-block: 16 pair words, or 4 int32 words of MXFP4 codes)
+    -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1], word column [1, NB, WPB]).
+    Row offsets are int64: rows * stride can pass 2^31."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     kb = tl.program_id(1) * NB + tl.arange(0, NB)
     mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    pair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    pair = (kb * WPB)[None, :, None] + tl.arange(0, WPB)[None, None, :]
     return rows, kb, mask2, mask2[:, :, None], pair
 
 
 @triton.jit
-def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr, WPB: tl.constexpr):
     """This program's [BLOCK_M rows, TILES FP8 tiles of 128] of a row-major [M, 128 NT] tensor, seen
-    as pair words [BLOCK_M, TILES, 4 blocks, 16] -> (rows int64 [BM], tile index [TILES],
-    mask [BM, TILES], mask [BM, TILES, 1], mask [BM, TILES, 1, 1], pair-word column [1, TILES, 4, 16])."""
+    as words [BLOCK_M, TILES, 4 blocks, WPB] (WPB words per 32-block: 16 pair words, or 4 int32 words
+    of MXFP4 codes) -> (rows int64 [BM], tile index [TILES], mask [BM, TILES], mask [BM, TILES, 1],
+    mask [BM, TILES, 1, 1], word column [1, TILES, 4, WPB])."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     t = tl.program_id(1) * TILES + tl.arange(0, TILES)
     mask_t = (rows < M)[:, None] & (t < NT)[None, :]
-    pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 4) * 16)[None, None, :, None]
-            + tl.arange(0, 16)[None, None, None, :])
+    pair = ((t * (4 * WPB))[None, :, None, None] + (tl.arange(0, 4) * WPB)[None, None, :, None]
+            + tl.arange(0, WPB)[None, None, None, :])
     return rows, t, mask_t, mask_t[:, :, None], mask_t[:, :, None, None], pair
 
 
@@ -349,3 +351,52 @@ def mx_encode_tiles(lo, hi):
 def f32_to_bf16_rne(x):
     """float32 -> bfloat16 with round-to-nearest-even (see bf16_rne_bits)."""
     return (bf16_rne_bits(x) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# SWAR decode: several E2M1 codes per 32-bit integer operation. The conversion kernels are bound by
+# instruction issue, not memory (bench/RESULTS.md), so the per-element work is done on byte lanes
+# (four FP8 outputs per word) or 16-bit lanes (two BF16 outputs per word). Every lane stays inside
+# its bounds (stated per function), so no add carries into the next lane.
+
+@triton.jit
+def nibbles_to_byte_lanes(x):
+    """int32 x holding four E2M1 codes in its low 16 bits (code i in bits 4i..4i+3) -> int32 with
+    code i in byte i (values 0..15). Two shift-or-mask steps: 16 -> 2 x 8 bits, then 8 -> 2 x 4."""
+    t = (x | (x << 8)) & 0x00FF00FF
+    return (t | (t << 4)) & 0x0F0F0F0F
+
+
+@triton.jit
+def e2m1x4_to_e4m3x4(u, k):
+    """u: int32, one E2M1 code (0..15) per byte lane; k: int32 = 6 + e_rel with e_rel in [-5, 6]
+    (broadcast) -> int32 whose byte i is the E4M3 byte of code_i * 2^e_rel, exactly (every such
+    value is zero or an E4M3 normal: the fast path of e2m1_to_e4m3_normal, four codes at a time).
+
+    An E2M1 magnitude m >= 2 is 1.f * 2^(e-1) with e = m >> 1, f = m & 1; its E4M3 byte at shift
+    e_rel is ((e - 1 + 7 + e_rel) << 3) | (f << 2) = 8e + 4f + 8k = 4m + 8k (m = 2, 1.0 at e_rel 0:
+    8 + 48 = 0x38). m = 1 (0.5 = 2^-1) is 8k and m = 0 is 0, so byte = 4m + 4[m >= 2] + [m != 0] (8k - 4). The two predicates come from one add per lane: m + 7 has bit 3 set iff m >= 1,
+    m + 6 iff m >= 2 (m <= 7: no lane overflows). Lane maximum 4*7 + 4 + 92 = 124: no carry.
+    The sign (bit 3 of the code) moves to bit 7 of its byte with one shift and mask.
+    """
+    m = u & 0x07070707
+    nz = ((m + 0x07070707) >> 3) & 0x01010101
+    ge = ((m + 0x06060606) >> 1) & 0x04040404
+    return (m * 4 + ge + nz * (8 * k - 4)) | ((u << 4) & -0x7F7F7F80)  # 0x80808080 as int32
+
+
+@triton.jit
+def e2m1x2_to_bf16x2(u, s):
+    """u: int32, one E2M1 code (0..15) in bits 0..3 and one in bits 16..19; s: int32 E8M0 byte in
+    [2, 252] (broadcast) -> int32 of two BF16 bit patterns, code * 2^(s - 127) exactly.
+
+    The same structure as e2m1x4_to_e4m3x4 in 16-bit lanes: BF16 of m >= 2 at scale byte s is
+    (m << 6) + ((s - 1) << 7) + 64 (m = 2: s << 7, i.e. 1.0 * 2^(s-127)); m = 1 is (s - 1) << 7 (0.5,
+    a normal because s >= 2); m = 0 is 0. So bits = 64m + 64[m >= 2] + [m != 0] (128(s - 1) - 64).
+    Lane maximum (s = 252, m = 7): 448 + 64 + 32192 - 64 = 32640 < 2^15, so the sign fits in bit 15
+    and no lane carries; s <= 252 also keeps 6 * 2^(s-127) finite (byte 253 would overflow to Inf).
+    """
+    m = u & 0x00070007
+    nz = ((m + 0x00070007) >> 3) & 0x00010001
+    ge = ((m + 0x00060006) << 3) & 0x00400040
+    return (m * 64 + ge + nz * (128 * s - 192)) | ((u << 12) & -0x7FFF8000)  # 0x80008000 as int32
