@@ -202,39 +202,32 @@ def _dequantize_mxfp4_kernel(
 @triton.jit
 def _dequantize_mxfp4_bf16_kernel(
     data_ptr, scale_ptr, out_ptr,
-    M, KB, stride_dm, stride_sm, stride_om,     # stride_dm in int32 code words, stride_om in output pair words
+    M, KB, stride_dm, stride_sm, stride_om,     # stride_om in output pair words
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Codes as int32 words (8 codes each, [M, K/8]), BF16 output as int32 words of two ([M, K/2]):
-    # input word i becomes output words 4i..4i+3, word 4i + j holding codes 2j (low half) and 2j + 1.
+    # Each MXFP4 byte (two codes) becomes one int32 word of two BF16, at the same index. A block's 16
+    # bytes are a [4, 4] axis pair: a last axis of 4 gives the byte loads and the word stores the same
+    # 4 elements per thread, so both use one register layout (see _mxfp4_to_fp8_kernel in fp8.py).
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, word = block_program(M, KB, BLOCK_M, NB, 4)
-    w = tl.load(data_ptr + rows[:, None, None] * stride_dm + word, mask=mask3, other=0)
+    rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB, 16)
+    pair = ((kb * 16)[None, :, None, None] + (tl.arange(0, 4) * 4)[None, None, :, None]
+            + tl.arange(0, 4)[None, None, None, :])
+    mask4 = mask3[:, :, :, None]
+    b = tl.load(data_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=2).to(tl.int32)
-    nan = (s == 255)[:, :, None]
+    nan = (s == 255)[:, :, None, None]
     s_fin = tl.where(s == 255, 2, s)
-    s3 = s_fin[:, :, None]
+    s3 = s_fin[:, :, None, None]
     if (tl.min(s_fin) >= 2) & (tl.max(s_fin) <= 252):
-        # Every block's values are BF16 normals or zero (and finite): two codes per operation.
-        # Byte j of w times 0x1001 puts its low code in bits 0..3 and its high code in bits 16..19
-        # (the other bits are ignored by e2m1x2_to_bf16x2).
-        o0 = e2m1x2_to_bf16x2((w & 0xFF) * 0x1001, s3)
-        o1 = e2m1x2_to_bf16x2(((w >> 8) & 0xFF) * 0x1001, s3)
-        o2 = e2m1x2_to_bf16x2(((w >> 16) & 0xFF) * 0x1001, s3)
-        o3 = e2m1x2_to_bf16x2(((w >> 24) & 0xFF) * 0x1001, s3)
+        # Every block's values are BF16 normals or zero (and finite): two codes per operation. The
+        # byte times 0x1001 puts its low code in bits 0..3 and its high code in bits 16..19 (the
+        # other bits are ignored by e2m1x2_to_bf16x2).
+        word = e2m1x2_to_bf16x2(b * 0x1001, s3)
     else:
-        # General path (subnormal or overflowing blocks), one code at a time: exact fp32 bits, whose
-        # top half is the BF16 value exactly (see _f32_bits_to_out).
-        o0 = (e2m1_decode_scaled(w & 15, s3) >> 16) & 0xFFFF | (e2m1_decode_scaled((w >> 4) & 15, s3) & -65536)
-        o1 = (e2m1_decode_scaled((w >> 8) & 15, s3) >> 16) & 0xFFFF | (e2m1_decode_scaled((w >> 12) & 15, s3) & -65536)
-        o2 = (e2m1_decode_scaled((w >> 16) & 15, s3) >> 16) & 0xFFFF | (e2m1_decode_scaled((w >> 20) & 15, s3) & -65536)
-        o3 = (e2m1_decode_scaled((w >> 24) & 15, s3) >> 16) & 0xFFFF | (e2m1_decode_scaled((w >> 28) & 15, s3) & -65536)
-    nan_word = 0x7FC07FC0
-    o = tl.join(tl.join(tl.where(nan, nan_word, o0), tl.where(nan, nan_word, o2)),
-                tl.join(tl.where(nan, nan_word, o1), tl.where(nan, nan_word, o3)))         # [BM, NB, 4, 2, 2]
-    ow = 4 * word
-    tl.store(out_ptr + rows[:, None, None, None, None] * stride_om + tl.join(tl.join(ow, ow + 2), tl.join(ow + 1, ow + 3)),
-             o, mask=mask3[:, :, :, None, None])
+        # Subnormal or overflowing blocks, one code at a time: exact fp32 bits, whose top half is
+        # the BF16 value exactly (see _f32_bits_to_out).
+        word = ((e2m1_decode_scaled(b & 15, s3) >> 16) & 0xFFFF) | (e2m1_decode_scaled(b >> 4, s3) & -65536)
+    tl.store(out_ptr + rows[:, None, None, None] * stride_om + pair, tl.where(nan, 0x7FC07FC0, word), mask=mask4)
 
 
 @triton.jit
@@ -333,9 +326,8 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     if dtype == torch.bfloat16:
-        codes = words_view(data, torch.int32)
         _dequantize_mxfp4_bf16_kernel[grid](
-            codes, scale, words, m, k // MXFP4_BLOCK, codes.stride(0), scale.stride(0), words.stride(0),
+            data, scale, words, m, k // MXFP4_BLOCK, data.stride(0), scale.stride(0), words.stride(0),
             BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
         )
         return out
