@@ -47,31 +47,28 @@ def e2m1_rne_mag(u, SAT: tl.constexpr):
     SAT=True saturates everything above 6 to code 7. SAT=False is for callers that have proven
     |v| <= 6 (RCEIL scaling of finite data does: amax <= 6 * 2^E); larger inputs then give garbage.
 
-    |v| >= 2: E2M1 there is "a float with 1 mantissa bit" (2, 3, 4, 6), so RNE the 23-bit mantissa to
-    its top bit (bit 22) in integer arithmetic: add 0x1FFFFF + (bit 22 of u), shift right by 22; a
-    carry out of the mantissa bumps the exponent, as it should. r = (biased_exp << 1) | m1 and
-    code = r - 252 (the -252 is folded into the same 3-input add as -(252 << 22)):
-        2.0 = 0x40000000 -> r = 256 -> code 4      3.0 = 0x40400000 -> 257 -> code 5
-        4.0 = 0x40800000 -> r = 258 -> code 6      6.0 = 0x40C00000 -> 259 -> code 7
-      ties: 2.5 = 0x40200000 (bit22 = 0): + 0x1FFFFF = 0x403FFFFF, >> 22 = 256 -> code 4 (2.0)
-            3.5 = 0x40600000 (bit22 = 1): + 0x200000 = 0x40800000, >> 22 = 258 -> code 6 (4.0)
-            5.0 = 0x40A00000 (bit22 = 0): + 0x1FFFFF = 0x40BFFFFF, >> 22 = 258 -> code 6 (4.0)
-      non-ties round normally: nextafter(2.5) = 0x40200001 -> 0x40400000 -> 257 -> code 5 (3.0).
-    |v| < 2: the grid 0, 0.5, 1, 1.5, 2 is uniform (step 0.5) and codes 0..4 are just 2|v| rounded,
-    so one float add does the RNE: 2^22 + |v| is rounded by the FPU to a multiple of 0.5 (the ulp of
-    [2^22, 2^23)), ties to even, and bits(2^22 + k * 0.5) = 0x4A800000 + k puts k = code in the low
-    bits. Ties: 0.25 -> k = 0 (0x4A800000 is even), 0.75 -> 2, 1.25 -> 2, 1.75 -> 4 (2.0): exactly
-    the E2M1 RNE rule; nextafter(0.25) -> k = 1. It is one correctly rounded operation on an exact
-    operand, so FMA contraction with the preceding x * 2^-E (exact) cannot change it, and neither can
-    flush-to-zero (a subnormal |v| gives k = 0 either way). On sm_90 this replaces the two compares
-    and selects of a pure-integer variant and lets LLVM keep 32-bit ops (the
-    compare version got narrowed to 16x2 SIMD with many PRMTs): 27.8 -> 17.2 SASS per element.
+    One float add does the rounding. The E2M1 grid has step 0.5 below 2 (0, .5, 1, 1.5, 2), step 1
+    in [2, 4] (2, 3, 4) and step 2 in [4, 6] (4, 6). Adding the magic number M = 2^22, 2^23 or 2^24,
+    whose ulp is exactly that step, makes the FPU round |v| to the grid with ties to even, and
+    bits(M + n * step) - bits(M) = n. With c = clamp(exponent(|v|), 0, 2) (0 below 2, 1 in [2, 4),
+    2 from 4) the code is n + 2c:
+        1.75 (c = 0): 2^22 + 1.75 -> 2^22 + 2.0 (tie, to even), n = 4 -> code 4 (2.0)
+        3.5  (c = 1): 2^23 + 3.5 -> 2^23 + 4 (tie, to even), n = 4 -> code 6 (4.0)
+        5.0  (c = 2): 2^24 + 5 -> 2^24 + 4 (tie, to even), n = 2 -> code 6 (4.0);  6.0 -> n = 3 -> code 7
+    M + |v| < 2M (|v| < 2^22), so the sum stays in M's binade. The add is one correctly rounded
+    operation on an exact operand, so FMA contraction with a preceding exact x * 2^-E cannot change
+    it, and neither can flush-to-zero (a subnormal |v| gives n = 0 either way). Above 6 with SAT the
+    same formula gives codes >= 8 (Inf included: bits(Inf) - bits(M) is large) and the min() clamps.
+    Per element: shift, clamp, two integer multiply-adds, the float add and a 3-input add, where the
+    previous integer-carry formula for |v| >= 2 plus a select took about 7 integer-pipe operations.
     """
-    c_norm = (u + ((u >> 22) & 1) + (0x1FFFFF - (252 << 22))) >> 22
+    c = tl.minimum(tl.maximum(u >> 23, 127), 129)                   # biased exponent: 127 below 2, 128, 129 from 4
+    magic = (c << 23) + (0x4A800000 - (127 << 23))                  # 2^22, 2^23, 2^24
+    r = (u.to(tl.float32, bitcast=True) + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    code = r - magic + (2 * c - 254)
     if SAT:
-        c_norm = tl.minimum(c_norm, 7)
-    c_sub = (u.to(tl.float32, bitcast=True) + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
-    return tl.where(u < 0x40000000, c_sub, c_norm)
+        code = tl.minimum(code, 7)
+    return code
 
 
 @triton.jit
@@ -191,17 +188,9 @@ def e4m3_rne(v):
     """float32 v (|v| <= 448, or non-finite) -> int32 E4M3 byte: round-to-nearest-even into
     subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.
 
-    Integer arithmetic on the bits, on every device: the interpreter's float8 cast does not round to
-    nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a quarter of the
-    elements in these kernels (H200, 2026-11-22), so neither is used.
-      normal |v| >= 2^-6: RNE the 23-bit mantissa to 3 bits on the bits (add 0x7FFFF plus the kept
-        lsb, shift by 20); the fp32 exponent 127+e becomes E4M3's 7+e, so the code is r - (120 << 3).
-        E.g. 1.0625 = 0x3F880000 (a tie, kept lsb 0) -> (0x3F880000 + 0x7FFFF) >> 20 = 1016 -> 56 (1.0);
-        448 = 0x43E00000 -> 1086 - 960 = 126 = 0x7E, and the min() saturates anything above it.
-      subnormal |v| < 2^-6 (steps of 2^-9): |v| * 512 is exact, and adding 2^23 makes the float adder
-        round it to an integer with RNE; the integer is the low mantissa bits (0x4B000000 = bits(2^23)).
-        E.g. 3 * 2^-10 -> 1.5 -> 2 (tie to even); 2^-10 -> 0.5 -> 0. The multiply is exact, so FMA
-        contraction cannot change the rounding.
+    On the bits and one float add (e4m3_rne_mag), on every device: the interpreter's float8 cast does
+    not round to nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a
+    quarter of the elements in these kernels (H200, 2026-11-22), so neither is used.
     """
     bits = v.to(tl.int32, bitcast=True)
     u = bits & 0x7FFFFFFF
@@ -212,12 +201,24 @@ def e4m3_rne(v):
 @triton.jit
 def e4m3_rne_mag(u, SAT: tl.constexpr):
     """u: int32 bits of a finite |v| -> int32 E4M3 magnitude byte 0..126 (see e4m3_rne). SAT=False
-    is for callers that have proven |v| <= 448 (RCEIL scaling does): it saves the min."""
-    c_norm = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - 960
+    is for callers that have proven |v| <= 448 (RCEIL scaling does): it saves the min.
+
+    The same magic-number rounding as e2m1_rne_mag: in the binade [2^e, 2^(e+1)) E4M3's step is
+    2^(e-3), and below 2^-6 (subnormals) it is 2^-9, so with e = clamp(exponent(|v|), -6, 8) the
+    number M = 2^(e+20) has ulp = step and bits(M + |v|) - bits(M) = n, |v| rounded to n steps (ties
+    to even; n = 16 when it rounds up into the next binade). The byte is ((e + 6) << 3) + n:
+        1.0625 (e = 0, tie): 2^20 + 1.0625 -> 2^20 + 1.0 (even), n = 8 -> 48 + 8 = 56 (0x38, 1.0)
+        448 (e = 8): 2^28 + 448, step 32, n = 14 -> 112 + 14 = 126 (0x7E)
+        3 * 2^-10 (subnormal tie): 2^14 + 1.5 * 2^-9 -> n = 2 (even) -> byte 2
+    Above 448 n reaches 15 and more (byte >= 127): the SAT min() clamps to 126.
+    """
+    e = tl.minimum(tl.maximum(u >> 23, 121), 135)                    # biased exponent in [127-6, 127+8]
+    magic = (e + 20) << 23
+    r = (u.to(tl.float32, bitcast=True) + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    code = r - magic + ((e - 121) << 3)
     if SAT:
-        c_norm = tl.minimum(c_norm, 126)
-    c_sub = ((u.to(tl.float32, bitcast=True) * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    return tl.where(u < 0x3C800000, c_sub, c_norm)
+        code = tl.minimum(code, 126)
+    return code
 
 
 @triton.jit

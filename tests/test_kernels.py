@@ -113,6 +113,44 @@ def test_e4m3_rne_matches_reference_including_subnormal_ties():
     assert torch.equal(out, encode_e4m3(v).view(torch.uint8))
 
 
+def test_e2m1_and_e4m3_rne_on_every_bf16_value_and_random_float32():
+    # Every bfloat16 bit pattern (all exponents, both signs, subnormals, Inf; NaN for E4M3 only)
+    # and random float32 bits: the magic-number rounding against the reference rules.
+    bf16 = (torch.arange(65536, dtype=torch.int32) << 16).view(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    rnd = torch.randint(-2**31, 2**31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.cat([bf16, rnd]).to(DEVICE)
+    out = torch.empty(v.numel(), dtype=torch.uint8, device=DEVICE)
+    _probe(_probe_e4m3_kernel, v.numel(), v, out)
+    assert torch.equal(out, encode_e4m3(v).view(torch.uint8))
+    fin = v[torch.isfinite(v)].contiguous()
+    out = torch.empty(fin.numel(), dtype=torch.uint8, device=DEVICE)
+    _probe(_probe_e2m1_kernel, fin.numel(), fin.view(torch.int32), out)
+    assert torch.equal(out, encode_e2m1(fin))
+
+
+def test_bf16_decode_every_byte_times_every_scale_byte():
+    # Row r: all 256 data bytes (every code pair) in 16 blocks of scale byte r. Programs of 4 rows
+    # whose bytes lie in [2, 252] take the two-codes-per-operation path, the others the general one.
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    data, scale = data.to(DEVICE), scale.to(DEVICE)
+    got = KMX.dequantize_mxfp4(data, scale, torch.bfloat16)
+    assert same_bits(got, KMX.dequantize_mxfp4_ref(data, scale, torch.bfloat16))
+
+
+@pytest.mark.parametrize("top", [1, 9, 133, 254])
+def test_mxfp4_to_fp8_every_byte_at_every_distance_from_the_tile_maximum(top):
+    # Row d (0..15): in every tile, block 0 has scale byte `top` and blocks 1..3 lie d binades below
+    # (clamped at byte 0); the 256 data bytes cover every code pair. Rows 0..7 (one program) stay in
+    # the four-codes-per-operation path (d <= 11), rows 8..15 reach the general one.
+    d = torch.arange(16)
+    sb = torch.stack([torch.full_like(d, top)] + [(top - d).clamp(min=0)] * 3, dim=1).repeat(1, 4)
+    scale = sb.to(torch.uint8).to(DEVICE)
+    data = torch.arange(256, dtype=torch.uint8).repeat(16, 1).to(DEVICE)
+    _check(K8.mxfp4_to_fp8_rowwise(data, scale, block_m=8, tiles=4), K8.mxfp4_to_fp8_rowwise_ref(data, scale))
+
+
 def test_e2m1_decode_every_code_times_every_scale_byte():
     codes = torch.arange(16, dtype=torch.uint8).repeat(2 * 255)  # each 32-block holds every code twice
     bytes_ = torch.arange(255, dtype=torch.uint8).repeat_interleave(32)  # 0xFF (NaN) is handled by callers
