@@ -26,6 +26,7 @@ from moe_fp4.kernels.numerics import (
     FP8_EXP_MAX,
     FP8_EXP_MIN,
     FP8_TILE,
+    MX_EXP_MAX,
     MXFP4_BLOCK,
     decode_e2m1,
     encode_e4m3,
@@ -51,7 +52,9 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     For each column k and each tile of 128 tokens (the last may be short): the true amax of the
     decoded values gives S = clamp(floor(log2(amax)) - 8, -126, 127); each element is re-encoded as
     RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens.
-    Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
+    Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax; so do elements
+    whose value overflows float32 (scale byte 254 with |code| >= 4: 2^128 and more), which the
+    dequantized tensor holds as +-Inf.
     """
     m, half_k = data.shape
     k = 2 * half_k
@@ -59,6 +62,7 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     e = (scale.to(torch.int32) - E8M0_BIAS).repeat_interleave(MXFP4_BLOCK, dim=1)
     nan = (scale == E8M0_NAN).repeat_interleave(MXFP4_BLOCK, dim=1)
     floor_log2 = torch.tensor(_E2M1_FLOOR_LOG2, dtype=torch.int32, device=data.device)[(codes & 7).long()]
+    nan = nan | (e + floor_log2 > MX_EXP_MAX)                                 # +-Inf after dequantize
     elog = torch.where(nan, torch.full_like(e, -(1 << 20)), e + floor_log2).t()  # [K, M]
     tiles = -(-m // FP8_TILE)
     padded = torch.full((k, tiles * FP8_TILE), -(1 << 20), dtype=torch.int32, device=data.device)
@@ -110,8 +114,14 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     e_blk = (sb - 127)[:, :, None]
     m_lo = c_lo & 7
     m_hi = c_hi & 7
-    l_lo = tl.where((m_lo == 0) | nan, -100000, (m_lo >> 1) - 1 + e_blk)
-    l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
+    l_lo = (m_lo >> 1) - 1 + e_blk
+    l_hi = (m_hi >> 1) - 1 + e_blk
+    # A value of 2^128 or more (byte 254, |code| >= 4) is +-Inf in the dequantized tensor: like NaN,
+    # it takes no part in the column amax and becomes the NaN byte.
+    bad_lo = nan | (l_lo > 127)
+    bad_hi = nan | (l_hi > 127)
+    l_lo = tl.where((m_lo == 0) | bad_lo, -100000, l_lo)
+    l_hi = tl.where((m_hi == 0) | bad_hi, -100000, l_hi)
     S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
     rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
@@ -125,8 +135,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     else:
         q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
         q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
-    q_lo = tl.where(nan, 0x7F, q_lo).to(tl.uint8)
-    q_hi = tl.where(nan, 0x7F, q_hi).to(tl.uint8)
+    q_lo = tl.where(bad_lo, 0x7F, q_lo).to(tl.uint8)
+    q_hi = tl.where(bad_hi, 0x7F, q_hi).to(tl.uint8)
     # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
     # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
     # the fastest axis, so each output row segment is written by consecutive threads.

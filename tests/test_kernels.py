@@ -196,6 +196,30 @@ def test_mxfp4_to_fp8_rowwise_and_colwise(shape):
         _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
 
 
+def _colwise_definition(data, scale):
+    """dequantize -> transpose -> quantize 1x128 along tokens: what mxfp4_to_fp8_colwise must equal."""
+    return K8.quantize_fp8_rowwise_ref(KMX.dequantize_mxfp4_ref(data, scale, torch.float32).t().contiguous())
+
+
+def test_colwise_matches_the_definition_where_values_overflow_to_inf():
+    # Row 0 quantizes to code 6 (4.0) at scale byte 254: 2^128, Inf once dequantized. The definition
+    # leaves it out of the column amax (scale 2^119 from row 1's 2^127) and writes the NaN byte.
+    x = torch.full((128, 32), 2.0**100)
+    x[0, 0] = 1.75 * 2.0**127
+    x[1, 0] = 2.0**127
+    data, scale = (t.to(DEVICE) for t in KMX.quantize_mxfp4_rowwise_ref(x))
+    want = _colwise_definition(data, scale)
+    assert want[1][0, 0].item() == 2.0**119 and want[0][0, :2].view(torch.uint8).tolist() == [0x7F, 0x78]
+    _check(KT.mxfp4_to_fp8_colwise_ref(data, scale), want)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale), want)
+
+
+@pytest.mark.parametrize("shape", [(130, 128), (64, 256)])
+def test_colwise_matches_the_definition_on_arbitrary_bytes(shape):
+    data, scale = _random_mxfp4(*shape, seed=11)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale), _colwise_definition(data, scale))
+
+
 @pytest.mark.parametrize("m", [1, 100, 128, 257])
 def test_colwise_partial_token_tiles(m):
     data, scale = _random_mxfp4(m, 64, seed=m)
