@@ -228,10 +228,11 @@ def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 32, tiles: int = 1, n
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)
 
 
-def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 8, tiles: int = 4,
-                         num_warps: int = 4):
+def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 4, tiles: int = 4,
+                         num_warps: int = 1):
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
-    float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref."""
+    float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref. Defaults from
+    ``bench/tune.py`` on the H200 (one-warp programs: the per-program reductions stay in the warp)."""
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)

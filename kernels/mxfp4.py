@@ -311,9 +311,15 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k:
 
 
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     block_m: int = 4, block_k: int = 1024, num_warps: int = 4):
+                     block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] (each with unit column stride; the rows may be
-    strided, e.g. views of a received wire buffer) -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref)."""
+    strided, e.g. views of a received wire buffer) -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref).
+    Tuning defaults (bench/tune.py, H200): BF16 output (the two-codes-per-operation kernel) 2 rows x
+    512 columns on 2 warps; FP16/FP32 4 x 1024 on 4 warps."""
+    bf16 = dtype == torch.bfloat16
+    block_m = block_m or (2 if bf16 else 4)
+    block_k = block_k or (512 if bf16 else 1024)
+    num_warps = num_warps or (2 if bf16 else 4)
     m, half_k = data.shape
     k = 2 * half_k
     assert k % MXFP4_BLOCK == 0 and scale.shape == (m, k // MXFP4_BLOCK)
@@ -340,9 +346,10 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
-                            block_m: int = 4, block_k: int = 1024, num_warps: int = 4):
+                            block_m: int = 2, block_k: int = 512, num_warps: int = 1):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
-    -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref."""
+    -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
+    Defaults from bench/tune.py on the H200 (one-warp programs)."""
     m, k = data.shape
     assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)
     assert scale.dtype == torch.float32
