@@ -114,29 +114,36 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_d
     e_blk = (sb - 127)[:, :, None]
     m_lo = c_lo & 7
     m_hi = c_hi & 7
-    l_lo = (m_lo >> 1) - 1 + e_blk
-    l_hi = (m_hi >> 1) - 1 + e_blk
-    # A value of 2^128 or more (byte 254, |code| >= 4) is +-Inf in the dequantized tensor: like NaN,
-    # it takes no part in the column amax and becomes the NaN byte.
-    bad_lo = nan | (l_lo > 127)
-    bad_hi = nan | (l_hi > 127)
-    l_lo = tl.where((m_lo == 0) | bad_lo, -100000, l_lo)
-    l_hi = tl.where((m_hi == 0) | bad_hi, -100000, l_hi)
+    l_lo = tl.where((m_lo == 0) | nan, -100000, (m_lo >> 1) - 1 + e_blk)
+    l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
     S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
     rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
     rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
-    # A lower bound of every E_row - S_col, from per-block and per-column values only.
-    lowest = tl.min(tl.where((sb == 255) | ~mask2, 1000, sb - 127)) - tl.maximum(tl.max(S_lo), tl.max(S_hi))
+    # A lower bound of every E_row - S_col, from per-block and per-column values only. A block of
+    # byte 254 forces the general path (see there) by counting as far below.
+    e_lb = tl.where((sb == 255) | ~mask2, 1000, tl.where(sb == 254, -1000, sb - 127))
+    lowest = tl.min(e_lb) - tl.maximum(tl.max(S_lo), tl.max(S_hi))
     if lowest >= -5:
         # No row block more than 11 binades under its column maximum: values are normals or zero.
-        q_lo = e2m1_to_e4m3_normal(c_lo, rel_lo)
-        q_hi = e2m1_to_e4m3_normal(c_hi, rel_hi)
+        q_lo = tl.where(nan, 0x7F, e2m1_to_e4m3_normal(c_lo, rel_lo))
+        q_hi = tl.where(nan, 0x7F, e2m1_to_e4m3_normal(c_hi, rel_hi))
     else:
+        # A value of 2^128 or more (byte 254, |code| >= 4) is +-Inf in the dequantized tensor: like
+        # NaN it takes no part in the column amax and becomes the NaN byte. Only this path sees one,
+        # so the common path keeps its per-element work.
+        bad_lo = nan | (l_lo > 127)
+        bad_hi = nan | (l_hi > 127)
+        S_lo = tl.minimum(tl.maximum(tl.max(tl.where(bad_lo, -100000, l_lo), axis=0) - 8, -126), 127)
+        S_hi = tl.minimum(tl.maximum(tl.max(tl.where(bad_hi, -100000, l_hi), axis=0) - 8, -126), 127)
+        rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]
+        rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
         q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
         q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
-    q_lo = tl.where(bad_lo, 0x7F, q_lo).to(tl.uint8)
-    q_hi = tl.where(bad_hi, 0x7F, q_hi).to(tl.uint8)
+        q_lo = tl.where(bad_lo, 0x7F, q_lo)
+        q_hi = tl.where(bad_hi, 0x7F, q_hi)
+    q_lo = q_lo.to(tl.uint8)
+    q_hi = q_hi.to(tl.uint8)
     # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
     # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
     # the fastest axis, so each output row segment is written by consecutive threads.
