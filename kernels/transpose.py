@@ -26,7 +26,6 @@ from moe_fp4.kernels.numerics import (
     FP8_EXP_MAX,
     FP8_EXP_MIN,
     FP8_TILE,
-    MX_EXP_MAX,
     MXFP4_BLOCK,
     decode_e2m1,
     encode_e4m3,
@@ -52,9 +51,7 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     For each column k and each tile of 128 tokens (the last may be short): the true amax of the
     decoded values gives S = clamp(floor(log2(amax)) - 8, -126, 127); each element is re-encoded as
     RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens.
-    Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax; so do elements
-    whose value overflows float32 (2^128 and more: scale byte 254 with |value| >= 2, byte 253 with
-    |value| >= 4), which the dequantized tensor holds as +-Inf.
+    Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
     """
     m, half_k = data.shape
     k = 2 * half_k
@@ -62,7 +59,6 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     e = (scale.to(torch.int32) - E8M0_BIAS).repeat_interleave(MXFP4_BLOCK, dim=1)
     nan = (scale == E8M0_NAN).repeat_interleave(MXFP4_BLOCK, dim=1)
     floor_log2 = torch.tensor(_E2M1_FLOOR_LOG2, dtype=torch.int32, device=data.device)[(codes & 7).long()]
-    nan = nan | (e + floor_log2 > MX_EXP_MAX)                                 # +-Inf after dequantize
     elog = torch.where(nan, torch.full_like(e, -(1 << 20)), e + floor_log2).t()  # [K, M]
     tiles = -(-m // FP8_TILE)
     padded = torch.full((k, tiles * FP8_TILE), -(1 << 20), dtype=torch.int32, device=data.device)
@@ -92,15 +88,19 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok, kb, p, mask2, sb,
-                               EXCLUDE_INF: tl.constexpr):
-    """One program's [T tokens, NB blocks] tile: load the codes, convert, store X^T and its scales.
-    EXCLUDE_INF: also treat values of 2^128 and more (+-Inf once dequantized: byte 254 with |value| >= 2,
-    byte 253 with |value| >= 4)
-    like NaN: out of the column amax, written as the NaN byte (the fix-up pass; see the kernel)."""
+def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
+                                 BLOCK_T: tl.constexpr, NB: tl.constexpr):
+    # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tok = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    kb = pid_k * NB + tl.arange(0, NB)
+    p = tl.arange(0, 16)
+    mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
     mask3 = mask2[:, :, None]
     pair = (kb * 16)[None, :, None] + p[None, None, :]
     byte = tl.load(d_ptr + tok[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
     nan = (sb == 255)[:, :, None]
     c_lo = byte & 15
     c_hi = byte >> 4
@@ -110,16 +110,8 @@ def _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok
     e_blk = (sb - 127)[:, :, None]
     m_lo = c_lo & 7
     m_hi = c_hi & 7
-    l_lo = (m_lo >> 1) - 1 + e_blk
-    l_hi = (m_hi >> 1) - 1 + e_blk
-    if EXCLUDE_INF:
-        bad_lo = nan | (l_lo > 127)
-        bad_hi = nan | (l_hi > 127)
-    else:
-        bad_lo = nan
-        bad_hi = nan
-    l_lo = tl.where((m_lo == 0) | bad_lo, -100000, l_lo)
-    l_hi = tl.where((m_hi == 0) | bad_hi, -100000, l_hi)
+    l_lo = tl.where((m_lo == 0) | nan, -100000, (m_lo >> 1) - 1 + e_blk)
+    l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
     S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
     S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
     rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
@@ -133,8 +125,8 @@ def _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok
     else:
         q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
         q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
-    q_lo = tl.where(bad_lo, 0x7F, q_lo).to(tl.uint8)
-    q_hi = tl.where(bad_hi, 0x7F, q_hi).to(tl.uint8)
+    q_lo = tl.where(nan, 0x7F, q_lo).to(tl.uint8)
+    q_hi = tl.where(nan, 0x7F, q_hi).to(tl.uint8)
     # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
     # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
     # the fastest axis, so each output row segment is written by consecutive threads.
@@ -143,35 +135,10 @@ def _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok
     mask_t = tl.permute(mask3, (1, 2, 0))
     tl.store(o_ptr + off, tl.permute(q_lo, (1, 2, 0)), mask=mask_t)
     tl.store(o_ptr + off + M, tl.permute(q_hi, (1, 2, 0)), mask=mask_t)
-    mask_c = (kb < (K // 32))[:, None]
+    mask_c = (kb < KB)[:, None]
     soff = pid_t.to(tl.int64) * K + (kb * 32)[:, None] + 2 * p[None, :]
     tl.store(os_ptr + soff, pow2_f32(S_lo), mask=mask_c)
     tl.store(os_ptr + soff + 1, pow2_f32(S_hi), mask=mask_c)
-
-
-@triton.jit
-def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
-                                 FIX_INF: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr):
-    # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
-    # Two launches over the same grid. The main pass (FIX_INF False) converts every tile as if all
-    # values were finite. Only blocks of scale byte 253 (2^126 x 4 or 6) and 254 (2^127 x 2 and up)
-    # can hold values that dequantize to +-Inf (2^128 and more);
-    # the fix-up pass (FIX_INF True) reads just the scales and redoes, with those values excluded,
-    # the tiles that have such a block (none in practice: it costs a read of the scales, 1/16 of the
-    # codes' bytes). Handling them inside the main pass cost 28% of its speed on the H200 (more
-    # registers for every program, for a case that does not occur).
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    tok = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    kb = pid_k * NB + tl.arange(0, NB)
-    p = tl.arange(0, 16)
-    mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
-    sb = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
-    if FIX_INF:
-        if tl.max(tl.where((sb == 253) | (sb == 254), 1, 0)) > 0:
-            _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok, kb, p, mask2, sb, True)
-    else:
-        _mxfp4_to_fp8_colwise_tile(d_ptr, o_ptr, os_ptr, M, K, stride_dm, pid_t, tok, kb, p, mask2, sb, False)
 
 
 @triton.jit
@@ -208,10 +175,9 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 1, n
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
         nb = min(nb, triton.next_power_of_2(kb))
-        for fix_inf in (False, True):
-            _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
-                data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
-                FIX_INF=fix_inf, BLOCK_T=FP8_TILE, NB=nb, num_warps=num_warps)
+        _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
+            data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
+            BLOCK_T=FP8_TILE, NB=nb, num_warps=num_warps)
     return out, oscale
 
 
