@@ -50,7 +50,9 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 
     For each column k and each tile of 128 tokens (the last may be short): the true amax of the
     decoded values gives S = clamp(floor(log2(amax)) - 8, -126, 127); each element is re-encoded as
-    RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens.
+    RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens,
+    except for values of 2^128 and more (byte 254 with |value| >= 2, byte 253 with |value| >= 4): the
+    definition sees Inf there (NaN byte, left out of the amax), this rule a finite value (README).
     Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
     """
     m, half_k = data.shape
