@@ -21,6 +21,7 @@ from moe_fp4.kernels.triton_numerics import (
     e2m1x4_to_e4m3x4,
     e4m3_rne,
     fp8_encode_tiles,
+    mxfp4_tile_exponents,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
     mx_encode_tiles,
@@ -141,7 +142,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES, 16)
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
     word, fscale = fp8_encode_tiles(lo, hi)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
@@ -163,17 +164,15 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     # [BM, TILES, 4 blocks, 2, 4 words]: a last axis of 4 gives the int16 loads and the int32 stores
     # the same 4 words per thread, so both use one register layout (with an axis of 8 the compiler
     # picks 8 per thread for the 16-byte loads, 4 for the stores, and converts through shared memory).
-    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES, 8)
+    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     word = ((t * 32)[None, :, None, None, None] + (tl.arange(0, 4) * 8)[None, None, :, None, None]
             + (tl.arange(0, 2) * 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :])
     mask5 = mask4[:, :, :, :, None]
     x = tl.load(d_ptr + rows[:, None, None, None, None] * stride_dm + word, mask=mask5, other=0).to(tl.int32) & 0xFFFF
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
     sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
-    nan = sb == 255
-    S = tl.minimum(tl.maximum(tl.max(tl.where(nan, -1, sb), axis=2) - 127 - 6, -126), 127)  # [BM, TILES]
-    e_rel = sb - 127 - S[:, :, None]                                                # E - S <= 6
-    if tl.min(tl.where(nan | ~mask3, 127, e_rel)) >= -5:
+    nan, S, e_rel, normal = mxfp4_tile_exponents(sb, mask3)
+    if normal:
         # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
         # four codes per integer operation.
         q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x), (e_rel + 6)[:, :, :, None, None])

@@ -143,7 +143,7 @@ def _quantize_mxfp4_kernel(
     IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, 16)
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
 
@@ -184,7 +184,7 @@ def _dequantize_mxfp4_kernel(
     OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, 16)
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
@@ -209,7 +209,7 @@ def _dequantize_mxfp4_bf16_kernel(
     # bytes are a [4, 4] axis pair: a last axis of 4 gives the byte loads and the word stores the same
     # 4 elements per thread, so both use one register layout (see _mxfp4_to_fp8_kernel in fp8.py).
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB, 16)
+    rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB)
     pair = ((kb * 16)[None, :, None, None] + (tl.arange(0, 4) * 4)[None, None, :, None]
             + tl.arange(0, 4)[None, None, None, :])
     mask4 = mask3[:, :, :, None]
@@ -240,7 +240,7 @@ def _fp8_to_mxfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, 16)
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
     w = tl.load(q_ptr + rows[:, None, None] * stride_qm + pair, mask=mask3, other=0).to(tl.int32)
     b_lo = w & 0xFF                     # element 2i is the first (low) byte: little endian

@@ -165,7 +165,7 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
     # words, and reads the same columns of gate and up. F = 128 NT columns = 64 NT pair words; every
     # tensor is contiguous, so the row strides are multiples of NT (h, h_mx: 128 NT pair words/bytes;
     # a, FP8, a_mx: 64 NT; scales: 4 NT and 8 NT blocks).
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES, 16)
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     HALF = NT * 64
     r4 = rows[:, None, None, None]
     h_off = r4 * (2 * HALF) + pair

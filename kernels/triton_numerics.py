@@ -240,30 +240,43 @@ def e2m1_to_e4m3_normal(code, e_rel):
 
 
 @triton.jit
-def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr, WPB: tl.constexpr):
-    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as
-    words [BLOCK_M, NB, WPB] (WPB words per 32-block: 16 pair words, or 4 int32 words of MXFP4 codes)
-    -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1], word column [1, NB, WPB]).
-    Row offsets are int64: rows * stride can pass 2^31."""
+def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as pair
+    words [BLOCK_M, NB, 16] -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1],
+    pair-word column [1, NB, 16]). Row offsets are int64: rows * stride can pass 2^31."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     kb = tl.program_id(1) * NB + tl.arange(0, NB)
     mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    pair = (kb * WPB)[None, :, None] + tl.arange(0, WPB)[None, None, :]
+    pair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
     return rows, kb, mask2, mask2[:, :, None], pair
 
 
 @triton.jit
-def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr, WPB: tl.constexpr):
+def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     """This program's [BLOCK_M rows, TILES FP8 tiles of 128] of a row-major [M, 128 NT] tensor, seen
-    as words [BLOCK_M, TILES, 4 blocks, WPB] (WPB words per 32-block: 16 pair words, or 4 int32 words
-    of MXFP4 codes) -> (rows int64 [BM], tile index [TILES], mask [BM, TILES], mask [BM, TILES, 1],
-    mask [BM, TILES, 1, 1], word column [1, TILES, 4, WPB])."""
+    as pair words [BLOCK_M, TILES, 4 blocks, 16] -> (rows int64 [BM], tile index [TILES],
+    mask [BM, TILES], mask [BM, TILES, 1], mask [BM, TILES, 1, 1], pair-word column [1, TILES, 4, 16])."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     t = tl.program_id(1) * TILES + tl.arange(0, TILES)
     mask_t = (rows < M)[:, None] & (t < NT)[None, :]
-    pair = ((t * (4 * WPB))[None, :, None, None] + (tl.arange(0, 4) * WPB)[None, None, :, None]
-            + tl.arange(0, WPB)[None, None, None, :])
+    pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 4) * 16)[None, None, :, None]
+            + tl.arange(0, 16)[None, None, None, :])
     return rows, t, mask_t, mask_t[:, :, None], mask_t[:, :, None, None], pair
+
+
+@triton.jit
+def mxfp4_tile_exponents(sb, valid3):
+    """sb: int32 [BM, T, 4] E8M0 scale bytes of the 4 blocks of T FP8 tiles; valid3: bool [BM, T, 4],
+    False for masked blocks -> (nan: bool [BM, T, 4] NaN blocks, S: int32 [BM, T] tile exponents
+    clamp(largest finite E - 6, -126, 127), e_rel: int32 [BM, T, 4] = E - S (<= 6), normal: scalar,
+    True when every valid finite block has e_rel >= -5, i.e. every value converts to an E4M3 normal or
+    zero). The scale half of the MXFP4 -> FP8 1x128 rule, shared by its byte and word kernels."""
+    nan = sb == 255
+    emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
+    S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, T]
+    e_rel = sb - 127 - S[:, :, None]                                               # E - S <= 6
+    normal = tl.min(tl.where(nan | ~valid3, 127, e_rel)) >= -5
+    return nan, S, e_rel, normal
 
 
 @triton.jit
@@ -277,12 +290,9 @@ def mxfp4_tiles_to_e4m3(byte, sb, valid3):
     -> (q_lo, q_hi: int32 [BM, T, 4, 16] E4M3 bytes of the low / high nibbles, S: int32 [BM, T]
     tile exponents: the FP8 scale is 2^S).
     """
-    nan = sb == 255
-    emax = tl.max(tl.where(nan, -1, sb), axis=2)                                   # byte of the largest finite block
-    S = tl.minimum(tl.maximum(emax - 127 - 6, -126), 127)                          # [BM, T]
-    e_rel = sb - 127 - S[:, :, None]                                               # E - S <= 6
+    nan, S, e_rel, normal = mxfp4_tile_exponents(sb, valid3)
     nan4 = nan[:, :, :, None]
-    if tl.min(tl.where(nan | ~valid3, 127, e_rel)) >= -5:
+    if normal:
         # Every block within 11 binades of its tile's largest: every value is an E4M3 normal or zero.
         e4 = e_rel[:, :, :, None]
         q_lo = e2m1_to_e4m3_normal(byte & 15, e4)
