@@ -1,8 +1,12 @@
-"""The all-to-all and the EP MoE layer over NCCL, one process per GPU (2 GPUs: ``nvidia-h200-x2``).
+"""The all-to-all and the EP MoE layer over NCCL, one process per GPU, at the widest of 2, 4 and 8
+ranks the machine has (``nvidia-h200-x2``, ``-x4``, ``-x8``; ``MOE_FP4_TEST_WORLD`` picks a narrower one).
 
 Marked ``gpu``; skipped without two CUDA devices. The same checks as the gloo tests, on the GPU
-paths: Triton kernels for packing and unpacking, cuBLAS blockwise FP8 GEMMs in the layer.
+paths: Triton kernels for packing and unpacking, grouped FP8 GEMMs in the layer.
 """
+
+import os
+
 
 import pytest
 import torch
@@ -13,7 +17,8 @@ from distributed import run_ranks
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
-WORLD = 2
+WORLD = int(os.environ.get("MOE_FP4_TEST_WORLD", 0)) or max(
+    (w for w in (2, 4, 8) if w <= torch.cuda.device_count()), default=2)
 # test_ep's CPU floors (emulated GEMMs), except fp8's w2: cuBLAS's accumulation order moves other FP8
 # code flips of the output gradient. Lowest over ranks measured on 2x H200 (commit 3f8ea4c): bf16 out
 # 49.82, dx 46.12, w13 46.86, w2 45.96, router 46.93; fp8 49.57, 39.11, 36.55, 35.29, 46.16; fp4 50.14,
@@ -22,14 +27,26 @@ EP_MATCH_FLOOR_DB_GPU = {p: dict(row) for p, row in test_ep.EP_MATCH_FLOOR_DB.it
 EP_MATCH_FLOOR_DB_GPU["fp8"]["w2"] = 34.2
 
 
+def a2a_sends(world: int) -> list[list[int]]:
+    """sends[s][d]: rows rank s sends rank d. World 2: rank 1 sends rank 0 nothing and rank 0 sends
+    rank 1 nothing. Wider: uneven counts from 0 to 6, rank 1 receives nothing, the last rank holds no rows."""
+    if world == 2:
+        return [[5, 0], [0, 7]]
+    sends = [[(3 * s + 5 * d + 1) % 7 for d in range(world)] for s in range(world)]
+    for row in sends:
+        row[1] = 0
+    sends[-1] = [0] * world
+    return sends
+
+
 def _a2a_case(rank, world, device="cuda"):
-    """Uneven splits (rank 1 sends rank 0 nothing); each format's rows equal the direct conversion of
+    """Uneven splits (a2a_sends); each format's rows equal the direct conversion of
     the rows sent to this rank, bit for bit; gradients arrive where their rows came from."""
     import moe_fp4
     from helpers import same_bits
 
     hidden = 1024
-    sends = [[5, 0], [0, 7]] if world == 2 else None
+    sends = a2a_sends(world)
     g = torch.Generator(device=device).manual_seed(0)
     xs = [torch.randn(sum(s), hidden, device=device, generator=g).to(torch.bfloat16) for s in sends]
     x = xs[rank].clone().requires_grad_()

@@ -162,14 +162,15 @@ def test_cli_writes_plots(one_process):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Expert parallelism under torchrun, 2 CPU ranks on gloo.
+# 2. Expert parallelism under torchrun, 2 and 8 CPU ranks on gloo (tiny: 8 experts, one per rank at 8).
 
-def test_cli_ep_torchrun(tmp_path):
+@pytest.mark.parametrize("nproc", [2, 8])
+def test_cli_ep_torchrun(tmp_path, nproc):
     run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
-                "--no-progress", "--no-plots", "--profile"], nproc=2, MOE_FP4_COMMIT="test-commit")
+                "--no-progress", "--no-plots", "--profile"], nproc=nproc, MOE_FP4_COMMIT="test-commit")
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
-    assert report["meta"]["world"] == 2 and report["meta"]["commit"] == "test-commit"
+    assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
     assert list(report["modes"]) == ["fp8", "fp4"]
     for mode, row in report["modes"].items():
         assert isinstance(row["a2a_ms"], float) and row["a2a_ms"] > 0, row
