@@ -14,12 +14,14 @@ import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
     block_program,
+    byte_lanes_to_nibbles,
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
-    e2m1_rne_mag,
     e2m1x2_to_bf16x2,
     e4m3_to_f32_bits,
+    e4m3x4_to_e2m1x4,
     load_pairs_as_f32_bits,
+    max7x4,
     mx_encode_pairs,
     mx_scale_exp,
     pair_view,
@@ -234,55 +236,67 @@ def _dequantize_mxfp4_bf16_kernel(
 def _fp8_to_mxfp4_kernel(
     q_ptr, s_ptr, data_ptr, scale_ptr,
     M, KB,
-    stride_qm,                  # row stride of the FP8 data in int16 pair words
+    stride_qm,                  # row stride of the FP8 data in int32 words (4 bytes each)
     stride_sm, stride_st,       # FP8 scale strides (elements): row, tile
-    stride_dm, stride_om,       # MXFP4 data / scale row strides (bytes)
+    stride_dm, stride_om,       # MXFP4 data row stride in int16 words (4 codes each) / scale row stride (bytes)
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # FP8 bytes as int32 words and MXFP4 codes as int16 words, four elements each ([M, K/4] both):
+    # input word i becomes output word i. A program covers [BLOCK_M, BLOCK_K] as [BM, NB blocks, 2, 4
+    # words]: a last axis of 4 gives the int32 loads and the int16 stores one register layout (see
+    # _mxfp4_to_fp8_kernel), and the block maximum is a reduction inside a thread, then across two.
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
-
-    w = tl.load(q_ptr + rows[:, None, None] * stride_qm + pair, mask=mask3, other=0).to(tl.int32)
-    b_lo = w & 0xFF                     # element 2i is the first (low) byte: little endian
-    b_hi = (w >> 8) & 0xFF
+    rows, kb, mask2, mask3, _pairs = block_program(M, KB, BLOCK_M, NB)
+    word = ((kb * 8)[None, :, None, None] + (tl.arange(0, 2) * 4)[None, None, :, None]
+            + tl.arange(0, 4)[None, None, None, :])
+    mask4 = mask3[:, :, :, None]
+    w = tl.load(q_ptr + rows[:, None, None, None] * stride_qm + word, mask=mask4, other=0)
     # max |q| on the codes: E4M3 magnitude bytes (b & 0x7F) are monotone in |q|; NaN is 0x7F.
-    qmax_code = tl.max(tl.maximum(b_lo & 0x7F, b_hi & 0x7F), axis=2)           # [BM, NB]
-    nan_blk = qmax_code == 0x7F
+    lanes = tl.reduce(tl.reduce(w & 0x7F7F7F7F, 3, max7x4), 2, max7x4)           # [BM, NB]
+    lanes = max7x4(lanes, lanes >> 16)
+    qmax = max7x4(lanes, lanes >> 8) & 0x7F
+    nan_blk = qmax == 0x7F
+    zero_blk = qmax == 0
     # Tile scale 2^S (float32 power of two, normal): S from its exponent field.
     sbits = tl.load(s_ptr + rows[:, None] * stride_sm + (kb // 4).to(tl.int64)[None, :] * stride_st,
                     mask=mask2, other=1.0).to(tl.int32, bitcast=True)
     S = (sbits >> 23) - 127
-    # E = clamp(S + ceil(log2(qmax/6)), -127, 127). qmax is never subnormal in float32 (E4M3's
-    # smallest is 2^-9), but qmax == 0 must give E = -127 whatever S is: the reference's e_rel is
-    # -1000 clamped to -255; ceil_log2_ratio_bits would give -129 (not low enough for S >= -1).
-    e_rel = ceil_log2_ratio_bits(e4m3_to_f32_bits(qmax_code), 0x400000, 2)
-    e_rel = tl.where(qmax_code == 0, -255, e_rel)
-    E = tl.minimum(tl.maximum(S + e_rel, -127), 127)
-    # v = q * 2^(S - E); S - E is in [-7, 11] for a nonzero block (see quantize_mxfp4_from_fp8_ref),
-    # larger for a zero block (value irrelevant: zeros stay signed zeros); cap at 127 so 2^(S-E)
-    # stays a normal float32, and q * 2^(S-E) is then exact.
-    sh = E - S                                                                  # [BM, NB]
-    zero_blk = qmax_code == 0
-    if tl.min(tl.where(nan_blk | zero_blk | ~mask2, 127, sh)) >= -4:
-        # Fast path, taken when no block sits more than 4 binades above its tile scale's reach:
-        # |q| * 2^-sh has the float32 bits (b7 << 20) + ((120 - sh) << 23) for a normal E4M3 byte
-        # (exponent field f: 1.mmm * 2^(f - 7) -> fp32 exponent f + 120, then minus sh). For a
-        # subnormal or zero byte the same formula gives at most 1.875 * 2^(-7 - sh) <= 0.234 < 0.25,
-        # which encodes as 0 exactly like the true value (at most 7 * 2^-9 * 2^4 = 0.22) does.
-        # (An all-zero block has E = -127 and any sh: 7 makes its +-0 bytes encode as +-0 too.)
-        base = ((120 - tl.where(zero_blk, 7, sh)) << 23)[:, :, None]
-        mag_lo = e2m1_rne_mag(((b_lo & 0x7F) << 20) + base, True)
-        mag_hi = e2m1_rne_mag(((b_hi & 0x7F) << 20) + base, True)
-        packed = mag_lo | (mag_hi << 4) | ((b_lo & 0x80) >> 4) | (b_hi & 0x80)
-        packed = tl.where(nan_blk[:, :, None], 0, packed)
-        scale = tl.where(nan_blk, 255, E + 127)
+    # For a normal qmax = f.mmm (byte f << 3 | mmm), ceil(log2(qmax / 6)) = f - 9 + [mmm > 4]
+    # = ((qmax + 3) >> 3) - 9 (1.mmm / 1.5 exceeds 1 iff mmm > 4). The SWAR path needs it >= -4
+    # (qmax >= 0x25, which also makes qmax normal) and no clamp at E = 127 (that one saturates).
+    e_fast = ((qmax + 3) >> 3) - 9
+    special = nan_blk | zero_blk | ~mask2
+    slow = ~special & ((qmax < 0x25) | (S + e_fast > 127))
+    if tl.max(slow.to(tl.int32)) == 0:
+        # E = max(S + e_rel, -127); every value is at most 6 * 2^sh with sh = E - S in [-4, 7]:
+        # four codes per integer operation. A zero or NaN block takes sh = 7, where its bytes stay in
+        # range (zeros encode as signed zeros; NaN blocks are cleared below).
+        E = tl.where(zero_blk, -127, tl.maximum(S + e_fast, -127))
+        sh = tl.where(nan_blk | zero_blk, 7, E - S)
+        codes = byte_lanes_to_nibbles(e4m3x4_to_e2m1x4(w, sh[:, :, None, None]))
+        codes = tl.where(nan_blk[:, :, None, None], 0, codes)
     else:
-        mult = pow2_f32(tl.minimum(-sh, 127))
-        lo = e4m3_to_f32_bits(b_lo)
-        hi = e4m3_to_f32_bits(b_hi)
-        # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
-        packed, scale = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E, nan_blk, mult, True)
-    tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
+        # General path, one element at a time. E = clamp(S + ceil(log2(qmax/6)), -127, 127); qmax
+        # is never subnormal in float32 (E4M3's smallest is 2^-9), but qmax == 0 must give E = -127
+        # whatever S is: the reference's e_rel is -1000 clamped to -255; ceil_log2_ratio_bits would
+        # give -129 (not low enough for S >= -1). v = q * 2^(S - E): S - E is in [-7, 11] for a
+        # nonzero block (see quantize_mxfp4_from_fp8_ref), larger for a zero block (value irrelevant:
+        # zeros stay signed zeros); capped at 127 so 2^(S-E) is a normal float32 and v is exact.
+        e_rel = ceil_log2_ratio_bits(e4m3_to_f32_bits(qmax), 0x400000, 2)
+        e_rel = tl.where(zero_blk, -255, e_rel)
+        E = tl.minimum(tl.maximum(S + e_rel, -127), 127)
+        mult = pow2_f32(tl.minimum(S - E, 127))[:, :, None]
+        E3 = E[:, :, None]
+        nan3 = nan_blk[:, :, None]
+        codes = tl.zeros_like(w)
+        for j in tl.static_range(2):
+            lo = e4m3_to_f32_bits((w >> (16 * j)) & 0xFF)
+            hi = e4m3_to_f32_bits((w >> (16 * j + 8)) & 0xFF)
+            # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
+            pair, _ = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E3, nan3, mult, True)
+            codes |= pair << (8 * j)
+    scale = tl.where(nan_blk, 255, E + 127)
+    tl.store(data_ptr + rows[:, None, None, None] * stride_dm + word, codes.to(tl.int16), mask=mask4)
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
@@ -349,7 +363,8 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
                             block_m: int = 2, block_k: int = 512, num_warps: int = 1):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
-    Defaults from bench/tune.py on the H200 (one-warp programs)."""
+    Defaults from bench/tune.py on the H200 (one-warp programs), chosen for the previous two-codes-
+    per-word kernel; the four-codes-per-word kernel has not been swept on a GPU yet."""
     m, k = data.shape
     assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)
     assert scale.dtype == torch.float32
@@ -357,12 +372,13 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
     oscale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=data.device)
     if m == 0 or k == 0:
         return out, oscale
-    words = words_view(data.contiguous().view(torch.uint8), torch.int16)
+    words = words_view(data.contiguous().view(torch.uint8), torch.int32)
+    out_words = out.view(torch.int16)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _fp8_to_mxfp4_kernel[grid](
-        words, scale, out, oscale, m, k // MXFP4_BLOCK, words.stride(0),
-        scale.stride(0), scale.stride(1), out.stride(0), oscale.stride(0),
+        words, scale, out_words, oscale, m, k // MXFP4_BLOCK, words.stride(0),
+        scale.stride(0), scale.stride(1), out_words.stride(0), oscale.stride(0),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out, oscale

@@ -412,3 +412,51 @@ def e2m1x2_to_bf16x2(u, s):
     nz = ((m + 0x00070007) >> 3) & 0x00010001
     ge = ((m + 0x00060006) << 3) & 0x00400040
     return (m * 64 + ge + nz * (128 * s - 192)) | ((u << 12) & -0x7FFF8000)  # 0x80008000 as int32
+
+
+@triton.jit
+def max7x4(a, b):
+    """a, b: int32, four 7-bit values (0..127) in byte lanes -> int32, their lane-wise maximum.
+
+    (a | 0x80) - b is 0x80 + a - b in [1, 255] per lane (no borrow), so bit 7 = [a >= b]; that bit
+    minus itself shifted to bit 0 is 0x7F, a select mask wide enough for 7-bit lanes. (The shift is
+    arithmetic on int32: the mask after it drops the sign copies.)"""
+    d = ((a | -0x7F7F7F80) - b) & -0x7F7F7F80  # 0x80808080 as int32
+    keep = d - ((d >> 7) & 0x01010101)
+    return b ^ ((a ^ b) & keep)
+
+
+@triton.jit
+def e4m3x4_to_e2m1x4(w, sh):
+    """w: int32, four E4M3 bytes (byte lanes); sh: int32 in [-4, 7] (broadcast) such that every
+    |byte value| * 2^-sh <= 6 -> int32 whose byte i is the E2M1 code (sign in bit 3) of
+    RNE(byte_i * 2^-sh), exactly as e2m1_rne_mag on the float value.
+
+    The 3-bit magnitude code is the number of E2M1 rounding thresholds (0.25, 0.75, 1.25, 1.75, 2.5,
+    3.5, 5) that |value| reaches, a tie counting where RNE sends it (0.75, 1.75, 3.5 up; the others
+    down). Scaled by 2^sh every threshold is an E4M3 normal for sh in [-4, 6] (0.25 * 2^-4 = 2^-6 is
+    the smallest), so on the magnitude byte m = b & 0x7F the test is m >= T_i(0) + 8 sh with
+    T(0) = 0x29 0x34 0x3B 0x3E 0x43 0x46 0x4B (the tie code, plus one where the tie rounds down).
+    E4M3 subnormal m (< 8) is below every threshold: |value| * 2^-sh <= 7 * 2^-9 * 2^4 < 0.25.
+    Thresholds 0-5: lane (m | 0x80) - 8 sh - T(0) lies in [2, 0xA3] (m - 8 sh is in [-56, 76]:
+    |value| <= 6 * 2^sh), so bit 7 is the test and no lane borrows. Threshold 6 is tested on
+    (m | 0x80) - min(0x4B + 8 sh, 0x80) (in [0, 0xFF]; at sh = 7, 5 * 2^7 exceeds E4M3: never).
+    The count of flags that rise in order (a thermometer code) is binary from XORs: bit 0 the
+    parity of all seven, bit 1 = f1 ^ f3 ^ f5, bit 2 = f3. The sign moves from bit 7 to bit 3.
+    """
+    x = w | -0x7F7F7F80                                      # m | 0x80 per lane (0x80808080 as int32)
+    xs = x - sh * 0x08080808
+    z3 = xs - 0x3E3E3E3E
+    p1 = (xs - 0x34343434) ^ z3 ^ (xs - 0x46464646)
+    z6 = x - tl.minimum(0x4B + 8 * sh, 0x80) * 0x01010101
+    p0 = p1 ^ (xs - 0x29292929) ^ (xs - 0x3B3B3B3B) ^ (xs - 0x43434343) ^ z6
+    return (((p0 >> 7) & 0x01010101) | ((p1 >> 6) & 0x02020202) | ((z3 >> 5) & 0x04040404)
+            | ((w >> 4) & 0x08080808))
+
+
+@triton.jit
+def byte_lanes_to_nibbles(n):
+    """int32 with a 4-bit value in each byte lane -> int32 holding them packed in its low 16 bits
+    (lane i in bits 4i..4i+3): the inverse of nibbles_to_byte_lanes."""
+    t = n | (n >> 4)
+    return (t & 0xFF) | ((t >> 8) & 0xFF00)

@@ -15,8 +15,9 @@ from helpers import INPUT_KINDS, make_input, same_bits
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
-from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3, exp2_int
-from moe_fp4.kernels.triton_numerics import e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne
+from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
+from moe_fp4.kernels.triton_numerics import (byte_lanes_to_nibbles, e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne,
+                                             e4m3x4_to_e2m1x4, max7x4)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -90,6 +91,22 @@ def _probe_decode_kernel(code_ptr, byte_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, e2m1_decode_scaled(c, b), mask=i < n)
 
 
+@triton.jit
+def _probe_e4m3x4_to_e2m1x4_kernel(w_ptr, sh_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + i, mask=i < n, other=0)
+    sh = tl.load(sh_ptr + i, mask=i < n, other=0)
+    tl.store(out_ptr + i, byte_lanes_to_nibbles(e4m3x4_to_e2m1x4(w, sh)).to(tl.int16), mask=i < n)
+
+
+@triton.jit
+def _probe_max7x4_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + i, mask=i < n, other=0)
+    b = tl.load(b_ptr + i, mask=i < n, other=0)
+    tl.store(out_ptr + i, max7x4(a, b), mask=i < n)
+
+
 def _probe(kernel, n, *args, **kw):
     kernel[(triton.cdiv(n, 1024),)](*args, n, BLOCK=1024, **kw)
 
@@ -127,6 +144,45 @@ def test_e2m1_and_e4m3_rne_on_every_bf16_value_and_random_float32():
     out = torch.empty(fin.numel(), dtype=torch.uint8, device=DEVICE)
     _probe(_probe_e2m1_kernel, fin.numel(), fin.view(torch.int32), out)
     assert torch.equal(out, encode_e2m1(fin))
+
+
+def test_swar_e4m3_to_e2m1_every_byte_in_every_lane_at_every_shift():
+    # FP8 -> MXFP4's four-codes-per-operation path: for each sh in [-4, 7], every E4M3 byte b
+    # (both signs, subnormals, zeros) with |b| * 2^-sh <= 6 (its precondition), in each of the four
+    # byte lanes beside random valid bytes; codes packed two per byte like the kernel stores them.
+    g = torch.Generator().manual_seed(11)
+    words, shifts, want = [], [], []
+    for sh in range(-4, 8):
+        mags = torch.arange(min(0x4C + 8 * sh, 0x7E) + 1, dtype=torch.int32)
+        valid = torch.cat([mags, mags | 0x80])
+        lanes = valid[torch.randint(0, valid.numel(), (4 * valid.numel(), 4), generator=g)]
+        for j in range(4):
+            lanes[j * valid.numel():(j + 1) * valid.numel(), j] = valid
+        vals = lanes.to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0 ** -sh
+        want.append(pack_nibbles(encode_e2m1(vals)))
+        words.append((lanes[:, 0] | (lanes[:, 1] << 8) | (lanes[:, 2] << 16) | (lanes[:, 3] << 24)).to(torch.int32))
+        shifts.append(torch.full((lanes.shape[0],), sh, dtype=torch.int32))
+    w, sh, want = torch.cat(words).to(DEVICE), torch.cat(shifts).to(DEVICE), torch.cat(want).to(DEVICE)
+    out = torch.empty(w.numel(), dtype=torch.int16, device=DEVICE)
+    _probe(_probe_e4m3x4_to_e2m1x4_kernel, w.numel(), w, sh, out)
+    assert torch.equal(out.view(torch.uint8).view(-1, 2), want)
+
+
+def test_swar_max7x4_every_pair_in_every_lane():
+    a, b = torch.meshgrid(torch.arange(128, dtype=torch.int32), torch.arange(128, dtype=torch.int32), indexing="ij")
+    a, b = a.reshape(-1), b.reshape(-1)
+    g = torch.Generator().manual_seed(12)
+    la, lb = (torch.randint(0, 128, (4 * a.numel(), 4), generator=g, dtype=torch.int32) for _ in range(2))
+    for j in range(4):
+        la[j * a.numel():(j + 1) * a.numel(), j] = a
+        lb[j * a.numel():(j + 1) * a.numel(), j] = b
+
+    def word(lanes):
+        return (lanes[:, 0] | (lanes[:, 1] << 8) | (lanes[:, 2] << 16) | (lanes[:, 3] << 24)).to(DEVICE)
+
+    out = torch.empty(la.shape[0], dtype=torch.int32, device=DEVICE)
+    _probe(_probe_max7x4_kernel, out.numel(), word(la), word(lb), out)
+    assert torch.equal(out, word(torch.maximum(la, lb)))
 
 
 def test_bf16_decode_every_byte_times_every_scale_byte():
@@ -314,6 +370,6 @@ def test_fp8_to_mxfp4_every_block_maximum_with_every_smaller_byte():
         row[64:] |= 0x80
         rows.append(row)
     data = torch.stack(rows).view(torch.float8_e4m3fn).to(DEVICE)
-    for s in (-126, -20, 0, 119):
+    for s in (-126, -20, 0, 119, 124, 127):   # 124, 127: E clamps at 127 and the codes saturate
         scale = torch.full((1, data.shape[0]), 2.0**s).t().to(DEVICE)
         _check(KMX.quantize_mxfp4_from_fp8(data, scale), KMX.quantize_mxfp4_from_fp8_ref(data, scale))
