@@ -1,0 +1,133 @@
+"""Static SASS instructions per element of the conversion kernels, compiled for sm_90a on any machine.
+
+    python bench/sass.py                                  # every kernel below, both paths and each alone
+    python bench/sass.py fp8_to_mxfp4 --path fast --dump out.sass
+
+No GPU needed: Triton compiles for GPUTarget("cuda", 90, 32) with the divisibility a real launch
+specializes on (pointers and strides divisible by 16) and disassembles with its bundled cuobjdump.
+Instructions per element = SASS lines / elements per thread of one program at the launcher's default
+configuration. For a kernel with a per-program fast path and a general path, ``--path fast`` /
+``general`` compiles a copy of its module with the branch condition replaced by True / False, so the
+count is the one path's straight-line code (the kernels have no loops). Static counts are a proxy:
+the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
+the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
+H100: MXFP4 -> FP8 6.3 vs 9.5, MXFP4 -> BF16 10.7 vs 11.2). Also reported: the TTGIR's layout
+conversions and the shared memory, where a conversion through shared memory shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # what a launch uses (Triton 3.9 warns when unset)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+I32 = "i32"
+# name: (module, kernel, pointer/int signature, constexprs, num_warps, elements per program, fast-path
+# branch line (its start, inside the kernel) or None). Constexprs and warps are the launchers' defaults.
+KERNELS = {
+    "fp8_to_mxfp4": ("moe_fp4.kernels.mxfp4", "_fp8_to_mxfp4_kernel",
+                     dict(q_ptr="*i32", s_ptr="*fp32", data_ptr="*i16", scale_ptr="*u8", M=I32, KB=I32, stride_qm=I32,
+                          stride_sm=I32, stride_st=I32, stride_dm=I32, stride_om=I32),
+                     dict(BLOCK_M=2, BLOCK_K=512), 1, 2 * 512, "    if tl.max(slow"),
+    "mxfp4_to_fp8": ("moe_fp4.kernels.fp8", "_mxfp4_to_fp8_kernel",
+                     dict(d_ptr="*i16", s_ptr="*u8", o_ptr="*i32", os_ptr="*fp32", M=I32, NT=I32, stride_dm=I32,
+                          stride_sm=I32, stride_om=I32),
+                     dict(BLOCK_M=4, TILES=4), 1, 4 * 4 * 128, "    if normal"),
+    "mxfp4_to_bf16": ("moe_fp4.kernels.mxfp4", "_dequantize_mxfp4_bf16_kernel",
+                      dict(data_ptr="*u8", scale_ptr="*u8", out_ptr="*i32", M=I32, KB=I32, stride_dm=I32,
+                           stride_sm=I32, stride_om=I32),
+                      dict(BLOCK_M=2, BLOCK_K=512), 2, 2 * 512, "    if (tl.min(s_fin)"),
+    "bf16_to_mxfp4": ("moe_fp4.kernels.mxfp4", "_quantize_mxfp4_kernel",
+                      dict(x_ptr="*i32", data_ptr="*u8", scale_ptr="*u8", M=I32, KB=I32, stride_xm=I32,
+                           stride_dm=I32, stride_sm=I32),
+                      dict(IN_KIND=0, BLOCK_M=8, BLOCK_K=1024), 4, 8 * 1024, None),
+}
+
+
+def _module(name: str, branch: str | None, value: str | None):
+    """The kernel module, or a copy of it with the fast-path branch condition replaced by ``value``."""
+    mod = importlib.import_module(name)
+    if value is None:
+        return mod
+    src = open(mod.__file__).read()
+    at = src.index(branch)
+    colon = src.index(":\n", at)
+    src = src[:at] + re.match(r"\s*if ", branch).group(0) + value + src[colon:]
+    path = os.path.join(tempfile.mkdtemp(), f"sass_{name.rsplit('.', 1)[1]}_{value}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"sass_{value}", path)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int):
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def sass_text(kernel) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def count(name: str, path: str, dump: str | None = None) -> dict:
+    mod_name, fn_name, sig, cx, warps, elems, branch = KERNELS[name]
+    value = {"both": None, "fast": "True", "general": "False"}[path]
+    if value is not None and branch is None:
+        raise SystemExit(f"{name} has no fast/general branch; use --path both")
+    k = compile_sm90(getattr(_module(mod_name, branch, value), fn_name), sig, cx, warps)
+    text = sass_text(k)
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+[A-Z@]", ln)]
+    lines = [ln for ln in lines if not re.search(r"\*/\s+NOP\b", ln)]
+    if dump:
+        with open(dump, "w") as f:
+            f.write(text)
+    per_thread = elems / (32 * warps)
+    ttgir = k.asm["ttgir"]
+    return {"kernel": name, "path": path, "sass": len(lines), "elements_per_thread": per_thread,
+            "per_element": len(lines) / per_thread, "convert_layout": ttgir.count("convert_layout"),
+            "shared_bytes": k.metadata.shared, "triton": triton.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernels", nargs="*", metavar="KERNEL", help=f"any of {', '.join(KERNELS)} (default: all)")
+    ap.add_argument("--path", choices=["both", "fast", "general", "all"], default="all")
+    ap.add_argument("--dump", default=None, help="write the SASS of the (single) kernel and path here")
+    a = ap.parse_args()
+    unknown = [k for k in a.kernels if k not in KERNELS]
+    if unknown:
+        ap.error(f"unknown kernel(s) {unknown}; choose from {list(KERNELS)}")
+    a.kernels = a.kernels or list(KERNELS)
+    print(f"triton {triton.__version__}, sm_90a; SASS instructions without NOPs, per element of one thread's share")
+    print(f"{'kernel':<15} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} {'shared B':>8}")
+    for name in a.kernels:
+        paths = ["both", "fast", "general"] if a.path == "all" else [a.path]
+        if KERNELS[name][6] is None:
+            paths = ["both"]
+        for p in paths:
+            r = count(name, p, a.dump)
+            print(f"{name:<15} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
+                  f"{r['convert_layout']:>14} {r['shared_bytes']:>8}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
