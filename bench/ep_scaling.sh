@@ -13,7 +13,8 @@
 #   R  bench/ep_report.py: markdown tables from the JSON above into OUT/tables.md
 # Usage: PARTS="T L" bash bench/ep_scaling.sh OUT_DIR NGPU [BUDGET_GIB] [STEPS]
 # Run from outside the source tree with the installed moe_fp4 first on PYTHONPATH (T runs the tests
-# of this checkout against it).
+# of this checkout against it). BATCH=N runs B, W and C at batch N without A's JSON (parts in separate
+# device commands: OUT_DIR starts empty each time). Compare runs write no plots (2 files a part).
 set -euo pipefail
 out=${1:?usage: PARTS="T L S A B W C R" bash bench/ep_scaling.sh OUT_DIR NGPU [BUDGET_GIB] [STEPS]}
 ngpu=${2:?NGPU: 4 or 8}
@@ -26,7 +27,9 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=
 mkdir -p "$out"
 a2a() { python3 -P -m torch.distributed.run --nproc-per-node "$ngpu" "$here/all_to_all.py" --hidden 7168 \
           --rows 8192 16384 32768 --layer dsv3 small --layer-tokens 8192 "$@"; }
-fp8_batch() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['max_batch']['fp8']['batch_max'])" \
+export COMPARE_ARGS=${COMPARE_ARGS:---no-plots}
+fp8_batch() { [ -n "${BATCH:-}" ] && { echo "$BATCH"; return; }
+              python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['max_batch']['fp8']['batch_max'])" \
                 "$out/ep${ngpu}/A_nvlink_maxbatch/compare.json"; }
 for p in $parts; do
   case $p in
@@ -36,7 +39,7 @@ for p in $parts; do
     A|B|C) PARTS=$p bash "$here/compare_ep.sh" "$out/ep${ngpu}" "$ngpu" "$budget" "$steps" ;;
     W) b=$(fp8_batch)
        CUDA_VISIBLE_DEVICES=0,1 python3 -P -m torch.distributed.run --nproc-per-node 2 -m moe_fp4 compare --preset small \
-         --no-progress --no-plots --batch "$b" --steps "$steps" --warmup 5 --out "$out/ep2/B_nvlink_batch$b" 2>&1 | tee "$out/W.log" ;;
+         --no-progress $COMPARE_ARGS --batch "$b" --steps "$steps" --warmup 5 --out "$out/ep2/B_nvlink_batch$b" 2>&1 | tee "$out/W.log" ;;
     R) python3 -P "$here/ep_report.py" "$out" | tee "$out/tables.md" ;;
     *) echo "unknown part $p (T L S A B W C R)" >&2; exit 2 ;;
   esac
