@@ -7,7 +7,6 @@ paths: Triton kernels for packing and unpacking, grouped FP8 GEMMs in the layer.
 
 import os
 
-
 import pytest
 import torch
 
