@@ -138,7 +138,8 @@ _INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float3
 
 def with_canonical_nan(out: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     """out: bf16/fp16/fp32 [...], nan: bool broadcastable to out -> out with NAN_BITS where nan."""
-    canon = torch.tensor(NAN_BITS[out.dtype], dtype=_INT_OF[out.dtype], device=out.device).view(out.dtype)
+    # A fill, not torch.tensor(..., device=cuda): that copies from pageable host memory, a host sync.
+    canon = torch.full((), NAN_BITS[out.dtype], dtype=_INT_OF[out.dtype], device=out.device).view(out.dtype)
     return torch.where(nan, canon, out)
 
 
