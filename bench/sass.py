@@ -12,13 +12,15 @@ count is the one path's straight-line code (the kernels have no loops). Static c
 the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
 the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
 H100: MXFP4 -> FP8 6.3 vs 9.5, MXFP4 -> BF16 10.7 vs 11.2). Also reported: the TTGIR's layout
-conversions and the shared memory, where a conversion through shared memory shows up.
+conversions, the elements of the largest tensor one of them moves (a data tile there is a round trip
+through shared memory) and the shared memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -36,9 +38,9 @@ I32 = "i32"
 # branch line (its start, inside the kernel) or None). Constexprs and warps are the launchers' defaults.
 KERNELS = {
     "fp8_to_mxfp4": ("moe_fp4.kernels.mxfp4", "_fp8_to_mxfp4_kernel",
-                     dict(q_ptr="*i32", s_ptr="*fp32", data_ptr="*i16", scale_ptr="*u8", M=I32, KB=I32, stride_qm=I32,
+                     dict(q_ptr="*i32", s_ptr="*fp32", data_ptr="*i32", scale_ptr="*u8", M=I32, KB=I32, stride_qm=I32,
                           stride_sm=I32, stride_st=I32, stride_dm=I32, stride_om=I32),
-                     dict(BLOCK_M=2, BLOCK_K=512), 1, 2 * 512, "    if tl.max(slow"),
+                     dict(BLOCK_M=4, BLOCK_K=1024, ASM=True), 4, 4 * 1024, "    if tl.max(slow"),
     "mxfp4_to_fp8": ("moe_fp4.kernels.fp8", "_mxfp4_to_fp8_kernel",
                      dict(d_ptr="*i16", s_ptr="*u8", o_ptr="*i32", os_ptr="*fp32", M=I32, NT=I32, stride_dm=I32,
                           stride_sm=I32, stride_om=I32),
@@ -102,9 +104,14 @@ def count(name: str, path: str, dump: str | None = None) -> dict:
             f.write(text)
     per_thread = elems / (32 * warps)
     ttgir = k.asm["ttgir"]
+    # Elements of the largest tensor a layout conversion moves: per-block values are small; a data
+    # tile here means a round trip of the data through shared memory.
+    moved = [math.prod(int(d) for d in m.group(1).split("x")[:-1])
+             for m in re.finditer(r"ttg\.convert_layout %\S+ : tensor<([0-9x]+[a-z0-9]+),", ttgir)]
     return {"kernel": name, "path": path, "sass": len(lines), "elements_per_thread": per_thread,
             "per_element": len(lines) / per_thread, "convert_layout": ttgir.count("convert_layout"),
-            "shared_bytes": k.metadata.shared, "triton": triton.__version__}
+            "largest_convert": max(moved, default=0), "shared_bytes": k.metadata.shared,
+            "triton": triton.__version__}
 
 
 def main() -> None:
@@ -118,7 +125,8 @@ def main() -> None:
         ap.error(f"unknown kernel(s) {unknown}; choose from {list(KERNELS)}")
     a.kernels = a.kernels or list(KERNELS)
     print(f"triton {triton.__version__}, sm_90a; SASS instructions without NOPs, per element of one thread's share")
-    print(f"{'kernel':<15} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} {'shared B':>8}")
+    print(f"{'kernel':<15} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} "
+          f"{'largest':>8} {'shared B':>8}")
     for name in a.kernels:
         paths = ["both", "fast", "general"] if a.path == "all" else [a.path]
         if KERNELS[name][6] is None:
@@ -126,7 +134,7 @@ def main() -> None:
         for p in paths:
             r = count(name, p, a.dump)
             print(f"{name:<15} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
-                  f"{r['convert_layout']:>14} {r['shared_bytes']:>8}", flush=True)
+                  f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8}", flush=True)
 
 
 if __name__ == "__main__":

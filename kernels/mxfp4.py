@@ -14,14 +14,17 @@ import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
     block_program,
-    byte_lanes_to_nibbles,
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
     e2m1x2_to_bf16x2,
     e4m3_to_f32_bits,
     e4m3x4_to_e2m1x4,
     load_pairs_as_f32_bits,
-    max7x4,
+    max15x2,
+    max_u16x2_asm,
+    bytes_0246,
+    bytes_0246_asm,
+    use_asm,
     mx_encode_pairs,
     mx_scale_exp,
     pair_view,
@@ -238,23 +241,32 @@ def _fp8_to_mxfp4_kernel(
     M, KB,
     stride_qm,                  # row stride of the FP8 data in int32 words (4 bytes each)
     stride_sm, stride_st,       # FP8 scale strides (elements): row, tile
-    stride_dm, stride_om,       # MXFP4 data row stride in int16 words (4 codes each) / scale row stride (bytes)
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_dm, stride_om,       # MXFP4 data row stride in int32 words (8 codes each) / scale row stride (bytes)
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
 ):
-    # FP8 bytes as int32 words and MXFP4 codes as int16 words, four elements each ([M, K/4] both):
-    # input word i becomes output word i. A program covers [BLOCK_M, BLOCK_K] as [BM, NB blocks, 2, 4
-    # words]: a last axis of 4 gives the int32 loads and the int16 stores one register layout (see
-    # _mxfp4_to_fp8_kernel), and the block maximum is a reduction inside a thread, then across two.
+    # FP8 bytes as int32 words ([M, K/4]) and MXFP4 codes as int32 words ([M, K/8]): input words 2j
+    # and 2j+1 become output word j. A program covers [BLOCK_M, BLOCK_K] as [BM, NB blocks, 2, 4
+    # words]: a last axis of 4 gives 16-byte loads, and its pairs (split in registers) give the
+    # [BM, NB, 2, 2] output words with no layout conversion. ASM (CUDA only) selects one-instruction
+    # PTX for the lane maximum and the byte gather; the pure-Triton twins give the same bits.
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, _pairs = block_program(M, KB, BLOCK_M, NB)
     word = ((kb * 8)[None, :, None, None] + (tl.arange(0, 2) * 4)[None, None, :, None]
             + tl.arange(0, 4)[None, None, None, :])
     mask4 = mask3[:, :, :, None]
     w = tl.load(q_ptr + rows[:, None, None, None] * stride_qm + word, mask=mask4, other=0)
-    # max |q| on the codes: E4M3 magnitude bytes (b & 0x7F) are monotone in |q|; NaN is 0x7F.
-    lanes = tl.reduce(tl.reduce(w & 0x7F7F7F7F, 3, max7x4), 2, max7x4)           # [BM, NB]
-    lanes = max7x4(lanes, lanes >> 16)
-    qmax = max7x4(lanes, lanes >> 8) & 0x7F
+    # max |q| on the codes: E4M3 magnitude bytes (b & 0x7F) are monotone in |q|; NaN is 0x7F. Bytes
+    # 0, 2 and 1, 3 go to separate words as 16-bit lanes (m and m << 8, both below 0x8000), so one
+    # max.u16x2 compares two bytes; the two lane sets meet at the end.
+    if ASM:
+        lo = tl.reduce(tl.reduce(w & 0x007F007F, 3, max_u16x2_asm), 2, max_u16x2_asm)         # [BM, NB]
+        hi = tl.reduce(tl.reduce(w & 0x7F007F00, 3, max_u16x2_asm), 2, max_u16x2_asm)
+        lanes = max_u16x2_asm(lo << 8, hi)
+    else:
+        lo = tl.reduce(tl.reduce(w & 0x007F007F, 3, max15x2), 2, max15x2)
+        hi = tl.reduce(tl.reduce(w & 0x7F007F00, 3, max15x2), 2, max15x2)
+        lanes = max15x2(lo << 8, hi)
+    qmax = tl.maximum(lanes & 0xFFFF, (lanes >> 16) & 0xFFFF) >> 8
     nan_blk = qmax == 0x7F
     zero_blk = qmax == 0
     # Tile scale 2^S (float32 power of two, normal): S from its exponent field.
@@ -263,18 +275,25 @@ def _fp8_to_mxfp4_kernel(
     S = (sbits >> 23) - 127
     # For a normal qmax = f.mmm (byte f << 3 | mmm), ceil(log2(qmax / 6)) = f - 9 + [mmm > 4]
     # = ((qmax + 3) >> 3) - 9 (1.mmm / 1.5 exceeds 1 iff mmm > 4). The SWAR path needs it >= -4
-    # (qmax >= 0x25, which also makes qmax normal) and no clamp at E = 127 (that one saturates).
+    # (qmax >= 0x25, which also makes qmax normal), no clamp at E = 127 (that one saturates) and no
+    # NaN block (rare: NaN blocks take the general path, which zeroes their codes).
     e_fast = ((qmax + 3) >> 3) - 9
-    special = nan_blk | zero_blk | ~mask2
-    slow = ~special & ((qmax < 0x25) | (S + e_fast > 127))
+    special = zero_blk | ~mask2
+    slow = nan_blk | (~special & ((qmax < 0x25) | (S + e_fast > 127)))
     if tl.max(slow.to(tl.int32)) == 0:
         # E = max(S + e_rel, -127); every value is at most 6 * 2^sh with sh = E - S in [-4, 7]:
-        # four codes per integer operation. A zero or NaN block takes sh = 7, where its bytes stay in
-        # range (zeros encode as signed zeros; NaN blocks are cleared below).
+        # four codes per integer operation. A zero block takes sh = 7, where its bytes stay in range
+        # (zeros encode as signed zeros).
         E = tl.where(zero_blk, -127, tl.maximum(S + e_fast, -127))
-        sh = tl.where(nan_blk | zero_blk, 7, E - S)
-        codes = byte_lanes_to_nibbles(e4m3x4_to_e2m1x4(w, sh[:, :, None, None]))
-        codes = tl.where(nan_blk[:, :, None, None], 0, codes)
+        sh = tl.where(zero_blk, 7, E - S)
+        c = e4m3x4_to_e2m1x4(w, sh[:, :, None, None])
+        # Byte lanes (c0, c1, c2, c3) -> c + (c >> 4): bytes 0 and 2 are the MXFP4 bytes c0 | c1 << 4
+        # and c2 | c3 << 4 (codes are 4 bits, so nothing carries into them; bytes 1, 3 are unused).
+        p_lo, p_hi = tl.split(tl.reshape(c + (c >> 4), [BLOCK_M, NB, 2, 2, 2]))
+        if ASM:
+            codes = bytes_0246_asm(p_lo, p_hi)
+        else:
+            codes = bytes_0246(p_lo, p_hi)
     else:
         # General path, one element at a time. E = clamp(S + ceil(log2(qmax/6)), -127, 127); qmax
         # is never subnormal in float32 (E4M3's smallest is 2^-9), but qmax == 0 must give E = -127
@@ -288,15 +307,19 @@ def _fp8_to_mxfp4_kernel(
         mult = pow2_f32(tl.minimum(S - E, 127))[:, :, None]
         E3 = E[:, :, None]
         nan3 = nan_blk[:, :, None]
-        codes = tl.zeros_like(w)
+        c16 = tl.zeros_like(w)
         for j in tl.static_range(2):
-            lo = e4m3_to_f32_bits((w >> (16 * j)) & 0xFF)
-            hi = e4m3_to_f32_bits((w >> (16 * j + 8)) & 0xFF)
+            lo8 = e4m3_to_f32_bits((w >> (16 * j)) & 0xFF)
+            hi8 = e4m3_to_f32_bits((w >> (16 * j + 8)) & 0xFF)
             # Saturate: where E hit its 127 ceiling, q * 2^(S-E) can exceed 6 (the reference saturates).
-            pair, _ = mx_encode_pairs(lo, hi, lo & 0x7FFFFFFF, hi & 0x7FFFFFFF, E3, nan3, mult, True)
-            codes |= pair << (8 * j)
+            pair, _ = mx_encode_pairs(lo8, hi8, lo8 & 0x7FFFFFFF, hi8 & 0x7FFFFFFF, E3, nan3, mult, True)
+            c16 |= pair << (8 * j)
+        c_lo, c_hi = tl.split(tl.reshape(c16, [BLOCK_M, NB, 2, 2, 2]))
+        codes = c_lo | (c_hi << 16)
     scale = tl.where(nan_blk, 255, E + 127)
-    tl.store(data_ptr + rows[:, None, None, None] * stride_dm + word, codes.to(tl.int16), mask=mask4)
+    out = ((kb * 4)[None, :, None, None] + (tl.arange(0, 2) * 2)[None, None, :, None]
+           + tl.arange(0, 2)[None, None, None, :])
+    tl.store(data_ptr + rows[:, None, None, None] * stride_dm + out, codes, mask=mask4)
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
@@ -360,11 +383,12 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
-                            block_m: int = 2, block_k: int = 512, num_warps: int = 1):
+                            block_m: int = 4, block_k: int = 1024, num_warps: int = 4, asm: bool | None = None):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
-    Defaults from bench/tune.py on the H200 (one-warp programs), chosen for the previous two-codes-
-    per-word kernel; the four-codes-per-word kernel has not been swept on a GPU yet."""
+    Defaults from bench/tune.py on the H200 (73% of copy at 32768 x 7168; one-warp programs stop at
+    32 resident programs, half the SM's warps). asm: None = the PTX lane maximum and byte gather on
+    CUDA outside the interpreter, True / False to force them or their pure-Triton twins."""
     m, k = data.shape
     assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)
     assert scale.dtype == torch.float32
@@ -373,12 +397,12 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
     if m == 0 or k == 0:
         return out, oscale
     words = words_view(data.contiguous().view(torch.uint8), torch.int32)
-    out_words = out.view(torch.int16)
+    out_words = out.view(torch.int32)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _fp8_to_mxfp4_kernel[grid](
         words, scale, out_words, oscale, m, k // MXFP4_BLOCK, words.stride(0),
         scale.stride(0), scale.stride(1), out_words.stride(0), oscale.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_K=block_k, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps,
     )
     return out, oscale

@@ -7,9 +7,20 @@ Conventions: "bits" are int32 float32 bit patterns; E8M0 bytes and exponents are
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Read once, like triton.jit itself, which decides at decoration time whether to interpret.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_asm(t: torch.Tensor) -> bool:
+    """Whether a kernel on t's device may take its inline-PTX path: CUDA, not the interpreter (which
+    cannot run PTX). Each such path has a pure-Triton twin that gives the same bits."""
+    return t.is_cuda and not _INTERPRET
 
 @triton.jit
 def ceil_log2_ratio_bits(amax_bits, M_LIMIT: tl.constexpr, LOG2_HI: tl.constexpr):
@@ -415,15 +426,37 @@ def e2m1x2_to_bf16x2(u, s):
 
 
 @triton.jit
-def max7x4(a, b):
-    """a, b: int32, four 7-bit values (0..127) in byte lanes -> int32, their lane-wise maximum.
+def max15x2(a, b):
+    """a, b: int32, two 15-bit values (0..0x7FFF) in 16-bit lanes -> int32, their lane-wise maximum:
+    the pure-Triton twin of max_u16x2_asm (the same result on these inputs).
 
-    (a | 0x80) - b is 0x80 + a - b in [1, 255] per lane (no borrow), so bit 7 = [a >= b]; that bit
-    minus itself shifted to bit 0 is 0x7F, a select mask wide enough for 7-bit lanes. (The shift is
-    arithmetic on int32: the mask after it drops the sign copies.)"""
-    d = ((a | -0x7F7F7F80) - b) & -0x7F7F7F80  # 0x80808080 as int32
-    keep = d - ((d >> 7) & 0x01010101)
+    (a | 0x8000) - b is 0x8000 + a - b in [1, 0xFFFF] per lane (no borrow), so bit 15 = [a >= b];
+    that bit minus itself shifted to bit 0 is 0x7FFF, a select mask wide enough for 15-bit lanes.
+    (The shift is arithmetic on int32: the mask after it drops the sign copies.)"""
+    d = ((a | -0x7FFF8000) - b) & -0x7FFF8000  # 0x80008000 as int32
+    keep = d - ((d >> 15) & 0x00010001)
     return b ^ ((a ^ b) & keep)
+
+
+@triton.jit
+def max_u16x2_asm(a, b):
+    """max15x2 as one PTX max.u16x2 (sm_90: one instruction for two lanes). CUDA only."""
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def bytes_0246(a, b):
+    """a, b: int32 -> int32 of bytes (a0, a2, b0, b2), byte 0 lowest: the pure-Triton twin of
+    bytes_0246_asm."""
+    return (a & 0xFF) | ((a >> 8) & 0xFF00) | ((b & 0xFF) << 16) | ((b << 8) & -0x1000000)  # 0xFF000000
+
+
+@triton.jit
+def bytes_0246_asm(a, b):
+    """bytes_0246 as one PTX prmt (selector 0x6420: bytes 0 and 2 of a, then of b). CUDA only."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -452,11 +485,3 @@ def e4m3x4_to_e2m1x4(w, sh):
     p0 = p1 ^ (xs - 0x29292929) ^ (xs - 0x3B3B3B3B) ^ (xs - 0x43434343) ^ z6
     return (((p0 >> 7) & 0x01010101) | ((p1 >> 6) & 0x02020202) | ((z3 >> 5) & 0x04040404)
             | ((w >> 4) & 0x08080808))
-
-
-@triton.jit
-def byte_lanes_to_nibbles(n):
-    """int32 with a 4-bit value in each byte lane -> int32 holding them packed in its low 16 bits
-    (lane i in bits 4i..4i+3): the inverse of nibbles_to_byte_lanes."""
-    t = n | (n >> 4)
-    return (t & 0xFF) | ((t >> 8) & 0xFF00)

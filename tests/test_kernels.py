@@ -16,8 +16,8 @@ from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
 from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
-from moe_fp4.kernels.triton_numerics import (byte_lanes_to_nibbles, e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne,
-                                             e4m3x4_to_e2m1x4, max7x4)
+from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne,
+                                             e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -96,15 +96,58 @@ def _probe_e4m3x4_to_e2m1x4_kernel(w_ptr, sh_ptr, out_ptr, n, BLOCK: tl.constexp
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     w = tl.load(w_ptr + i, mask=i < n, other=0)
     sh = tl.load(sh_ptr + i, mask=i < n, other=0)
-    tl.store(out_ptr + i, byte_lanes_to_nibbles(e4m3x4_to_e2m1x4(w, sh)).to(tl.int16), mask=i < n)
+    c = e4m3x4_to_e2m1x4(w, sh)
+    p = c + (c >> 4)                                  # the kernel's packing: MXFP4 bytes in bytes 0, 2
+    tl.store(out_ptr + i, bytes_0246(p, p).to(tl.int16), mask=i < n)
 
 
 @triton.jit
-def _probe_max7x4_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _probe_pairwise_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):
+    # OP 0: lane maximum (max15x2 / max.u16x2), OP 1: byte gather (bytes_0246 / prmt); ASM: the PTX form.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + i, mask=i < n, other=0)
     b = tl.load(b_ptr + i, mask=i < n, other=0)
-    tl.store(out_ptr + i, max7x4(a, b), mask=i < n)
+    if OP == 0:
+        if ASM:
+            r = max_u16x2_asm(a, b)
+        else:
+            r = max15x2(a, b)
+    else:
+        if ASM:
+            r = bytes_0246_asm(a, b)
+        else:
+            r = bytes_0246(a, b)
+    tl.store(out_ptr + i, r, mask=i < n)
+
+
+def _max15x2_inputs():
+    """Every pair of E4M3 magnitude bytes (0..127) in each 16-bit lane, as m and as m << 8 (the two
+    forms the FP8 -> MXFP4 kernel compares), beside random lanes of the same form ->
+    (a, b int32 words, want int32 lane-wise maximum)."""
+    a, b = torch.meshgrid(torch.arange(128, dtype=torch.int32), torch.arange(128, dtype=torch.int32), indexing="ij")
+    a, b = a.reshape(-1), b.reshape(-1)
+    g = torch.Generator().manual_seed(12)
+    words = []
+    for shift in (0, 8):
+        la, lb = (torch.randint(0, 128, (2 * a.numel(), 2), generator=g, dtype=torch.int32) << shift for _ in range(2))
+        for j in range(2):
+            la[j * a.numel():(j + 1) * a.numel(), j] = a << shift
+            lb[j * a.numel():(j + 1) * a.numel(), j] = b << shift
+        words.append((la, lb))
+    la, lb = torch.cat([w[0] for w in words]), torch.cat([w[1] for w in words])
+
+    def word(lanes):
+        return (lanes[:, 0] | (lanes[:, 1] << 16)).to(DEVICE)
+
+    return word(la), word(lb), word(torch.maximum(la, lb))
+
+
+def _bytes_0246_inputs(n=1 << 16):
+    g = torch.Generator().manual_seed(13)
+    a, b = (torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32) for _ in range(2))
+    ua, ub = a.view(torch.uint8).view(-1, 4), b.view(torch.uint8).view(-1, 4)
+    want = torch.stack([ua[:, 0], ua[:, 2], ub[:, 0], ub[:, 2]], dim=1).contiguous().view(torch.int32).view(-1)
+    return a.to(DEVICE), b.to(DEVICE), want.to(DEVICE)
 
 
 def _probe(kernel, n, *args, **kw):
@@ -168,21 +211,42 @@ def test_swar_e4m3_to_e2m1_every_byte_in_every_lane_at_every_shift():
     assert torch.equal(out.view(torch.uint8).view(-1, 2), want)
 
 
-def test_swar_max7x4_every_pair_in_every_lane():
-    a, b = torch.meshgrid(torch.arange(128, dtype=torch.int32), torch.arange(128, dtype=torch.int32), indexing="ij")
-    a, b = a.reshape(-1), b.reshape(-1)
-    g = torch.Generator().manual_seed(12)
-    la, lb = (torch.randint(0, 128, (4 * a.numel(), 4), generator=g, dtype=torch.int32) for _ in range(2))
-    for j in range(4):
-        la[j * a.numel():(j + 1) * a.numel(), j] = a
-        lb[j * a.numel():(j + 1) * a.numel(), j] = b
+def test_swar_max15x2_every_pair_in_every_lane():
+    a, b, want = _max15x2_inputs()
+    out = torch.empty_like(want)
+    _probe(_probe_pairwise_kernel, out.numel(), a, b, out, OP=0, ASM=False)
+    assert torch.equal(out, want)
 
-    def word(lanes):
-        return (lanes[:, 0] | (lanes[:, 1] << 8) | (lanes[:, 2] << 16) | (lanes[:, 3] << 24)).to(DEVICE)
 
-    out = torch.empty(la.shape[0], dtype=torch.int32, device=DEVICE)
-    _probe(_probe_max7x4_kernel, out.numel(), word(la), word(lb), out)
-    assert torch.equal(out, word(torch.maximum(la, lb)))
+def test_bytes_0246_gathers_bytes_0_and_2_of_each_word():
+    a, b, want = _bytes_0246_inputs()
+    out = torch.empty_like(want)
+    _probe(_probe_pairwise_kernel, out.numel(), a, b, out, OP=1, ASM=False)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [0, 1])
+def test_gpu_inline_ptx_equals_its_pure_triton_twin(op):
+    """max.u16x2 and prmt against max15x2 and bytes_0246: the same bits on the same inputs (the CPU
+    suite checks the twins; the interpreter cannot run PTX)."""
+    a, b, want = _max15x2_inputs() if op == 0 else _bytes_0246_inputs()
+    outs = []
+    for asm in (True, False):
+        out = torch.empty_like(want)
+        _probe(_probe_pairwise_kernel, out.numel(), a, b, out, OP=op, ASM=asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], want)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_to_mxfp4_inline_ptx_path_equals_the_twin_path():
+    """The FP8 -> MXFP4 kernel with its PTX lane maximum and byte gather against the same kernel with
+    the pure-Triton twins, bytes equal, on arbitrary FP8 (every path) and on realistic data."""
+    fd, fs = _random_fp8(4096, 7168, seed=14)
+    real = K8.quantize_fp8_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
+    for d, s in ((fd, fs), real):
+        _check(KMX.quantize_mxfp4_from_fp8(d, s, asm=True), KMX.quantize_mxfp4_from_fp8(d, s, asm=False))
 
 
 def test_bf16_decode_every_byte_times_every_scale_byte():

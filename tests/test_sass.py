@@ -1,7 +1,7 @@
 """bench/sass.py compiles the conversion kernels for sm_90a on a CPU-only machine (Triton's bundled
 cuobjdump) and counts their SASS per path. Also a structural check the count makes possible: the
-four-codes-per-word FP8 -> MXFP4 path keeps its data in registers (no shared memory), the property
-whose loss made the first SWAR decoders 4-6x slower (bench/RESULTS.md, issue 11)."""
+four-codes-per-word FP8 -> MXFP4 path keeps its data in registers (no layout conversion of a data
+tile), the property whose loss made the first SWAR decoders 4-6x slower (bench/RESULTS.md, issue 11)."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_uses_no_shared_memory():
+def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_converts_no_data_tile():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "fp8_to_mxfp4"], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
@@ -21,9 +21,11 @@ def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_uses_no_shared_mem
         parts = line.split()
         if parts and parts[0] == "fp8_to_mxfp4":
             rows[parts[1]] = dict(sass=int(parts[2]), per_thread=float(parts[3]), per_element=float(parts[4]),
-                                  shared=int(parts[6]))
+                                  largest_convert=int(parts[6]))
     assert set(rows) == {"both", "fast", "general"}, run.stdout
     assert rows["fast"]["per_thread"] == 32 and abs(rows["fast"]["per_element"] - rows["fast"]["sass"] / 32) < 0.006
     # Each path alone is shorter than the kernel holding both.
     assert rows["fast"]["sass"] < rows["both"]["sass"] and rows["general"]["sass"] < rows["both"]["sass"]
-    assert rows["fast"]["shared"] == 0, run.stdout
+    # The launcher's program is 4 rows x 32 blocks x 8 words: only per-block values (4 x 32) may
+    # change layout (the data tile, 1024 words, must not).
+    assert 0 < rows["fast"]["largest_convert"] <= 4 * 32, run.stdout
