@@ -19,6 +19,8 @@ from moe_fp4.kernels.triton_numerics import (
     tile_program,
     e2m1_decode_scaled,
     e2m1x4_to_e4m3x4,
+    e2m1x4_to_e4m3x4_asm,
+    e2m1x4_to_e4m3x4_tables,
     e4m3_rne,
     fp8_encode_tiles,
     mxfp4_tile_exponents,
@@ -28,6 +30,7 @@ from moe_fp4.kernels.triton_numerics import (
     nibbles_to_byte_lanes,
     pair_view,
     pow2_f32,
+    use_asm,
     words_view,
 )
 from moe_fp4.kernels.numerics import (
@@ -158,24 +161,30 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
 
 @triton.jit
 def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
-                         BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+                         BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # MXFP4 codes as int16 words (4 codes each: [M, K/4]) and FP8 bytes as int32 words (4 bytes each:
     # [M, K/4]): input word i becomes output word i. A program covers [BLOCK_M, TILES * 128] as
     # [BM, TILES, 4 blocks, 2, 4 words]: a last axis of 4 gives the int16 loads and the int32 stores
     # the same 4 words per thread, so both use one register layout (with an axis of 8 the compiler
     # picks 8 per thread for the 16-byte loads, 4 for the stores, and converts through shared memory).
+    # ASM (CUDA only) decodes with two prmt per word; the pure-Triton twin gives the same bits.
     rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     word = ((t * 32)[None, :, None, None, None] + (tl.arange(0, 4) * 8)[None, None, :, None, None]
             + (tl.arange(0, 2) * 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :])
     mask5 = mask4[:, :, :, :, None]
-    x = tl.load(d_ptr + rows[:, None, None, None, None] * stride_dm + word, mask=mask5, other=0).to(tl.int32) & 0xFFFF
+    x = tl.load(d_ptr + rows[:, None, None, None, None] * stride_dm + word, mask=mask5, other=0).to(tl.int32)
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
     sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
     nan, S, e_rel, normal = mxfp4_tile_exponents(sb, mask3)
     if normal:
         # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
         # four codes per integer operation.
-        q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x), (e_rel + 6)[:, :, :, None, None])
+        k = (e_rel + 6)[:, :, :, None, None]
+        if ASM:
+            t_lo, t_hi = e2m1x4_to_e4m3x4_tables(k)
+            q = e2m1x4_to_e4m3x4_asm(x, tl.broadcast_to(t_lo, x.shape), tl.broadcast_to(t_hi, x.shape))
+        else:
+            q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x & 0xFFFF), k)
     else:
         # General path, one code at a time: c * 2^(E - S) as exact fp32 bits (decoded with the
         # shifted byte E - S + 127; below 0 the values are under 6 * 2^-127 and round to zero like
@@ -228,10 +237,12 @@ def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 32, tiles: int = 1, n
 
 
 def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 4, tiles: int = 4,
-                         num_warps: int = 1):
+                         num_warps: int = 1, asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
     float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref. Defaults from
-    ``bench/tune.py`` on the H200 (one-warp programs: the per-program reductions stay in the warp)."""
+    ``bench/tune.py`` on the H200 (one-warp programs: the per-program reductions stay in the warp).
+    asm: None = the prmt decode on CUDA outside the interpreter, True / False to force it or its
+    pure-Triton twin."""
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)
@@ -244,7 +255,7 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
         ow = out.view(torch.int32)
         _mxfp4_to_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
             words, scale, ow, oscale, m, nt, words.stride(0), scale.stride(0), ow.stride(0),
-            BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+            BLOCK_M=block_m, TILES=tiles, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale
 
 

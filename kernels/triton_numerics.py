@@ -409,6 +409,41 @@ def e2m1x4_to_e4m3x4(u, k):
 
 
 @triton.jit
+def e2m1x4_to_e4m3x4_tables(k):
+    """k: int32 = 6 + e_rel, e_rel in [-5, 6] -> (lo, hi): int32 byte tables of the E4M3 magnitude
+    of E2M1 magnitudes 0..3 and 4..7 at 2^e_rel, the prmt operands of e2m1x4_to_e4m3x4_asm.
+
+    From e2m1x4_to_e4m3x4: magnitude 0 -> 0, 1 -> 8k, m >= 2 -> 4m + 8k; so the bytes are
+    (0, 8k, 8 + 8k, 12 + 8k) and (16, 20, 24, 28) + 8k, at most 124: no byte carries."""
+    return 0x0C080000 + k * 0x08080800, 0x1C181410 + k * 0x08080808
+
+
+@triton.jit
+def e2m1x4_to_e4m3x4_asm(x, lo, hi):
+    """x: int32 with four E2M1 codes in its low 16 bits (code i in bits 4i..4i+3); lo, hi: the tables
+    of e2m1x4_to_e4m3x4_tables(k) (same shape as x) -> int32 whose byte i is the E4M3 byte of code i
+    at 2^e_rel: e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x), k) in PTX (CUDA only).
+
+    One prmt looks up four magnitudes: the selector nibbles are the codes with their sign bits cleared
+    (a set bit 3 would ask prmt to replicate a byte's sign instead). The signs: a second prmt copies
+    x's bytes to (x0, x0, x1, x1), which puts the signs of codes 1 and 3 at bits 15 and 31 already;
+    those of codes 0 and 2 are at bits 3 and 19, four places short."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 sel, mag, dup, sgn;
+        and.b32 sel, $1, 0x7777;
+        prmt.b32 mag, $2, $3, sel;
+        prmt.b32 dup, $1, $1, 0x1100;
+        shl.b32 sgn, dup, 4;
+        and.b32 sgn, sgn, 0x00800080;
+        and.b32 dup, dup, 0x80008000;
+        or.b32 mag, mag, sgn;
+        or.b32 $0, mag, dup;
+        }""",
+        "=r,r,r,r", [x, lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def e2m1x2_to_bf16x2(u, s):
     """u: int32, one E2M1 code (0..15) in bits 0..3 and one in bits 16..19; s: int32 E8M0 byte in
     [2, 252] (broadcast) -> int32 of two BF16 bit patterns, code * 2^(s - 127) exactly.

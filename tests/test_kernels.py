@@ -15,9 +15,11 @@ from helpers import INPUT_KINDS, make_input, same_bits
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
-from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
-from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, e2m1_decode_scaled, e2m1_rne_mag, e4m3_rne,
-                                             e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm)
+from moe_fp4.kernels.numerics import decode_e2m1, encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
+from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, e2m1_decode_scaled, e2m1_rne_mag,
+                                             e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
+                                             e4m3_rne, e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm,
+                                             nibbles_to_byte_lanes)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -150,6 +152,32 @@ def _bytes_0246_inputs(n=1 << 16):
     return a.to(DEVICE), b.to(DEVICE), want.to(DEVICE)
 
 
+@triton.jit
+def _probe_e2m1x4_decode_kernel(x_ptr, k_ptr, out_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    # MXFP4 -> FP8's fast decode of four codes (x's low 16 bits) at k = 6 + e_rel; also its prmt tables.
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0)
+    k = tl.load(k_ptr + i, mask=i < n, other=0)
+    t_lo, t_hi = e2m1x4_to_e4m3x4_tables(k)
+    if ASM:
+        q = e2m1x4_to_e4m3x4_asm(x, t_lo, t_hi)
+    else:
+        q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x & 0xFFFF), k)
+    tl.store(out_ptr + i, q, mask=i < n)
+    tl.store(lo_ptr + i, t_lo, mask=i < n)
+    tl.store(hi_ptr + i, t_hi, mask=i < n)
+
+
+def _e2m1x4_decode(asm: bool):
+    """Every 16-bit word of four codes (upper half set to show it is ignored) at every k in [1, 12]
+    through the probe -> (q, lo table, hi table) int32 [12 * 65536], k int32."""
+    x = (torch.arange(65536, dtype=torch.int32) | (0x5A5A << 16)).repeat(12).to(DEVICE)
+    k = torch.arange(1, 13, dtype=torch.int32).repeat_interleave(65536).to(DEVICE)
+    q, lo, hi = (torch.empty_like(x) for _ in range(3))
+    _probe(_probe_e2m1x4_decode_kernel, x.numel(), x, k, q, lo, hi, ASM=asm)
+    return x, k, q, lo, hi
+
+
 def _probe(kernel, n, *args, **kw):
     kernel[(triton.cdiv(n, 1024),)](*args, n, BLOCK=1024, **kw)
 
@@ -216,6 +244,39 @@ def test_swar_max15x2_every_pair_in_every_lane():
     out = torch.empty_like(want)
     _probe(_probe_pairwise_kernel, out.numel(), a, b, out, OP=0, ASM=False)
     assert torch.equal(out, want)
+
+
+def test_e2m1x4_decode_every_word_at_every_shift_and_the_prmt_tables():
+    """The pure-Triton decode of four codes against the element rule (e2m1_to_e4m3 of each code at
+    2^e_rel), every 16-bit word at every k = 6 + e_rel; and the PTX form's operations replayed in torch
+    (prmt byte lookup with sign-cleared selectors, signs copied from bytes (x0, x0, x1, x1)) on the
+    tables the kernel builds, so the tables and the sign moves are checked without a GPU."""
+    x, k, q, lo, hi = _e2m1x4_decode(asm=False)
+    codes = torch.stack([(x >> (4 * i)) & 15 for i in range(4)], dim=1).cpu()           # [N, 4]
+    vals = decode_e2m1(codes) * exp2_int(k.cpu() - 6)[:, None]
+    want = encode_e4m3(vals).view(torch.uint8).to(torch.int32)
+    want = (want[:, 0] | (want[:, 1] << 8) | (want[:, 2] << 16) | (want[:, 3] << 24)).to(torch.int32)
+    assert torch.equal(q.cpu(), want)
+    table = torch.cat([lo.cpu().view(torch.uint8).view(-1, 4), hi.cpu().view(torch.uint8).view(-1, 4)], dim=1)
+    mag = torch.gather(table, 1, (codes & 7).long()).long()                             # prmt, sel & 0x7777
+    mag = mag[:, 0] | (mag[:, 1] << 8) | (mag[:, 2] << 16) | (mag[:, 3] << 24)
+    x0, x1 = x.cpu().long() & 0xFF, (x.cpu().long() >> 8) & 0xFF
+    dup = x0 | (x0 << 8) | (x1 << 16) | (x1 << 24)                                      # prmt 0x1100
+    replay = mag | ((dup << 4) & 0x00800080) | (dup & 0x80008000)
+    assert torch.equal(replay, want.long() & 0xFFFFFFFF)
+
+
+@pytest.mark.gpu
+def test_gpu_e2m1x4_decode_prmt_equals_its_pure_triton_twin():
+    assert torch.equal(_e2m1x4_decode(asm=True)[2], _e2m1x4_decode(asm=False)[2])
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_to_fp8_prmt_path_equals_the_twin_path():
+    d, s = _random_mxfp4(4096, 7168, seed=15)
+    real = KMX.quantize_mxfp4_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
+    for data, scale in ((d, s), real):
+        _check(K8.mxfp4_to_fp8_rowwise(data, scale, asm=True), K8.mxfp4_to_fp8_rowwise(data, scale, asm=False))
 
 
 def test_bytes_0246_gathers_bytes_0_and_2_of_each_word():
