@@ -17,8 +17,6 @@ from moe_fp4.kernels.triton_numerics import (
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
     e2m1x2_to_bf16x2,
-    e2m1x4_to_bf16x4_asm,
-    e2m1x4_to_bf16x4_tables,
     e4m3_to_f32_bits,
     e4m3x4_to_e2m1x4,
     load_pairs_as_f32_bits,
@@ -209,47 +207,32 @@ def _dequantize_mxfp4_kernel(
 @triton.jit
 def _dequantize_mxfp4_bf16_kernel(
     data_ptr, scale_ptr, out_ptr,
-    M, KB, stride_dm, stride_sm, stride_om,     # stride_dm in int16 words, stride_om in output pair words
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr,
+    M, KB, stride_dm, stride_sm, stride_om,     # stride_om in output pair words
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # MXFP4 codes as int16 words (four codes each; a block is 8 words), BF16 as int32 pair words: input
-    # word i becomes output words 2i and 2i + 1. A block is [8 / W, W] words; a thread's W words become
-    # its 2W output words by a join in registers, so loads and stores share one layout. ASM (CUDA
-    # only) decodes with prmt byte tables; the pure-Triton twin gives the same bits.
+    # Each MXFP4 byte (two codes) becomes one int32 word of two BF16, at the same index. A block's 16
+    # bytes are a [4, 4] axis pair: a last axis of 4 gives the byte loads and the word stores the same
+    # 4 elements per thread, so both use one register layout (see _mxfp4_to_fp8_kernel in fp8.py).
     NB: tl.constexpr = BLOCK_K // 32
-    G: tl.constexpr = 8 // W
     rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB)
-    word = ((kb * 8)[None, :, None, None] + (tl.arange(0, G) * W)[None, None, :, None]
-            + tl.arange(0, W)[None, None, None, :])
+    pair = ((kb * 16)[None, :, None, None] + (tl.arange(0, 4) * 4)[None, None, :, None]
+            + tl.arange(0, 4)[None, None, None, :])
     mask4 = mask3[:, :, :, None]
-    x = tl.load(data_ptr + rows[:, None, None, None] * stride_dm + word, mask=mask4, other=0).to(tl.int32)
+    b = tl.load(data_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=2).to(tl.int32)
     nan = (s == 255)[:, :, None, None]
     s_fin = tl.where(s == 255, 2, s)
-    s4 = s_fin[:, :, None, None]
+    s3 = s_fin[:, :, None, None]
     if (tl.min(s_fin) >= 2) & (tl.max(s_fin) <= 252):
-        # Every block's values are BF16 normals or zero (and finite): several codes per operation.
-        if ASM:
-            lo0, lo1, hi0, hi1 = e2m1x4_to_bf16x4_tables(s4)
-            w01, w23 = e2m1x4_to_bf16x4_asm(x, tl.broadcast_to(lo0, x.shape), tl.broadcast_to(lo1, x.shape),
-                                            tl.broadcast_to(hi0, x.shape), tl.broadcast_to(hi1, x.shape))
-        else:
-            # A byte times 0x1001 puts its low code in bits 0..3 and its high code in bits 16..19 (the
-            # other bits are ignored by e2m1x2_to_bf16x2).
-            w01 = e2m1x2_to_bf16x2((x & 0xFF) * 0x1001, s4)
-            w23 = e2m1x2_to_bf16x2(((x >> 8) & 0xFF) * 0x1001, s4)
+        # Every block's values are BF16 normals or zero (and finite): two codes per operation. The
+        # byte times 0x1001 puts its low code in bits 0..3 and its high code in bits 16..19 (the
+        # other bits are ignored by e2m1x2_to_bf16x2).
+        word = e2m1x2_to_bf16x2(b * 0x1001, s3)
     else:
         # Subnormal or overflowing blocks, one code at a time: exact fp32 bits, whose top half is
         # the BF16 value exactly (see _f32_bits_to_out).
-        w01 = (((e2m1_decode_scaled(x & 15, s4) >> 16) & 0xFFFF)
-               | (e2m1_decode_scaled((x >> 4) & 15, s4) & -65536))
-        w23 = (((e2m1_decode_scaled((x >> 8) & 15, s4) >> 16) & 0xFFFF)
-               | (e2m1_decode_scaled((x >> 12) & 15, s4) & -65536))
-    out = tl.reshape(tl.join(w01, w23), [BLOCK_M, NB, G, 2 * W])
-    out = tl.where(nan, 0x7FC07FC0, out)
-    pair = ((kb * 16)[None, :, None, None] + (tl.arange(0, G) * (2 * W))[None, None, :, None]
-            + tl.arange(0, 2 * W)[None, None, None, :])
-    tl.store(out_ptr + rows[:, None, None, None] * stride_om + pair, out, mask=mask4)
+        word = ((e2m1_decode_scaled(b & 15, s3) >> 16) & 0xFFFF) | (e2m1_decode_scaled(b >> 4, s3) & -65536)
+    tl.store(out_ptr + rows[:, None, None, None] * stride_om + pair, tl.where(nan, 0x7FC07FC0, word), mask=mask4)
 
 
 @triton.jit
@@ -365,13 +348,11 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k:
 
 
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     asm: bool | None = None):
+                     block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] (each with unit column stride; the rows may be
     strided, e.g. views of a received wire buffer) -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref).
-    Tuning defaults (bench/tune.py, H200): BF16 output (the four-codes-per-word kernel) 2 rows x
-    512 columns on 2 warps; FP16/FP32 4 x 1024 on 4 warps. asm (BF16 only): None = the prmt decode on
-    CUDA outside the interpreter, True / False to force it or its pure-Triton twin."""
+    Tuning defaults (bench/tune.py, H200): BF16 output (the two-codes-per-operation kernel) 2 rows x
+    512 columns on 2 warps; FP16/FP32 4 x 1024 on 4 warps."""
     bf16 = dtype == torch.bfloat16
     block_m = block_m or (2 if bf16 else 4)
     block_k = block_k or (512 if bf16 else 1024)
@@ -388,11 +369,9 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     if dtype == torch.bfloat16:
-        codes = words_view(data, torch.int16)
         _dequantize_mxfp4_bf16_kernel[grid](
-            codes, scale, words, m, k // MXFP4_BLOCK, codes.stride(0), scale.stride(0), words.stride(0),
-            BLOCK_M=block_m, BLOCK_K=block_k, W=2, ASM=use_asm(data) if asm is None else asm,
-            num_warps=num_warps,
+            data, scale, words, m, k // MXFP4_BLOCK, data.stride(0), scale.stride(0), words.stride(0),
+            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
         )
         return out
     _dequantize_mxfp4_kernel[grid](

@@ -444,48 +444,6 @@ def e2m1x4_to_e4m3x4_asm(x, lo, hi):
 
 
 @triton.jit
-def e2m1x4_to_bf16x4_tables(s):
-    """s: int32 E8M0 byte in [2, 252] -> (lo0, lo1, hi0, hi1): int32 byte tables of the low and high
-    bytes of the BF16 of E2M1 magnitudes 0..3 and 4..7 at 2^(s - 127), the prmt operands of
-    e2m1x4_to_bf16x4_asm. BF16 bits (e2m1x2_to_bf16x2): 0 -> 0, 1 -> (s - 1) << 7, and m >= 2 ->
-    (s - 1 + (m >> 1)) << 7 | (m & 1) << 6. With p = s & 1 and h = s >> 1, the high bytes are
-    (0, h - 1 + p, h, h) and (h + p, h + p, h + 1, h + 1); the low bytes (0, 128 (1 - p), 128 p,
-    128 p + 64) and (128 (1 - p), 128 (1 - p) + 64, 128 p, 128 p + 64)."""
-    p = s & 1
-    h = s >> 1
-    hi0 = h * 0x01010100 + (p - 1) * 0x100
-    hi1 = h * 0x01010101 + p * 0x0101 + 0x01010000
-    lo0 = (1 - p) * 0x8000 + p * -0x7F800000 + 0x40000000             # p * 0x80800000 as int32
-    lo1 = (1 - p) * 0x8080 + p * -0x7F800000 + 0x40004000
-    return lo0, lo1, hi0, hi1
-
-
-@triton.jit
-def e2m1x4_to_bf16x4_asm(x, lo0, lo1, hi0, hi1):
-    """x: int32 with four E2M1 codes in its low 16 bits (code i in bits 4i..4i+3); the tables of
-    e2m1x4_to_bf16x4_tables(s) (same shape as x) -> (int32 BF16 pair of codes 0, 1; int32 pair of
-    codes 2, 3): e2m1x2_to_bf16x2 of x's two bytes, in PTX (CUDA only). Two prmt look up the low and
-    high bytes of four BF16 (selectors: the codes with their sign bits cleared), the signs go to bit
-    7 of the high bytes as in e2m1x4_to_e4m3x4_asm, and two prmt interleave low and high bytes."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 sel, lob, hib, dup, sgn;
-        and.b32 sel, $2, 0x7777;
-        prmt.b32 lob, $3, $4, sel;
-        prmt.b32 hib, $5, $6, sel;
-        prmt.b32 dup, $2, $2, 0x1100;
-        shl.b32 sgn, dup, 4;
-        and.b32 sgn, sgn, 0x00800080;
-        and.b32 dup, dup, 0x80008000;
-        or.b32 hib, hib, sgn;
-        or.b32 hib, hib, dup;
-        prmt.b32 $0, lob, hib, 0x5140;
-        prmt.b32 $1, lob, hib, 0x7362;
-        }""",
-        "=r,=r,r,r,r,r,r", [x, lo0, lo1, hi0, hi1], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
 def e2m1x2_to_bf16x2(u, s):
     """u: int32, one E2M1 code (0..15) in bits 0..3 and one in bits 16..19; s: int32 E8M0 byte in
     [2, 252] (broadcast) -> int32 of two BF16 bit patterns, code * 2^(s - 127) exactly.

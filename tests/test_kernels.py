@@ -17,7 +17,6 @@ from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
 from moe_fp4.kernels.numerics import decode_e2m1, encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
 from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, e2m1_decode_scaled, e2m1_rne_mag,
-                                             e2m1x2_to_bf16x2, e2m1x4_to_bf16x4_asm, e2m1x4_to_bf16x4_tables,
                                              e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
                                              e4m3_rne, e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm,
                                              nibbles_to_byte_lanes)
@@ -179,45 +178,6 @@ def _e2m1x4_decode(asm: bool):
     return x, k, q, lo, hi
 
 
-@triton.jit
-def _probe_bf16_decode_kernel(x_ptr, s_ptr, out_ptr, tab_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    # MXFP4 -> BF16's fast decode of four codes (x's low 16 bits) at scale byte s: two BF16 pair
-    # words; also its four prmt tables.
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + i, mask=i < n, other=0)
-    s = tl.load(s_ptr + i, mask=i < n, other=2)
-    lo0, lo1, hi0, hi1 = e2m1x4_to_bf16x4_tables(s)
-    if ASM:
-        w01, w23 = e2m1x4_to_bf16x4_asm(x, lo0, lo1, hi0, hi1)
-    else:
-        w01 = e2m1x2_to_bf16x2((x & 0xFF) * 0x1001, s)
-        w23 = e2m1x2_to_bf16x2(((x >> 8) & 0xFF) * 0x1001, s)
-    tl.store(out_ptr + 2 * i, w01, mask=i < n)
-    tl.store(out_ptr + 2 * i + 1, w23, mask=i < n)
-    tl.store(tab_ptr + 4 * i, lo0, mask=i < n)
-    tl.store(tab_ptr + 4 * i + 1, lo1, mask=i < n)
-    tl.store(tab_ptr + 4 * i + 2, hi0, mask=i < n)
-    tl.store(tab_ptr + 4 * i + 3, hi1, mask=i < n)
-
-
-def _bf16_decode(asm: bool, every_word: bool):
-    """Words of four codes at every scale byte in [2, 252] through the probe: every 16-bit word, or
-    every code in every position (c * 0x1111) beside 1008 random words -> (x, s, out int32 [N, 2],
-    tables int32 [N, 4])."""
-    if every_word:
-        words = torch.arange(65536, dtype=torch.int32)
-    else:
-        rand = torch.randint(0, 65536, (1008,), generator=torch.Generator().manual_seed(17), dtype=torch.int32)
-        words = torch.cat([torch.arange(16, dtype=torch.int32) * 0x1111, rand])
-    scales = torch.arange(2, 253, dtype=torch.int32)
-    x = words.repeat(scales.numel()).to(DEVICE)
-    s = scales.repeat_interleave(words.numel()).to(DEVICE)
-    out = torch.empty(x.numel(), 2, dtype=torch.int32, device=DEVICE)
-    tab = torch.empty(x.numel(), 4, dtype=torch.int32, device=DEVICE)
-    _probe(_probe_bf16_decode_kernel, x.numel(), x, s, out, tab, ASM=asm)
-    return x, s, out, tab
-
-
 def _probe(kernel, n, *args, **kw):
     kernel[(triton.cdiv(n, 1024),)](*args, n, BLOCK=1024, **kw)
 
@@ -317,44 +277,6 @@ def test_gpu_mxfp4_to_fp8_prmt_path_equals_the_twin_path():
     real = KMX.quantize_mxfp4_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
     for data, scale in ((d, s), real):
         _check(K8.mxfp4_to_fp8_rowwise(data, scale, asm=True), K8.mxfp4_to_fp8_rowwise(data, scale, asm=False))
-
-
-def test_bf16_decode_of_four_codes_and_the_prmt_tables_at_every_scale_byte():
-    """The pure-Triton BF16 decode of four codes against the element rule, and the PTX form's
-    operations (prmt lookups of low and high bytes with sign-cleared selectors, signs from bytes
-    (x0, x0, x1, x1), interleave 0x5140 / 0x7362) replayed in torch on the kernel's tables: every
-    scale byte of the fast path; every word of four codes on a GPU, on CPU every code in every position
-    and random words (the interpreter is slow; each lane's decode is independent of the others)."""
-    x, s, out, tab = _bf16_decode(asm=False, every_word=DEVICE != "cpu")
-    x, s, out, tab = x.cpu().long(), s.cpu(), out.cpu().long() & 0xFFFFFFFF, tab.cpu()
-    codes = torch.stack([(x >> (4 * i)) & 15 for i in range(4)], dim=1)                  # [N, 4]
-    want = (decode_e2m1(codes) * exp2_int(s - 127)[:, None]).to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
-    assert torch.equal(out[:, 0], want[:, 0] | (want[:, 1] << 16))
-    assert torch.equal(out[:, 1], want[:, 2] | (want[:, 3] << 16))
-    t = tab.view(torch.uint8).view(-1, 4, 4).long()                                     # lo0, lo1, hi0, hi1 bytes
-    lob = torch.gather(torch.cat([t[:, 0], t[:, 1]], 1), 1, codes & 7)
-    hib = torch.gather(torch.cat([t[:, 2], t[:, 3]], 1), 1, codes & 7)
-    x0, x1 = x & 0xFF, (x >> 8) & 0xFF
-    dup = x0 | (x0 << 8) | (x1 << 16) | (x1 << 24)                                      # prmt 0x1100
-    sgn = ((dup << 4) & 0x00800080) | (dup & 0x80008000)
-    hib = hib | torch.stack([(sgn >> (8 * i)) & 0xFF for i in range(4)], dim=1)
-    w01 = lob[:, 0] | (hib[:, 0] << 8) | (lob[:, 1] << 16) | (hib[:, 1] << 24)          # prmt 0x5140
-    w23 = lob[:, 2] | (hib[:, 2] << 8) | (lob[:, 3] << 16) | (hib[:, 3] << 24)          # prmt 0x7362
-    assert torch.equal(w01, out[:, 0]) and torch.equal(w23, out[:, 1])
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_decode_prmt_equals_its_pure_triton_twin():
-    assert torch.equal(_bf16_decode(asm=True, every_word=True)[2], _bf16_decode(asm=False, every_word=True)[2])
-
-
-@pytest.mark.gpu
-def test_gpu_mxfp4_to_bf16_prmt_path_equals_the_twin_path():
-    d, s = _random_mxfp4(4096, 7168, seed=16)
-    real = KMX.quantize_mxfp4_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
-    for data, scale in ((d, s), real):
-        _check(KMX.dequantize_mxfp4(data, scale, torch.bfloat16, asm=True),
-               KMX.dequantize_mxfp4(data, scale, torch.bfloat16, asm=False))
 
 
 def test_bytes_0246_gathers_bytes_0_and_2_of_each_word():
