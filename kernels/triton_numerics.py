@@ -7,6 +7,7 @@ Conventions: "bits" are int32 float32 bit patterns; E8M0 bytes and exponents are
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -17,10 +18,17 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def use_asm(t: torch.Tensor) -> bool:
-    """Whether a kernel on t's device may take its inline-PTX path: CUDA, not the interpreter (which
-    cannot run PTX). Each such path has a pure-Triton twin that gives the same bits."""
-    return t.is_cuda and not _INTERPRET
+    """Whether a kernel on t's device may take its inline-PTX path: CUDA sm_90 or newer (max.u16x2
+    needs sm_90), not the interpreter (which cannot run PTX). Each such path has a pure-Triton twin
+    that gives the same bits."""
+    return t.is_cuda and not _INTERPRET and _sm90_or_newer(t.device.index if t.device.index is not None
+                                                           else torch.cuda.current_device())
 
 @triton.jit
 def ceil_log2_ratio_bits(amax_bits, M_LIMIT: tl.constexpr, LOG2_HI: tl.constexpr):
