@@ -6,7 +6,8 @@
 No GPU needed: Triton compiles for GPUTarget("cuda", 90, 32) with the divisibility a real launch
 specializes on (pointers and strides divisible by 16) and disassembles with its bundled cuobjdump.
 Instructions per element = SASS lines / elements per thread of one program at the launcher's default
-configuration. For a kernel with a per-program fast path and a general path, ``--path fast`` /
+configuration, with the integer arguments marked divisible by 16 where they are at 32768 x 7168 (as
+a launch of that shape specializes them). For a kernel with a per-program fast path and a general path, ``--path fast`` /
 ``general`` compiles a copy of its module with the branch condition replaced by True / False, so the
 count is the one path's straight-line code (the kernels have no loops). Static counts are a proxy:
 the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
@@ -53,7 +54,18 @@ KERNELS = {
                       dict(x_ptr="*i32", data_ptr="*u8", scale_ptr="*u8", M=I32, KB=I32, stride_xm=I32,
                            stride_dm=I32, stride_sm=I32),
                       dict(IN_KIND=0, BLOCK_M=8, BLOCK_K=1024), 4, 8 * 1024, None),
+    "mxfp4_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_mxfp4_to_fp8_colwise_kernel",
+                             dict(d_ptr="*u8", s_ptr="*u8", o_ptr="*u8", os_ptr="*fp32", M=I32, K=I32, KB=I32,
+                                  stride_dm=I32, stride_sm=I32),
+                             dict(BLOCK_T=128, NB=1), 4, 128 * 32, "    if lowest >= -5"),
+    "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
+                           dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, K=I32),
+                           dict(BLOCK_T=128, BLOCK_K=32), 4, 128 * 32, None),
 }
+# Integer arguments at the shape bench/instructions.py profiles (32768 x 7168). A launch specializes
+# an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
+# kernels' rows of M bytes), so these are marked divisible exactly when their value is.
+ARG_VALUES = {"M": 32768, "K": 7168, "KB": 7168 // 32, "NT": 7168 // 128}
 
 
 def _module(name: str, branch: str | None, value: str | None):
@@ -78,7 +90,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n.startswith("stride")}
+             if sig[n].startswith("*") or n.startswith("stride") or ARG_VALUES.get(n, 1) % 16 == 0}
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
@@ -125,7 +137,7 @@ def main() -> None:
         ap.error(f"unknown kernel(s) {unknown}; choose from {list(KERNELS)}")
     a.kernels = a.kernels or list(KERNELS)
     print(f"triton {triton.__version__}, sm_90a; SASS instructions without NOPs, per element of one thread's share")
-    print(f"{'kernel':<15} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} "
+    print(f"{'kernel':<21} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} "
           f"{'largest':>8} {'shared B':>8}")
     for name in a.kernels:
         paths = ["both", "fast", "general"] if a.path == "all" else [a.path]
@@ -133,7 +145,7 @@ def main() -> None:
             paths = ["both"]
         for p in paths:
             r = count(name, p, a.dump)
-            print(f"{name:<15} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
+            print(f"{name:<21} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
                   f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8}", flush=True)
 
 
