@@ -241,8 +241,8 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
     float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref. Defaults from
     ``bench/tune.py`` on the H200 (one-warp programs: the per-program reductions stay in the warp).
-    asm: None = the prmt decode on CUDA outside the interpreter, True / False to force it or its
-    pure-Triton twin."""
+    asm: None = the prmt decode on sm_90+ outside the interpreter (use_asm), True / False to force it
+    or its pure-Triton twin."""
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
     block_program,
+    bytes_0246,
+    bytes_0246_asm,
     ceil_log2_ratio_bits,
     e2m1_decode_scaled,
     e2m1x2_to_bf16x2,
@@ -22,13 +24,11 @@ from moe_fp4.kernels.triton_numerics import (
     load_pairs_as_f32_bits,
     max15x2,
     max_u16x2_asm,
-    bytes_0246,
-    bytes_0246_asm,
-    use_asm,
     mx_encode_pairs,
     mx_scale_exp,
     pair_view,
     pow2_f32,
+    use_asm,
     words_view,
 )
 from moe_fp4.kernels.numerics import (
@@ -388,7 +388,7 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
     Defaults from bench/tune.py on the H200 (73% of copy at 32768 x 7168; one-warp programs stop at
     32 resident programs, half the SM's warps). asm: None = the PTX lane maximum and byte gather on
-    CUDA outside the interpreter, True / False to force them or their pure-Triton twins."""
+    sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins."""
     m, k = data.shape
     assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)
     assert scale.dtype == torch.float32

@@ -30,6 +30,7 @@ def use_asm(t: torch.Tensor) -> bool:
     return t.is_cuda and not _INTERPRET and _sm90_or_newer(t.device.index if t.device.index is not None
                                                            else torch.cuda.current_device())
 
+
 @triton.jit
 def ceil_log2_ratio_bits(amax_bits, M_LIMIT: tl.constexpr, LOG2_HI: tl.constexpr):
     """int32 fp32-bits of amax (finite, >= 0) -> int32 smallest X with amax <= (1+m_limit)*2^(LOG2_HI+X).
