@@ -55,9 +55,9 @@ KERNELS = {
                            stride_dm=I32, stride_sm=I32),
                       dict(IN_KIND=0, BLOCK_M=8, BLOCK_K=1024), 4, 8 * 1024, None),
     "mxfp4_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_mxfp4_to_fp8_colwise_kernel",
-                             dict(d_ptr="*u8", s_ptr="*u8", o_ptr="*u8", os_ptr="*fp32", M=I32, K=I32, KB=I32,
-                                  stride_dm=I32, stride_sm=I32),
-                             dict(BLOCK_T=128, NB=1), 4, 128 * 32, "    if lowest >= -5"),
+                             dict(d_ptr="*u8", s_ptr="*u8", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
+                                  KB=I32, stride_dm=I32, stride_sm=I32),
+                             dict(NB=2, WORDS=True, ASM=True), 1, 128 * 64, "    if tl.min(e_low - e_top)"),
     "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
                            dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, K=I32),
                            dict(BLOCK_T=128, BLOCK_K=32), 4, 128 * 32, None),
@@ -65,7 +65,7 @@ KERNELS = {
 # Integer arguments at the shape bench/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
 # kernels' rows of M bytes), so these are marked divisible exactly when their value is.
-ARG_VALUES = {"M": 32768, "K": 7168, "KB": 7168 // 32, "NT": 7168 // 128}
+ARG_VALUES = {"M": 32768, "M4": 32768 // 4, "K": 7168, "KB": 7168 // 32, "NT": 7168 // 128}
 
 
 def _module(name: str, branch: str | None, value: str | None):

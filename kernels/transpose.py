@@ -13,12 +13,17 @@ import triton.language as tl
 
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.triton_numerics import (
+    bytes_transpose4x4,
+    bytes_transpose4x4_asm,
     e2m1_decode_scaled,
-    e2m1_to_e4m3_normal,
+    e2m1_pairs_to_base_flagged,
+    e2m1_pairs_to_base_flagged_asm,
     e4m3_rne,
     e4m3_to_f32_bits,
     fp8_scale_exp,
+    max_u16x2_asm,
     pow2_f32,
+    use_asm,
 )
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
@@ -90,57 +95,155 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
-                                 BLOCK_T: tl.constexpr, NB: tl.constexpr):
-    # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
+def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
+                           NB: tl.constexpr):
+    # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: every input (any
+    # block more than 11 binades under its column maximum, any M). Per block, two passes over chunks
+    # of 32 tokens (column maxima, then encode and store), so a one-warp program holds 16 byte pairs
+    # per thread instead of the tile's 64 per block (which would spill).
+    CH: tl.constexpr = 32
+    p = tl.arange(0, 16)
+    c = tl.arange(0, CH)
+    for b in tl.static_range(NB):
+        kb = pid_k * NB + b
+        if kb < KB:
+            # floor(log2 |c|) for magnitudes 1..7 (0.5, 1, 1.5, 2, 3, 4, 6) is (m >> 1) - 1; zero and
+            # NaN elements get a sentinel below every real exponent. Column amax = m * 2^e with m in
+            # {1, 1.5}, so ceil(log2(amax / 448)) = e - 8 exactly (1.5 <= 1.75).
+            l_lo = tl.full([16], -100000, tl.int32)
+            l_hi = tl.full([16], -100000, tl.int32)
+            for ch in tl.range(0, 128 // CH):
+                tok = pid_t.to(tl.int64) * 128 + ch * CH + c
+                byte = tl.load(d_ptr + tok[:, None] * stride_dm + kb * 16 + p[None, :],
+                               mask=(tok < M)[:, None], other=0).to(tl.int32)
+                sb = tl.load(s_ptr + tok * stride_sm + kb, mask=tok < M, other=255).to(tl.int32)[:, None]
+                m_lo = byte & 7
+                m_hi = (byte >> 4) & 7
+                l_lo = tl.maximum(l_lo, tl.max(tl.where((m_lo == 0) | (sb == 255), -100000, (m_lo >> 1) + sb - 128), axis=0))
+                l_hi = tl.maximum(l_hi, tl.max(tl.where((m_hi == 0) | (sb == 255), -100000, (m_hi >> 1) + sb - 128), axis=0))
+            S_lo = tl.minimum(tl.maximum(l_lo - 8, -126), 127)
+            S_hi = tl.minimum(tl.maximum(l_hi - 8, -126), 127)
+            col = kb * 32 + 2 * p                                                   # lo codes' columns
+            for ch in tl.range(0, 128 // CH):
+                tok = pid_t.to(tl.int64) * 128 + ch * CH + c
+                tmask = tok < M
+                byte = tl.load(d_ptr + tok[:, None] * stride_dm + kb * 16 + p[None, :],
+                               mask=tmask[:, None], other=0).to(tl.int32)
+                sb = tl.load(s_ptr + tok * stride_sm + kb, mask=tmask, other=0).to(tl.int32)[:, None]
+                # c * 2^(E - S) as exact fp32 bits (decoded with the shifted byte E - S + 127; below 0
+                # the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
+                q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, tl.maximum(sb - S_lo[None, :], 0)).to(tl.float32, bitcast=True))
+                q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, tl.maximum(sb - S_hi[None, :], 0)).to(tl.float32, bitcast=True))
+                q_lo = tl.where(sb == 255, 0x7F, q_lo).to(tl.uint8)
+                q_hi = tl.where(sb == 255, 0x7F, q_hi).to(tl.uint8)
+                # Transposed store: out[k, token], tokens the fastest axis (a shared-memory transpose).
+                off = col[:, None].to(tl.int64) * M + tok[None, :]
+                tl.store(o_ptr + off, tl.trans(q_lo), mask=tmask[None, :])
+                tl.store(o_ptr + off + M, tl.trans(q_hi), mask=tmask[None, :])
+            soff = pid_t.to(tl.int64) * K + col
+            tl.store(os_ptr + soff, pow2_f32(S_lo))
+            tl.store(os_ptr + soff + 1, pow2_f32(S_hi))
+
+
+@triton.jit
+def _max_u16x2_combine(a, b):
+    return max_u16x2_asm(a, b)
+
+
+@triton.jit
+def _column_max_byte(p, ASM: tl.constexpr):
+    """p: int32 [4, NB, 4, 8] of byte lanes (values 0..255) -> int32 [NB, 4]: the largest lane over
+    axes 0 and 3 and the four lanes of each word. ASM: max.u16x2 on p and on p << 8 (the high byte
+    of each 16-bit lane compares first, so high bytes of a running maximum are exact: p's give
+    lanes 1 and 3, p << 8's lanes 0 and 2)."""
+    if ASM:
+        v = max_u16x2_asm(p, p << 8)
+        r = tl.reduce(tl.reduce(v, 3, _max_u16x2_combine), 0, _max_u16x2_combine)
+        return tl.maximum((r >> 24) & 0xFF, (r >> 8) & 0xFF)
+    else:
+        v = tl.maximum(tl.maximum(p & 0xFF, (p >> 8) & 0xFF), tl.maximum((p >> 16) & 0xFF, (p >> 24) & 0xFF))
+        return tl.max(tl.max(v, axis=3), axis=0)
+
+
+@triton.jit
+def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
+                                 NB: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+    # A program: one tile of 128 tokens x NB MXFP4 blocks of columns. WORDS (M % 4 == 0, rows
+    # 4-byte aligned): programs whose blocks all lie within 11 binades of their tile's largest block
+    # take the SWAR path below, the others (and every program without WORDS) _mxfp4_colwise_general.
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tok = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    kb = pid_k * NB + tl.arange(0, NB)
-    p = tl.arange(0, 16)
-    mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
-    mask3 = mask2[:, :, None]
-    pair = (kb * 16)[None, :, None] + p[None, None, :]
-    byte = tl.load(d_ptr + tok[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
-    nan = (sb == 255)[:, :, None]
-    c_lo = byte & 15
-    c_hi = byte >> 4
-    # floor(log2 |c|) for magnitudes 1..7 (0.5, 1, 1.5, 2, 3, 4, 6) is (m >> 1) - 1; zero and NaN
-    # elements get a sentinel below every real exponent. Column amax = m * 2^e with m in {1, 1.5},
-    # so ceil(log2(amax / 448)) = e - 8 exactly (1.5 <= 1.75).
-    e_blk = (sb - 127)[:, :, None]
-    m_lo = c_lo & 7
-    m_hi = c_hi & 7
-    l_lo = tl.where((m_lo == 0) | nan, -100000, (m_lo >> 1) - 1 + e_blk)
-    l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
-    S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
-    S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
-    rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
-    rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
-    # A lower bound of every E_row - S_col, from per-block and per-column values only.
-    lowest = tl.min(tl.where((sb == 255) | ~mask2, 1000, sb - 127)) - tl.maximum(tl.max(S_lo), tl.max(S_hi))
-    if lowest >= -5:
-        # No row block more than 11 binades under its column maximum: values are normals or zero.
-        q_lo = e2m1_to_e4m3_normal(c_lo, rel_lo)
-        q_hi = e2m1_to_e4m3_normal(c_hi, rel_hi)
+    if not WORDS:
+        _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k, NB)
+        return
+    # Tokens as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql. A quad's four tokens become
+    # the four bytes of one output word (out[k, 4q:4q + 4]); the layout the loads give (a block's
+    # four words in one thread, quads across lanes and registers) keeps the quad split in registers.
+    qr = tl.arange(0, 4)
+    ql = tl.arange(0, 8)
+    i4 = tl.arange(0, 4)
+    nb = pid_k * NB + tl.arange(0, NB)
+    wb = tl.arange(0, 4)
+    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
+    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    kbm = nb < KB
+    mask4 = (tok < M)[:, None, :, :] & kbm[None, :, None, None]                      # [4, NB, 8, 4]
+    sb = tl.load(s_ptr + tok[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
+                 other=0).to(tl.int32)
+    nan = sb == 255
+    valid = mask4 & ~nan
+    e = sb - 127
+    e_top = tl.max(tl.max(tl.max(tl.where(valid, e, -1000), axis=3), axis=2), axis=0)        # [NB]
+    e_low = tl.min(tl.min(tl.min(tl.where(valid, e, 1000), axis=3), axis=2), axis=0)
+    if tl.min(e_low - e_top) >= -11:
+        # Every element is c * 2^(E - S) with E - S >= -5 (S >= E_top - 6 whenever the column has
+        # a nonzero, E >= E_top - 11): a zero or an E4M3 normal, four tokens per integer operation.
+        # P = B(m) + [m != 0](8 k0 - 1) with k0 = 6 + E - S_ref, S_ref = E_top - 20 <= every S, is
+        # the E4M3 byte of the element at scale 2^S_ref (k0 in [15, 26]: lanes <= 236, no carry),
+        # so the column's largest P gives S, and P - 8 (S - S_ref) [m != 0] the output byte.
+        dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
+        word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
+        mask5 = mask4[:, :, None, :, :]
+        x = tl.load(dw_ptr + tok[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
+        k8 = tl.where(valid, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
+        kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
+        nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
+        x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
+        xe, xo = x.reshape(4, NB, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
+        x0, x2 = xe.split()
+        x1, x3 = xo.split()
+        if ASM:
+            b0, b1, b2, b3 = bytes_transpose4x4_asm(x0, x1, x2, x3)
+        else:
+            b0, b1, b2, b3 = bytes_transpose4x4(x0, x1, x2, x3)
+        s_ref = (e_top - 20)[:, None]
+        qg = pid_t * 32 + quad
+        omask = kbm[None, :, None, None] & (qg < M4)[:, None, None, :]
+        col0 = (nb * 32)[:, None] + (wb * 8)[None, :]                                 # [NB, 4]
+        obase = o_ptr.to(tl.pointer_type(tl.int32)) + col0[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
+        for j in tl.static_range(4):
+            # b_j: byte j of the four tokens' words = codes of columns 8 w + 2j (lo) and + 1 (hi).
+            bj = b0 if j == 0 else (b1 if j == 1 else (b2 if j == 2 else b3))
+            if ASM:
+                lo, hi = e2m1_pairs_to_base_flagged_asm(bj)
+            else:
+                lo, hi = e2m1_pairs_to_base_flagged(bj)
+            for h in tl.static_range(2):
+                w = lo if h == 0 else hi
+                fm = (w & 0x01010101) * 255                                          # 0xFF per nonzero
+                pw = w + (kq & fm)
+                sgn = (((bj << 4) if h == 0 else bj) & -0x7F7F7F80) | nq             # 0x80808080
+                pmax = _column_max_byte(pw, ASM)
+                # The largest P's exponent field is floor(log2 amax) + 7 - S_ref, so S = that - 15 + S_ref
+                # (floor(log2 amax) - 8); a column of zeros (pmax 0) gets the floor 2^-126.
+                S = tl.maximum(tl.where(pmax > 0, (pmax >> 3) - 15 + s_ref, -126), -126)
+                d = tl.where(pmax > 0, 8 * (S - s_ref), 0) * 0x01010101
+                out = pw - (d[None, :, :, None] & fm) + sgn
+                tl.store(obase + (2 * j + h) * M4, out, mask=omask)
+                col = col0 + 2 * j + h
+                tl.store(os_ptr + pid_t.to(tl.int64) * K + col, pow2_f32(S), mask=kbm[:, None])
     else:
-        q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
-        q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
-    q_lo = tl.where(nan, 0x7F, q_lo).to(tl.uint8)
-    q_hi = tl.where(nan, 0x7F, q_hi).to(tl.uint8)
-    # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
-    # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
-    # the fastest axis, so each output row segment is written by consecutive threads.
-    col = (kb * 32)[:, None, None] + 2 * p[None, :, None]
-    off = col.to(tl.int64) * M + tok[None, None, :]
-    mask_t = tl.permute(mask3, (1, 2, 0))
-    tl.store(o_ptr + off, tl.permute(q_lo, (1, 2, 0)), mask=mask_t)
-    tl.store(o_ptr + off + M, tl.permute(q_hi, (1, 2, 0)), mask=mask_t)
-    mask_c = (kb < KB)[:, None]
-    soff = pid_t.to(tl.int64) * K + (kb * 32)[:, None] + 2 * p[None, :]
-    tl.store(os_ptr + soff, pow2_f32(S_lo), mask=mask_c)
-    tl.store(os_ptr + soff + 1, pow2_f32(S_hi), mask=mask_c)
+        _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k, NB)
 
 
 @triton.jit
@@ -166,9 +269,13 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
     tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S), mask=cols < K)
 
 
-def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 1, num_warps: int = 4):
+def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, num_warps: int = 1,
+                         asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
-    [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref."""
+    [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. nb: MXFP4 blocks of
+    columns per program (a power of two). With M % 4 == 0 the kernel writes four tokens per 32-bit
+    word (SWAR); asm: None = its prmt / max.u16x2 forms on sm_90+ outside the interpreter (use_asm),
+    True / False to force them or their pure-Triton twins."""
     m, half_k = data.shape
     k = 2 * half_k
     kb = k // MXFP4_BLOCK
@@ -176,10 +283,13 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 1, n
     nt = triton.cdiv(m, FP8_TILE)
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
+        if data.stride(1) != 1 or data.stride(0) % 4 or data.data_ptr() % 4:
+            data = data.contiguous() if data.stride(1) != 1 else data.clone()
+        scale = scale if scale.stride(1) == 1 else scale.contiguous()
         nb = min(nb, triton.next_power_of_2(kb))
         _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
-            data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
-            BLOCK_T=FP8_TILE, NB=nb, num_warps=num_warps)
+            data, scale, out.view(torch.uint8), oscale, m, m // 4, k, kb, data.stride(0), scale.stride(0),
+            NB=nb, WORDS=m % 4 == 0, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale
 
 

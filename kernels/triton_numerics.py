@@ -529,3 +529,76 @@ def e4m3x4_to_e2m1x4(w, sh):
     p0 = p1 ^ (xs - 0x29292929) ^ (xs - 0x3B3B3B3B) ^ (xs - 0x43434343) ^ z6
     return (((p0 >> 7) & 0x01010101) | ((p1 >> 6) & 0x02020202) | ((z3 >> 5) & 0x04040404)
             | ((w >> 4) & 0x08080808))
+
+
+# Row -> column SWAR (mxfp4_to_fp8_colwise): four tokens' words become eight columns' words.
+
+@triton.jit
+def bytes_transpose4x4(x0, x1, x2, x3):
+    """x0..x3: int32 -> (b0, b1, b2, b3), byte i of b_j = byte j of x_i (a 4 x 4 byte transpose):
+    the pure-Triton twin of bytes_transpose4x4_asm. (Shifts are arithmetic: each field is masked or
+    shifted to the top.)"""
+    b0 = (x0 & 0xFF) | ((x1 & 0xFF) << 8) | ((x2 & 0xFF) << 16) | (x3 << 24)
+    b1 = ((x0 >> 8) & 0xFF) | (x1 & 0xFF00) | ((x2 & 0xFF00) << 8) | ((x3 >> 8) << 24)
+    b2 = ((x0 >> 16) & 0xFF) | ((x1 >> 8) & 0xFF00) | (x2 & 0xFF0000) | ((x3 >> 16) << 24)
+    b3 = ((x0 >> 24) & 0xFF) | ((x1 >> 16) & 0xFF00) | ((x2 >> 8) & 0xFF0000) | (x3 & -0x1000000)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def bytes_transpose4x4_asm(x0, x1, x2, x3):
+    """bytes_transpose4x4 as eight PTX prmt (CUDA only): pairs (x0, x1) and (x2, x3) interleave their
+    bytes 0-1 and 2-3 (selectors 0x5140, 0x7362), then the half-words of those pairs interleave
+    (0x5410, 0x7632)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t0, t1, t2, t3;
+        prmt.b32 t0, $4, $5, 0x5140;
+        prmt.b32 t1, $4, $5, 0x7362;
+        prmt.b32 t2, $6, $7, 0x5140;
+        prmt.b32 t3, $6, $7, 0x7362;
+        prmt.b32 $0, t0, t2, 0x5410;
+        prmt.b32 $1, t0, t2, 0x7632;
+        prmt.b32 $2, t1, t3, 0x5410;
+        prmt.b32 $3, t1, t3, 0x7632;
+        }""",
+        "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1_pairs_to_base_flagged(b):
+    """b: int32, four bytes of two E2M1 codes each (lo nibble, hi nibble) -> (lo, hi): int32 whose
+    byte i is B(m) of the magnitude m = code & 7 of byte i's lo / hi code, the pure-Triton twin of
+    e2m1_pairs_to_base_flagged_asm.
+
+    B(m) = 4m + 4[m >= 2] - 3[m >= 1] = 0, 1, 9, 13, 17, 21, 25, 29: the E4M3 byte of m * 2^(k - 6)
+    minus 8k (e2m1x4_to_e4m3x4: 4m + 4[m >= 2] + [m != 0](8k - 4)) plus a nonzero flag in bit 0.
+    So B(m) + [m != 0](8k - 1) is that E4M3 byte, and B(m) >> 3 = floor(log2(m / 2)) + 1 for m != 0.
+    """
+    m_lo = b & 0x07070707
+    m_hi = (b >> 4) & 0x07070707
+    lo = m_lo * 4 + ((m_lo + 0x06060606) >> 1 & 0x04040404) - 3 * ((m_lo + 0x07070707) >> 3 & 0x01010101)
+    hi = m_hi * 4 + ((m_hi + 0x06060606) >> 1 & 0x04040404) - 3 * ((m_hi + 0x07070707) >> 3 & 0x01010101)
+    return lo, hi
+
+
+@triton.jit
+def e2m1_pairs_to_base_flagged_asm(b):
+    """e2m1_pairs_to_base_flagged in PTX (CUDA only): the eight B(m) bytes are two prmt tables
+    (0x0D090100, 0x1D191511); a prmt selector nibble with bit 3 set would replicate a sign, so the
+    codes' sign bits are cleared first. Lookups of byte pairs (lo0, hi0, lo1, hi1) and (lo2, hi2,
+    lo3, hi3) are split into the lo and hi words by two more prmt (0x6420, 0x7531)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 sel, tlo, thi, r0, r1;
+        mov.b32 tlo, 0x0D090100;
+        mov.b32 thi, 0x1D191511;
+        and.b32 sel, $2, 0x77777777;
+        prmt.b32 r0, tlo, thi, sel;
+        shr.b32 sel, sel, 16;
+        prmt.b32 r1, tlo, thi, sel;
+        prmt.b32 $0, r0, r1, 0x6420;
+        prmt.b32 $1, r0, r1, 0x7531;
+        }""",
+        "=r,=r,r", [b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)

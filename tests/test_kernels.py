@@ -16,7 +16,9 @@ from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
 from moe_fp4.kernels.numerics import decode_e2m1, encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
-from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, e2m1_decode_scaled, e2m1_rne_mag,
+from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, bytes_transpose4x4, bytes_transpose4x4_asm,
+                                             e2m1_decode_scaled, e2m1_pairs_to_base_flagged,
+                                             e2m1_pairs_to_base_flagged_asm, e2m1_rne_mag,
                                              e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
                                              e4m3_rne, e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm,
                                              nibbles_to_byte_lanes)
@@ -286,6 +288,82 @@ def test_bytes_0246_gathers_bytes_0_and_2_of_each_word():
     assert torch.equal(out, want)
 
 
+@triton.jit
+def _probe_colwise_swar_kernel(x_ptr, out_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    # Four words in, (b0..b3) = bytes_transpose4x4 and (lo, hi) of b0..b3 out: 12 words per row.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x0 = tl.load(x_ptr + 4 * offs, mask=mask)
+    x1 = tl.load(x_ptr + 4 * offs + 1, mask=mask)
+    x2 = tl.load(x_ptr + 4 * offs + 2, mask=mask)
+    x3 = tl.load(x_ptr + 4 * offs + 3, mask=mask)
+    if ASM:
+        b0, b1, b2, b3 = bytes_transpose4x4_asm(x0, x1, x2, x3)
+    else:
+        b0, b1, b2, b3 = bytes_transpose4x4(x0, x1, x2, x3)
+    tl.store(out_ptr + 12 * offs, b0, mask=mask)
+    tl.store(out_ptr + 12 * offs + 1, b1, mask=mask)
+    tl.store(out_ptr + 12 * offs + 2, b2, mask=mask)
+    tl.store(out_ptr + 12 * offs + 3, b3, mask=mask)
+    for j in tl.static_range(4):
+        b = b0 if j == 0 else (b1 if j == 1 else (b2 if j == 2 else b3))
+        if ASM:
+            lo, hi = e2m1_pairs_to_base_flagged_asm(b)
+        else:
+            lo, hi = e2m1_pairs_to_base_flagged(b)
+        tl.store(out_ptr + 12 * offs + 4 + 2 * j, lo, mask=mask)
+        tl.store(out_ptr + 12 * offs + 5 + 2 * j, hi, mask=mask)
+
+
+def _colwise_swar_probe(asm: bool):
+    """Random words with every byte value in every byte of every input word: [N, 4] words in, [N, 12]
+    out (the transpose, then the base bytes of each transposed word)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-2**31, 2**31, (4096, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    x.view(torch.uint8).view(4096, 16)[:256, :] = torch.arange(256, dtype=torch.uint8)[:, None]
+    x = x.to(DEVICE)
+    out = torch.empty(x.shape[0], 12, dtype=torch.int32, device=DEVICE)
+    _probe(_probe_colwise_swar_kernel, x.shape[0], x, out, ASM=asm)
+    return x, out
+
+
+def test_colwise_swar_transpose_and_base_bytes():
+    # bytes_transpose4x4: byte i of b_j is byte j of x_i. e2m1_pairs_to_base_flagged: each byte's lo /
+    # hi code maps to B(m), checked against its definition from the E4M3 rule: B(m) + 8k - 1 is the
+    # E4M3 byte of |code| * 2^(k - 6) for every k in [1, 26] the kernel uses (m != 0), and the PTX
+    # tables (0x0D090100, 0x1D191511) replayed in torch.
+    x, out = _colwise_swar_probe(asm=False)
+    xb = x.cpu().view(torch.uint8).view(-1, 4, 4)                        # [N, word i, byte j]
+    tb = out.cpu()[:, :4].contiguous().view(torch.uint8).view(-1, 4, 4)  # [N, word j, byte i]
+    assert torch.equal(tb, xb.transpose(1, 2))
+    table = torch.tensor([0, 1, 9, 13, 17, 21, 25, 29])
+    for k in range(1, 27):
+        v = decode_e2m1(torch.arange(1, 8)) * 2.0 ** (k - 6)
+        fits = v <= 448                                        # the kernel's outputs are E4M3 values
+        byte = encode_e4m3(v).view(torch.uint8).long()
+        assert torch.equal((table[1:] + 8 * k - 1)[fits], byte[fits])
+    tables = torch.tensor([0x0D090100, 0x1D191511], dtype=torch.int32).view(torch.uint8)
+    assert torch.equal(tables.long(), table)
+    lohi = out.cpu()[:, 4:].contiguous().view(torch.uint8).view(-1, 4, 2, 4)  # [N, j, lo/hi, byte i]
+    want_lo = table[(tb.long() & 7)]
+    want_hi = table[((tb.long() >> 4) & 7)]
+    assert torch.equal(lohi[:, :, 0].long(), want_lo) and torch.equal(lohi[:, :, 1].long(), want_hi)
+
+
+@pytest.mark.gpu
+def test_gpu_colwise_swar_ptx_equals_the_twins():
+    assert torch.equal(_colwise_swar_probe(asm=True)[1], _colwise_swar_probe(asm=False)[1])
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_to_fp8_colwise_ptx_path_equals_the_twin_path():
+    d, s = _random_mxfp4(4096, 7168, seed=16)
+    near = _colwise_spread_scales(4096, 7168, seed=16, tops=[1, 100, 127, 140, 254], gap=11).to("cuda")
+    real = KMX.quantize_mxfp4_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
+    for data, scale in ((d, s), (d, near), real):
+        _check(KT.mxfp4_to_fp8_colwise(data, scale, asm=True), KT.mxfp4_to_fp8_colwise(data, scale, asm=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", [0, 1])
 def test_gpu_inline_ptx_equals_its_pure_triton_twin(op):
@@ -405,6 +483,58 @@ def test_colwise_matches_the_definition_on_arbitrary_bytes(shape):
     data, scale = _random_mxfp4(*shape, seed=11)
     scale = torch.where((scale == 253) | (scale == 254), 252, scale.to(torch.int32)).to(torch.uint8)
     _check(KT.mxfp4_to_fp8_colwise(data, scale), _colwise_definition(data, scale))
+
+
+def _colwise_spread_scales(m: int, k: int, seed: int, tops, gap: int):
+    """Scale bytes [m, k/32]: per block a top byte from ``tops`` and every token 0..gap binades under
+    it (clamped at byte 0): gap <= 11 keeps a program on the column kernel's SWAR path."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.tensor(tops)[torch.randint(0, len(tops), (1, k // 32), generator=g)]
+    return (top - torch.randint(0, gap + 1, (m, k // 32), generator=g)).clamp(min=0).to(torch.uint8)
+
+
+def _lane_covering_bytes(m: int, half_k: int) -> torch.Tensor:
+    """uint8 [m, half_k]: token t, byte column c holds (t // 4 + 17 c + 64 (t % 4)) mod 256, so each
+    of the 256 bytes (every code pair) appears at each of the four token positions of a quad."""
+    t = torch.arange(m)[:, None]
+    return ((t // 4 + 17 * torch.arange(half_k)[None, :] + 64 * (t % 4)) % 256).to(torch.uint8)
+
+
+@pytest.mark.parametrize("asm", [False] + ([True] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("gap", [0, 5, 11, 12])
+def test_colwise_swar_path_every_byte_in_every_lane(gap, asm):
+    # M % 4 == 0: four tokens per output word. Tops cover the E8M0 range ends (0: E = -127 and the
+    # scale clamped at -126; 254: E = 127); gap 12 sends programs to the general path. A zero byte
+    # column (two all-zero columns: scale 2^-126), NaN blocks, a partial last tile and a partial
+    # last program of blocks (KB = 5 with nb = 2) are in every case.
+    m, k = 388, 160
+    data = _lane_covering_bytes(m, k // 2)
+    covered = {(t % 4, int(v)) for t, v in zip(range(128), data[:128].tolist()) for v in v}
+    assert len(covered) == 4 * 256
+    data[:, 7] = 0
+    scale = _colwise_spread_scales(m, k, seed=gap, tops=[0, 3, 120, 127, 130, 254], gap=gap)
+    scale[5, 1] = scale[200, 3] = scale[387, 4] = 255
+    data, scale = data.to(DEVICE), scale.to(DEVICE)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, asm=asm), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+
+
+@pytest.mark.parametrize("nb,num_warps", [(1, 1), (2, 1), (4, 2), (8, 4)])
+def test_colwise_program_shapes(nb, num_warps):
+    data = torch.randint(0, 256, (256, 288 // 2), generator=torch.Generator().manual_seed(nb), dtype=torch.uint8)
+    scale = _colwise_spread_scales(256, 288, seed=nb, tops=[100, 127, 140], gap=9)
+    data, scale = data.to(DEVICE), scale.to(DEVICE)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, nb=nb, num_warps=num_warps), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+
+
+def test_colwise_views_with_unaligned_rows_are_copied():
+    # A row stride of 2 bytes cannot be read as 32-bit words: the launcher copies the view first.
+    base = torch.randint(0, 256, (128, 34), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    data = base.to(DEVICE)[:, 2:34]
+    scale = _colwise_spread_scales(128, 64, seed=3, tops=[127], gap=4).to(DEVICE)
+    odd = torch.empty(128 * 32 + 2, dtype=torch.uint8, device=DEVICE)[2:].view(128, 32)
+    odd.copy_(data)
+    for d in (data, odd):
+        _check(KT.mxfp4_to_fp8_colwise(d, scale), KT.mxfp4_to_fp8_colwise_ref(d.contiguous(), scale))
 
 
 @pytest.mark.parametrize("m", [1, 100, 128, 257])
