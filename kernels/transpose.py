@@ -171,8 +171,11 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
     # A program: one tile of 128 tokens x NB MXFP4 blocks of columns. WORDS (M % 4 == 0, rows
     # 4-byte aligned): programs whose blocks all lie within 11 binades of their tile's largest block
     # take the SWAR path below, the others (and every program without WORDS) _mxfp4_colwise_general.
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # One grid axis (no 65535 limit on token tiles), column groups fastest: neighbouring programs
+    # read the same input rows (4-8% faster than token tiles fastest on the H200 at >= 32768 tokens).
+    n_k = tl.cdiv(KB, NB)
+    pid_k = tl.program_id(0) % n_k
+    pid_t = tl.program_id(0) // n_k
     if not WORDS:
         _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k, NB)
         return
@@ -269,7 +272,7 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
     tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S), mask=cols < K)
 
 
-def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, num_warps: int = 1,
+def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, num_warps: int = 1,
                          asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
     [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. nb: MXFP4 blocks of
@@ -283,11 +286,11 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, n
     nt = triton.cdiv(m, FP8_TILE)
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
-        if data.stride(1) != 1 or data.stride(0) % 4 or data.data_ptr() % 4:
-            data = data.contiguous() if data.stride(1) != 1 else data.clone()
+        if data.stride(1) != 1 or data.stride(0) % 4 or data.data_ptr() % 4:  # rows as 32-bit words
+            data = data.clone(memory_format=torch.contiguous_format)
         scale = scale if scale.stride(1) == 1 else scale.contiguous()
         nb = min(nb, triton.next_power_of_2(kb))
-        _mxfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
+        _mxfp4_to_fp8_colwise_kernel[(triton.cdiv(kb, nb) * nt,)](
             data, scale, out.view(torch.uint8), oscale, m, m // 4, k, kb, data.stride(0), scale.stride(0),
             NB=nb, WORDS=m % 4 == 0, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale
