@@ -572,9 +572,10 @@ def e2m1_pairs_to_base_flagged(b):
     byte i is B(m) of the magnitude m = code & 7 of byte i's lo / hi code, the pure-Triton twin of
     e2m1_pairs_to_base_flagged_asm.
 
-    B(m) = 4m + 4[m >= 2] - 3[m >= 1] = 0, 1, 9, 13, 17, 21, 25, 29: the E4M3 byte of m * 2^(k - 6)
-    minus 8k (e2m1x4_to_e4m3x4: 4m + 4[m >= 2] + [m != 0](8k - 4)) plus a nonzero flag in bit 0.
-    So B(m) + [m != 0](8k - 1) is that E4M3 byte, and B(m) >> 3 = floor(log2(m / 2)) + 1 for m != 0.
+    B(m) = 4m + 4[m >= 2] - 3[m >= 1] = 0, 1, 9, 13, 17, 21, 25, 29: with v the E2M1 value of m (0,
+    0.5, 1, 1.5, 2, 3, 4, 6), the E4M3 byte of v * 2^(k - 6) minus 8k (e2m1x4_to_e4m3x4: 4m +
+    4[m >= 2] + [m != 0](8k - 4)), plus a nonzero flag in bit 0. So B(m) + [m != 0](8k - 1) is that
+    E4M3 byte (while it is a normal), and B(m) >> 3 = floor(log2 v) + 1 for m != 0.
     """
     m_lo = b & 0x07070707
     m_hi = (b >> 4) & 0x07070707
