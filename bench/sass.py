@@ -14,7 +14,8 @@ the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth
 the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
 H100: MXFP4 -> FP8 6.3 vs 9.5, MXFP4 -> BF16 10.7 vs 11.2). Also reported: the TTGIR's layout
 conversions, the elements of the largest tensor one of them moves (a data tile there is a round trip
-through shared memory) and the shared memory.
+through shared memory), the shared memory, and the local-memory loads and stores (register spills:
+at 10087 they made the one-warp column kernel 4.5x slower, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def count(name: str, path: str, dump: str | None = None) -> dict:
         raise SystemExit(f"{name} has no fast/general branch; use --path both")
     k = compile_sm90(getattr(_module(mod_name, branch, value), fn_name), sig, cx, warps)
     text = sass_text(k)
-    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+[A-Z@]", ln)]
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", ln)]
     lines = [ln for ln in lines if not re.search(r"\*/\s+NOP\b", ln)]
     if dump:
         with open(dump, "w") as f:
@@ -123,6 +124,7 @@ def count(name: str, path: str, dump: str | None = None) -> dict:
     return {"kernel": name, "path": path, "sass": len(lines), "elements_per_thread": per_thread,
             "per_element": len(lines) / per_thread, "convert_layout": ttgir.count("convert_layout"),
             "largest_convert": max(moved, default=0), "shared_bytes": k.metadata.shared,
+            "local": sum(1 for ln in lines if re.search(r"\*/\s+(@!?U?P\w+\s+)?(LDL|STL)\b", ln)),
             "triton": triton.__version__}
 
 
@@ -138,7 +140,7 @@ def main() -> None:
     a.kernels = a.kernels or list(KERNELS)
     print(f"triton {triton.__version__}, sm_90a; SASS instructions without NOPs, per element of one thread's share")
     print(f"{'kernel':<21} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} "
-          f"{'largest':>8} {'shared B':>8}")
+          f"{'largest':>8} {'shared B':>8} {'local':>6}")
     for name in a.kernels:
         paths = ["both", "fast", "general"] if a.path == "all" else [a.path]
         if KERNELS[name][6] is None:
@@ -146,7 +148,7 @@ def main() -> None:
         for p in paths:
             r = count(name, p, a.dump)
             print(f"{name:<21} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
-                  f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8}", flush=True)
+                  f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8} {r['local']:>6}", flush=True)
 
 
 if __name__ == "__main__":

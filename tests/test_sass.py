@@ -4,6 +4,7 @@ four-codes-per-word FP8 -> MXFP4 path keeps its data in registers (no layout con
 tile), the property whose loss made the first SWAR decoders 4-6x slower (bench/RESULTS.md, issue 11)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,22 @@ def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_converts_no_data_t
     # The launcher's program is 4 rows x 32 blocks x 8 words: only per-block values (4 x 32) may
     # change layout (the data tile, 1024 words, must not).
     assert 0 < rows["fast"]["largest_convert"] <= 4 * 32, run.stdout
+
+
+def test_the_column_kernel_at_the_launcher_defaults_does_not_spill(tmp_path):
+    # One-warp programs hold a lot per thread: at nb = 2 the general path once needed 10087
+    # local-memory loads and stores, which multiplied the kernel's DRAM traffic by 5 and made it 4.5x
+    # slower even on data that never takes that path (bench/RESULTS.md, issue 11). The count must
+    # also cover instructions past address 0xffff (this kernel has more than 4096): it is checked
+    # against the dump's own instruction lines.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    dump = tmp_path / "colwise.sass"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "mxfp4_to_fp8_colwise", "--path", "both",
+                          "--dump", str(dump)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("mxfp4_to_fp8_colwise")]
+    assert len(rows) == 1, run.stdout
+    instructions = [ln for ln in dump.read_text().splitlines()
+                    if re.match(r"\s+/\*[0-9a-f]+\*/\s+[A-Z@]", ln) and not re.search(r"\*/\s+NOP\b", ln)]
+    assert int(rows[0][2]) == len(instructions)
+    assert int(rows[0][-1]) == 0 and not any(re.search(r"\b(LDL|STL)\b", ln) for ln in instructions), run.stdout
