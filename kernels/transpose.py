@@ -18,6 +18,7 @@ from moe_fp4.kernels.triton_numerics import (
     e2m1_decode_scaled,
     e2m1_pairs_to_base_flagged,
     e2m1_pairs_to_base_flagged_asm,
+    e2m1_to_e4m3_normal,
     e4m3_rne,
     e4m3_to_f32_bits,
     fp8_scale_exp,
@@ -95,10 +96,67 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
+                                       BLOCK_T: tl.constexpr, NB: tl.constexpr):
+    # M % 4 != 0 (rows of the output are not 32-bit aligned): one code per operation, the kernel of
+    # 9d65066 (4 warps, nb = 1), faster there than _mxfp4_colwise_general in one-warp programs (H200,
+    # 32767 x 7168: 19.0% against 13.0% of copy, bench/RESULTS.md).
+    # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tok = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    kb = pid_k * NB + tl.arange(0, NB)
+    p = tl.arange(0, 16)
+    mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
+    mask3 = mask2[:, :, None]
+    pair = (kb * 16)[None, :, None] + p[None, None, :]
+    byte = tl.load(d_ptr + tok[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
+    nan = (sb == 255)[:, :, None]
+    c_lo = byte & 15
+    c_hi = byte >> 4
+    # floor(log2 |c|) for magnitudes 1..7 (0.5, 1, 1.5, 2, 3, 4, 6) is (m >> 1) - 1; zero and NaN
+    # elements get a sentinel below every real exponent. Column amax = m * 2^e with m in {1, 1.5},
+    # so ceil(log2(amax / 448)) = e - 8 exactly (1.5 <= 1.75).
+    e_blk = (sb - 127)[:, :, None]
+    m_lo = c_lo & 7
+    m_hi = c_hi & 7
+    l_lo = tl.where((m_lo == 0) | nan, -100000, (m_lo >> 1) - 1 + e_blk)
+    l_hi = tl.where((m_hi == 0) | nan, -100000, (m_hi >> 1) - 1 + e_blk)
+    S_lo = tl.minimum(tl.maximum(tl.max(l_lo, axis=0) - 8, -126), 127)            # [NB, 16]
+    S_hi = tl.minimum(tl.maximum(tl.max(l_hi, axis=0) - 8, -126), 127)
+    rel_lo = (sb - 127)[:, :, None] - S_lo[None, :, :]                            # E_row - S_col
+    rel_hi = (sb - 127)[:, :, None] - S_hi[None, :, :]
+    # A lower bound of every E_row - S_col, from per-block and per-column values only.
+    lowest = tl.min(tl.where((sb == 255) | ~mask2, 1000, sb - 127)) - tl.maximum(tl.max(S_lo), tl.max(S_hi))
+    if lowest >= -5:
+        # No row block more than 11 binades under its column maximum: values are normals or zero.
+        q_lo = e2m1_to_e4m3_normal(c_lo, rel_lo)
+        q_hi = e2m1_to_e4m3_normal(c_hi, rel_hi)
+    else:
+        q_lo = e4m3_rne(e2m1_decode_scaled(c_lo, tl.maximum(rel_lo + 127, 0)).to(tl.float32, bitcast=True))
+        q_hi = e4m3_rne(e2m1_decode_scaled(c_hi, tl.maximum(rel_hi + 127, 0)).to(tl.float32, bitcast=True))
+    q_lo = tl.where(nan, 0x7F, q_lo).to(tl.uint8)
+    q_hi = tl.where(nan, 0x7F, q_hi).to(tl.uint8)
+    # Transposed store: element (token, column k) goes to out[k, token], k = 32 kb + 2p (+1 for hi).
+    # Permuting to [NB, 16, T] first (a shared-memory transpose the compiler inserts) makes tokens
+    # the fastest axis, so each output row segment is written by consecutive threads.
+    col = (kb * 32)[:, None, None] + 2 * p[None, :, None]
+    off = col.to(tl.int64) * M + tok[None, None, :]
+    mask_t = tl.permute(mask3, (1, 2, 0))
+    tl.store(o_ptr + off, tl.permute(q_lo, (1, 2, 0)), mask=mask_t)
+    tl.store(o_ptr + off + M, tl.permute(q_hi, (1, 2, 0)), mask=mask_t)
+    mask_c = (kb < KB)[:, None]
+    soff = pid_t.to(tl.int64) * K + (kb * 32)[:, None] + 2 * p[None, :]
+    tl.store(os_ptr + soff, pow2_f32(S_lo), mask=mask_c)
+    tl.store(os_ptr + soff + 1, pow2_f32(S_hi), mask=mask_c)
+
+
+@triton.jit
 def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
                            NB: tl.constexpr):
-    # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: every input (any
-    # block more than 11 binades under its column maximum, any M). Per block, two passes over chunks
+    # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: the word kernel's
+    # programs with a block more than 11 binades under its tile's largest. Per block, two passes over chunks
     # of 32 tokens (column maxima, then encode and store), so a one-warp program holds 16 byte pairs
     # per thread instead of the tile's 64 per block (which would spill).
     CH: tl.constexpr = 32
@@ -167,18 +225,15 @@ def _column_max_byte(p, ASM: tl.constexpr):
 
 @triton.jit
 def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
-                                 NB: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
-    # A program: one tile of 128 tokens x NB MXFP4 blocks of columns. WORDS (M % 4 == 0, rows
-    # 4-byte aligned): programs whose blocks all lie within 11 binades of their tile's largest block
-    # take the SWAR path below, the others (and every program without WORDS) _mxfp4_colwise_general.
+                                 NB: tl.constexpr, ASM: tl.constexpr):
+    # M % 4 == 0, rows 4-byte aligned. A program: one tile of 128 tokens x NB MXFP4 blocks of
+    # columns. Programs whose blocks all lie within 11 binades of their tile's largest block take the
+    # SWAR path below, the others _mxfp4_colwise_general.
     # One grid axis (no 65535 limit on token tiles), column groups fastest: neighbouring programs
     # read the same input rows (4-8% faster than token tiles fastest on the H200 at >= 32768 tokens).
     n_k = tl.cdiv(KB, NB)
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
-    if not WORDS:
-        _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k, NB)
-        return
     # Tokens as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql. A quad's four tokens become
     # the four bytes of one output word (out[k, 4q:4q + 4]); the layout the loads give (a block's
     # four words in one thread, quads across lanes and registers) keeps the quad split in registers.
@@ -275,10 +330,11 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
 def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, num_warps: int = 1,
                          asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
-    [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. nb: MXFP4 blocks of
-    columns per program (a power of two). With M % 4 == 0 the kernel writes four tokens per 32-bit
-    word (SWAR); asm: None = its prmt / max.u16x2 forms on sm_90+ outside the interpreter (use_asm),
-    True / False to force them or their pure-Triton twins."""
+    [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. With M % 4 == 0 the kernel
+    writes four tokens per 32-bit word (SWAR); nb (MXFP4 blocks of columns per program, a power of
+    two) and num_warps configure it, and asm: None = its prmt / max.u16x2 forms on sm_90+ outside the
+    interpreter (use_asm), True / False to force them or their pure-Triton twins. Other M take the
+    one-code-per-operation kernel at its own configuration (nb = 1, 4 warps)."""
     m, half_k = data.shape
     k = 2 * half_k
     kb = k // MXFP4_BLOCK
@@ -286,13 +342,19 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, n
     nt = triton.cdiv(m, FP8_TILE)
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
+        scale = scale if scale.stride(1) == 1 else scale.contiguous()
+        if m % 4:
+            data = data if data.stride(1) == 1 else data.contiguous()
+            _mxfp4_to_fp8_colwise_bytes_kernel[(nt, kb)](
+                data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
+                BLOCK_T=FP8_TILE, NB=1, num_warps=4)
+            return out, oscale
         if data.stride(1) != 1 or data.stride(0) % 4 or data.data_ptr() % 4:  # rows as 32-bit words
             data = data.clone(memory_format=torch.contiguous_format)
-        scale = scale if scale.stride(1) == 1 else scale.contiguous()
         nb = min(nb, triton.next_power_of_2(kb))
         _mxfp4_to_fp8_colwise_kernel[(triton.cdiv(kb, nb) * nt,)](
             data, scale, out.view(torch.uint8), oscale, m, m // 4, k, kb, data.stride(0), scale.stride(0),
-            NB=nb, WORDS=m % 4 == 0, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
+            NB=nb, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale
 
 
