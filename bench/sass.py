@@ -60,13 +60,14 @@ KERNELS = {
                                   KB=I32, stride_dm=I32, stride_sm=I32),
                              dict(NB=4, ASM=True), 1, 128 * 128, "    if tl.min(e_low - e_top)"),
     "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
-                           dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, K=I32),
-                           dict(BLOCK_T=128, BLOCK_K=32), 4, 128 * 32, None),
+                           dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
+                                K4=I32),
+                           dict(G=2, ASM=True), 1, 128 * 32, "    if ok:"),
 }
 # Integer arguments at the shape bench/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
 # kernels' rows of M bytes), so these are marked divisible exactly when their value is.
-ARG_VALUES = {"M": 32768, "M4": 32768 // 4, "K": 7168, "KB": 7168 // 32, "NT": 7168 // 128}
+ARG_VALUES = {"M": 32768, "M4": 32768 // 4, "K": 7168, "K4": 7168 // 4, "KB": 7168 // 32, "NT": 7168 // 128}
 
 
 def _module(name: str, branch: str | None, value: str | None):

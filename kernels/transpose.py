@@ -15,14 +15,24 @@ from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, m_major, quan
 from moe_fp4.kernels.triton_numerics import (
     bytes_transpose4x4,
     bytes_transpose4x4_asm,
+    ceil_log2_ratio_bits,
     e2m1_decode_scaled,
     e2m1_pairs_to_base_flagged,
     e2m1_pairs_to_base_flagged_asm,
     e2m1_to_e4m3_normal,
     e4m3_rne,
     e4m3_to_f32_bits,
+    e4m3x4_to_f16x2,
+    e4m3x4_to_f16x2_asm,
+    f16_lo_to_f32,
+    f16x2x2_to_e4m3x4,
+    f16x2x2_to_e4m3x4_asm,
+    f32_to_f16_lo,
     fp8_scale_exp,
+    max_abs_f16x2_asm,
     max_u16x2_asm,
+    mul_f16x2,
+    mul_f16x2_asm,
     pow2_f32,
     use_asm,
 )
@@ -305,8 +315,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
 
 
 @triton.jit
-def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
-                               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_to_fp8_colwise_bytes_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
+                                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     # A program: BLOCK_T (=128) tokens x BLOCK_K (<= 128, inside one row tile) columns.
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -325,6 +335,161 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
     off = cols[:, None].to(tl.int64) * M + tok[None, :]   # [BLOCK_K, T]: tokens fastest, see above
     tl.store(o_ptr + off, tl.trans(q), mask=tl.trans(mask))
     tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S), mask=cols < K)
+
+
+@triton.jit
+def _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, BK: tl.constexpr):
+    # One tile of 128 tokens x BK columns with the bytes kernel's arithmetic (one value per
+    # operation), for the word kernel's programs that its float16 argument does not cover. Two passes
+    # over chunks of 32 tokens (column maxima, then encode and store) keep a one-warp program's
+    # registers at 32 values per thread.
+    CH: tl.constexpr = 32
+    c = tl.arange(0, CH)
+    cols = col0 + tl.arange(0, BK)
+    amax = tl.zeros([BK], tl.float32)
+    for ch in tl.range(0, 128 // CH):
+        tok = pid_t.to(tl.int64) * 128 + ch * CH + c
+        byte = tl.load(q_ptr + tok[:, None] * K + cols[None, :], mask=(tok < M)[:, None], other=0).to(tl.int32)
+        srow = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tok < M, other=1.0)
+        nan = (byte & 0x7F) == 0x7F
+        qf = e4m3_to_f32_bits(tl.where(nan, 0, byte)).to(tl.float32, bitcast=True)
+        amax = tl.maximum(amax, tl.max(tl.abs(qf) * srow[:, None], axis=0))
+    S = fp8_scale_exp(amax.to(tl.int32, bitcast=True))
+    for ch in tl.range(0, 128 // CH):
+        tok = pid_t.to(tl.int64) * 128 + ch * CH + c
+        mask = (tok < M)[:, None] & (cols < K)[None, :]
+        byte = tl.load(q_ptr + tok[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32)
+        srow = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tok < M, other=1.0)
+        s_r = (srow.to(tl.int32, bitcast=True) >> 23) - 127
+        nan = (byte & 0x7F) == 0x7F
+        qf = e4m3_to_f32_bits(tl.where(nan, 0, byte)).to(tl.float32, bitcast=True)
+        shift = tl.minimum(tl.maximum(s_r[:, None] - S[None, :], -126), 127)
+        q = tl.where(nan, 0x7F, e4m3_rne(qf * pow2_f32(shift))).to(tl.uint8)
+        off = cols[:, None].to(tl.int64) * M + tok[None, :]
+        tl.store(o_ptr + off, tl.trans(q), mask=tl.trans(mask))
+    tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S))
+
+
+@triton.jit
+def _f16_column_scale(h, s_ref):
+    """h: int32 float16 bits (low 16) of a column's max |a| (a = q 2^(S_r - s_ref + 7)); s_ref: int32
+    scalar -> (S, f, bad): the column's exponent S, the float16 bits of 2^(s_ref - S - 7) (1.0 for a
+    column without a finite nonzero), and whether that factor is past float16 (s_ref - S > 22)."""
+    h = h & 0xFFFF
+    empty = (h == 0) | (h > 0x7C00)                   # zeros only, or NaN only (no value sets a max)
+    e = ceil_log2_ratio_bits(f16_lo_to_f32(h).to(tl.int32, bitcast=True), 0x600000, 8) + s_ref - 7
+    S = tl.where(empty, -126, tl.minimum(tl.maximum(e, -126), 127))
+    g = s_ref - S
+    return S, tl.where(empty, 15 << 10, (g + 8) << 10), ~empty & (g > 22)
+
+
+@triton.jit
+def _column_max_abs_f16x2(a):
+    """a: int32 float16x2 words [4, G, 4, 8, 4] -> int32 [G, 4]: the largest |value| per lane over
+    axes 0, 3 and 4, NaN lanes left out (0 when there is nothing else): the pure-Triton twin of the
+    max_abs_f16x2_asm reduction, written with tl.max (the interpreter runs a tl.reduce combine once
+    per element pair, about 6 s per program)."""
+    lo = tl.abs(f16_lo_to_f32(a))
+    hi = tl.abs(f16_lo_to_f32(a >> 16))
+    lo = tl.max(tl.max(tl.max(tl.where(lo != lo, 0.0, lo), 4), 3), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(hi != hi, 0.0, hi), 4), 3), 0)
+    return f32_to_f16_lo(lo) | (f32_to_f16_lo(hi) << 16)
+
+
+@triton.jit
+def _max_abs_f16x2_asm_combine(a, b):
+    return max_abs_f16x2_asm(a, b)
+
+
+@triton.jit
+def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
+                               G: tl.constexpr, ASM: tl.constexpr):
+    # M % 4 == 0, K % 128 == 0, rows 16-byte aligned. A program: one tile of 128 tokens x 16 G
+    # columns inside one 128-column row tile (one row exponent S_r per token). Column groups fastest
+    # in the one grid axis, as in _mxfp4_to_fp8_colwise_kernel.
+    #
+    # Float16x2 path. s_ref = the tile's largest S_r, d = s_ref - S_r >= 0 per token. Each value q
+    # (an E4M3 byte's value) becomes a = q * 2^(7 - d) in float16: exact for d <= 21 (q is a
+    # multiple of 2^-9 below 2^9, so a is a multiple of 2^-23 below 2^16). Tokens with d > 21 get a
+    # = +-0, and the program is general unless their bytes are all +-0. The column max of |a| gives
+    # S exactly (S = s_ref - 7 + ceil(log2(amax_a / 448)) <= s_ref), and the output is
+    # RNE_E4M3(a * 2^(g - 7)), g = s_ref - S in [0, 22] (else general): a * 2^(g - 7) = q * 2^(S_r - S)
+    # <= 448 is exact whenever it is on float16's grid, and when it is not it is below 2^-21, so its
+    # float16 rounding is also below 2^-10 and both round to a signed zero in E4M3. One rounding.
+    n_k = K4 // (4 * G)
+    pid_k = tl.program_id(0) % n_k
+    pid_t = tl.program_id(0) // n_k
+    col0 = pid_k * (16 * G)
+    # Tokens as [4 qr, 8 ql, 4 i] (token 4 q + i of quad q = 8 qr + ql), columns as [G, 4 w, 4 bytes]:
+    # x[qr, g, w, ql, i] is the word of columns 16 g + 4 w .. + 3 of token 4 q + i. The four tokens of
+    # a quad stay in one thread's registers, so a 4 x 4 byte transpose gives out[k, 4 q:4 q + 4].
+    qr = tl.arange(0, 4)
+    ql = tl.arange(0, 8)
+    i4 = tl.arange(0, 4)
+    gw = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]                   # [G, 4] word in row
+    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
+    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    tmask = tok < M
+    sbits = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tmask, other=1.0).to(tl.int32, bitcast=True)
+    s_r = (sbits >> 23) - 127
+    s_ref = tl.max(tl.where(tmask, s_r, -1000))
+    # Scales 2^-126 .. 2^100 (positive normals; the bytes kernel's products stay finite).
+    ok = (s_ref <= 100) & (tl.min(tl.where(tmask, s_r, 0)) >= -126)
+    d = s_ref - s_r
+    tf = tl.where(tmask & (d <= 21), (22 - d) << 10, 0) * 0x10001                     # 2^(7 - d), twice
+    mask5 = tmask[:, None, None, :, :]
+    x = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None, None, :, :] * K4
+                + (col0 // 4 + gw)[None, :, :, None, None], mask=mask5, other=0)
+    if tl.max(tl.where(tmask, d, 0)) > 21:
+        far = (tmask & (d > 21))[:, None, None, :, :]
+        ok = ok & (tl.max(tl.where(far, x & 0x7F7F7F7F, 0)) == 0)
+    tf = tf[:, None, None, :, :]
+    if ASM:
+        lo, hi = e4m3x4_to_f16x2_asm(x)
+        a_lo = mul_f16x2_asm(lo, tf)
+        a_hi = mul_f16x2_asm(hi, tf)
+        m_lo = tl.reduce(tl.reduce(tl.reduce(a_lo, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
+        m_hi = tl.reduce(tl.reduce(tl.reduce(a_hi, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
+    else:
+        lo, hi = e4m3x4_to_f16x2(x)
+        a_lo = mul_f16x2(lo, tf)
+        a_hi = mul_f16x2(hi, tf)
+        m_lo = _column_max_abs_f16x2(a_lo)
+        m_hi = _column_max_abs_f16x2(a_hi)
+    S0, f0, bad0 = _f16_column_scale(m_lo, s_ref)                                      # [G, 4] each
+    S1, f1, bad1 = _f16_column_scale(m_lo >> 16, s_ref)
+    S2, f2, bad2 = _f16_column_scale(m_hi, s_ref)
+    S3, f3, bad3 = _f16_column_scale(m_hi >> 16, s_ref)
+    ok = ok & (tl.max((bad0 | bad1 | bad2 | bad3).to(tl.int32)) == 0)
+    if ok:
+        cf_lo = (f0 | (f1 << 16))[None, :, :, None, None]
+        cf_hi = (f2 | (f3 << 16))[None, :, :, None, None]
+        if ASM:
+            y = f16x2x2_to_e4m3x4_asm(mul_f16x2_asm(a_lo, cf_lo), mul_f16x2_asm(a_hi, cf_hi))
+        else:
+            y = f16x2x2_to_e4m3x4(mul_f16x2(a_lo, cf_lo), mul_f16x2(a_hi, cf_hi))
+        ye, yo = y.reshape(4, G, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
+        y0, y2 = ye.split()
+        y1, y3 = yo.split()
+        if ASM:
+            b0, b1, b2, b3 = bytes_transpose4x4_asm(y0, y1, y2, y3)
+        else:
+            b0, b1, b2, b3 = bytes_transpose4x4(y0, y1, y2, y3)
+        qg = pid_t * 32 + quad
+        col = col0 + gw * 4                                                           # [G, 4]
+        obase = o_ptr.to(tl.pointer_type(tl.int32)) + col[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
+        omask = (qg < M4)[:, None, None, :]
+        tl.store(obase, b0, mask=omask)
+        tl.store(obase + M4, b1, mask=omask)
+        tl.store(obase + 2 * M4, b2, mask=omask)
+        tl.store(obase + 3 * M4, b3, mask=omask)
+        sbase = os_ptr + pid_t.to(tl.int64) * K + col
+        tl.store(sbase, pow2_f32(S0))
+        tl.store(sbase + 1, pow2_f32(S1))
+        tl.store(sbase + 2, pow2_f32(S2))
+        tl.store(sbase + 3, pow2_f32(S3))
+    else:
+        _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, 16 * G)
 
 
 def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, num_warps: int = 1,
@@ -358,18 +523,33 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, n
     return out, oscale
 
 
-def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, block_k: int = 32, num_warps: int = 4):
-    """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] M-major -> (data
-    float8_e4m3fn [K, M], scale float32 [K, ceil(M/128)] M-major); bit-identical to
-    fp8_to_fp8_colwise_ref."""
+def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, g: int = 2, num_warps: int = 1,
+                       asm: bool | None = None):
+    """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] -> (data float8_e4m3fn [K, M],
+    scale float32 [K, ceil(M/128)] M-major); bit-identical to fp8_to_fp8_colwise_ref. With M % 4 == 0
+    the kernel works on float16x2 pairs and writes four tokens per 32-bit word; g (16-column groups
+    per program: 1, 2, 4 or 8) and num_warps configure it, and asm: None = its cvt / float16x2 PTX on
+    sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins.
+    Other M take the one-value-per-operation kernel (32 columns, 4 warps)."""
     m, k = data.shape
     out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
     nt = triton.cdiv(m, FP8_TILE)
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
-        _fp8_to_fp8_colwise_kernel[(nt, triton.cdiv(k, block_k))](
-            data.view(torch.uint8), m_major(scale), out.view(torch.uint8), oscale, m, k,
-            BLOCK_T=FP8_TILE, BLOCK_K=block_k, num_warps=num_warps)
+        if g not in (1, 2, 4, 8):
+            raise ValueError(f"fp8_to_fp8_colwise: g must be 1, 2, 4 or 8, got {g}")
+        data = data if data.is_contiguous() else data.contiguous()
+        scale = m_major(scale)
+        if m % 4:
+            _fp8_to_fp8_colwise_bytes_kernel[(nt, triton.cdiv(k, 32))](
+                data.view(torch.uint8), scale, out.view(torch.uint8), oscale, m, k,
+                BLOCK_T=FP8_TILE, BLOCK_K=32, num_warps=4)
+            return out, oscale
+        if data.data_ptr() % 16:                                     # rows as 16-byte vectors
+            data = data.clone()
+        _fp8_to_fp8_colwise_kernel[(nt * (k // (16 * g)),)](
+            data.view(torch.uint8), scale, out.view(torch.uint8), oscale, m, m // 4, k, k // 4,
+            G=g, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale
 
 

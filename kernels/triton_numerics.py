@@ -603,3 +603,124 @@ def e2m1_pairs_to_base_flagged_asm(b):
         prmt.b32 $1, r0, r1, 0x7531;
         }""",
         "=r,=r,r", [b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+# FP8 rows -> FP8 columns (fp8_to_fp8_colwise): two values per float16x2 operation. Every E4M3 value
+# is a float16 normal or zero (2^-9 >= 2^-14), so the decode is exact; products by powers of two stay
+# exact while they stay on float16's grid (the kernel argues when). Words are int32: float16 bits in
+# the low half (the lower-addressed value) and the high half.
+
+@triton.jit
+def f16_lo_to_f32(h):
+    """int32 float16 bits in the low 16 bits (the high bits ignored) -> float32, exact."""
+    return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def f32_to_f16_lo(v):
+    """float32 -> int32 float16 bits (0..0xFFFF) of RNE(v)."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _e4m3_to_f16_half(b):
+    """int32 E4M3 byte 0..255 -> int32 float16 bits of its value; NaN bytes give NaN 0x7E00 | sign."""
+    b7 = b & 0x7F
+    h = f32_to_f16_lo(e4m3_to_f32_bits(b7).to(tl.float32, bitcast=True))
+    return tl.where(b7 == 0x7F, 0x7E00, h) | ((b & 0x80) << 8)
+
+
+@triton.jit
+def e4m3x4_to_f16x2(x):
+    """x: int32, four E4M3 bytes -> (lo, hi): int32 float16x2 words of bytes (0, 1) and (2, 3), the
+    lower byte in the low half; values exact, NaN bytes a float16 NaN. The pure-Triton twin of
+    e4m3x4_to_f16x2_asm (equal bits except on NaN, where both give a NaN)."""
+    lo = _e4m3_to_f16_half(x & 0xFF) | (_e4m3_to_f16_half((x >> 8) & 0xFF) << 16)
+    hi = _e4m3_to_f16_half((x >> 16) & 0xFF) | (_e4m3_to_f16_half((x >> 24) & 0xFF) << 16)
+    return lo, hi
+
+
+@triton.jit
+def e4m3x4_to_f16x2_asm(x):
+    """e4m3x4_to_f16x2 as two PTX cvt.rn.f16x2.e4m3x2 (sm_89+, CUDA only)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""",
+        "=r,=r,r", [x], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def mul_f16x2(a, b):
+    """a, b: int32 float16x2 words -> int32 float16x2 word of the lane-wise products, RNE (float16
+    subnormals kept): the pure-Triton twin of mul_f16x2_asm. A float16 product is exact in float32,
+    so one float32 multiply and one rounding to float16 give the correctly rounded product."""
+    lo = f32_to_f16_lo(f16_lo_to_f32(a) * f16_lo_to_f32(b))
+    hi = f32_to_f16_lo(f16_lo_to_f32(a >> 16) * f16_lo_to_f32(b >> 16))
+    return lo | (hi << 16)
+
+
+@triton.jit
+def mul_f16x2_asm(a, b):
+    """mul_f16x2 as one PTX mul.rn.f16x2 (.rn: never contracted into an FMA). CUDA only."""
+    return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_abs_f16_half(a, b):
+    fa = tl.abs(f16_lo_to_f32(a))
+    fb = tl.abs(f16_lo_to_f32(b))
+    return f32_to_f16_lo(tl.where(fa != fa, fb, tl.where(fb > fa, fb, fa)))
+
+
+@triton.jit
+def max_abs_f16x2(a, b):
+    """a, b: int32 float16x2 words -> int32 float16x2 word of max(|a|, |b|) per lane, a NaN lane
+    giving the other operand (NaN only if both are): the pure-Triton twin of max_abs_f16x2_asm, and a
+    reduction combine (the maximum magnitude of every value it sees)."""
+    return _max_abs_f16_half(a, b) | (_max_abs_f16_half(a >> 16, b >> 16) << 16)
+
+
+@triton.jit
+def max_abs_f16x2_asm(a, b):
+    """max_abs_f16x2 as PTX abs.f16x2 twice and max.f16x2 (whose NaN rule is the twin's); ptxas folds
+    the two abs into the max's operand modifiers (one HMNMX2). CUDA only."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 x, y;
+        abs.f16x2 x, $1;
+        abs.f16x2 y, $2;
+        max.f16x2 $0, x, y;
+        }""",
+        "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_half_to_e4m3(h):
+    return e4m3_rne(f16_lo_to_f32(h))
+
+
+@triton.jit
+def f16x2x2_to_e4m3x4(lo, hi):
+    """lo, hi: int32 float16x2 words -> int32 of four E4M3 bytes (lo's halves then hi's, low half
+    first): RNE into subnormals and to signed zero, saturating at 448, NaN -> 0x7F (e4m3_rne on the
+    exact float32 value). The pure-Triton twin of f16x2x2_to_e4m3x4_asm."""
+    return (_f16_half_to_e4m3(lo) | (_f16_half_to_e4m3(lo >> 16) << 8) | (_f16_half_to_e4m3(hi) << 16)
+            | (_f16_half_to_e4m3(hi >> 16) << 24))
+
+
+@triton.jit
+def f16x2x2_to_e4m3x4_asm(lo, hi):
+    """f16x2x2_to_e4m3x4 as two PTX cvt.rn.satfinite.e4m3x2.f16x2 (sm_89+, CUDA only)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 l, h;
+        cvt.rn.satfinite.e4m3x2.f16x2 l, $1;
+        cvt.rn.satfinite.e4m3x2.f16x2 h, $2;
+        mov.b32 $0, {l, h};
+        }""",
+        "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
