@@ -234,6 +234,32 @@ def _column_max_byte(p, ASM: tl.constexpr):
 
 
 @triton.jit
+def _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, i: tl.constexpr):
+    """Token lane i of every quad: (E8M0 bytes int32 [4, NB, 8] of tokens 4 q + i, valid [4, NB, 8]:
+    in range and not a NaN block)."""
+    tok = pid_t.to(tl.int64) * 128 + quad * 4 + i                                  # [4, 8]
+    mask = (tok < M)[:, None, :] & kbm[None, :, None]
+    sb = tl.load(s_ptr + tok[:, None, :] * stride_sm + nb[None, :, None], mask=mask, other=0).to(tl.int32)
+    return sb, mask & (sb != 255)
+
+
+@triton.jit
+def _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb, valid, e_top,
+                              i: tl.constexpr):
+    """Token lane i: (code words int32 [4, NB, 4 wb, 8] with NaN blocks' codes zeroed, 8 k0 - 1 per
+    valid block int32 [4, NB, 8] (0 elsewhere), 0x7F per NaN block [4, NB, 8])."""
+    tok = pid_t.to(tl.int64) * 128 + quad * 4 + i
+    mask = (tok < M)[:, None, :] & kbm[None, :, None]
+    word = (nb * 4)[None, :, None, None] + wb[None, None, :, None]
+    x = tl.load(d_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None, None, :] * (stride_dm // 4) + word,
+                mask=mask[:, :, None, :], other=0)
+    nan = mask & (sb == 255)
+    x = x & tl.where(nan, 0, -1)[:, :, None, :]
+    k8 = tl.where(valid, 8 * (26 + sb - 127 - e_top[None, :, None]) - 1, 0)
+    return x, k8, tl.where(nan, 0x7F, 0)
+
+
+@triton.jit
 def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
                                  NB: tl.constexpr, ASM: tl.constexpr):
     # M % 4 == 0, rows 4-byte aligned. A program: one tile of 128 tokens x NB MXFP4 blocks of
@@ -244,42 +270,34 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
     n_k = tl.cdiv(KB, NB)
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
-    # Tokens as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql. A quad's four tokens become
-    # the four bytes of one output word (out[k, 4q:4q + 4]); the layout the loads give (a block's
-    # four words in one thread, quads across lanes and registers) keeps the quad split in registers.
-    qr = tl.arange(0, 4)
-    ql = tl.arange(0, 8)
-    i4 = tl.arange(0, 4)
+    # Tokens 4 q + i, quad q = 8 qr + ql as [4 qr, 8 ql], one tensor per lane i: a quad's four tokens
+    # become the four bytes of one output word (out[k, 4q:4q + 4]). The lanes are separate loads so
+    # that no layout has to keep them in one thread (a reshape and split of one [.., 4] tensor did on
+    # Triton 3.6 but went through shared memory on 3.9).
     nb = pid_k * NB + tl.arange(0, NB)
     wb = tl.arange(0, 4)
-    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
-    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    quad = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]                  # [4, 8]
     kbm = nb < KB
-    mask4 = (tok < M)[:, None, :, :] & kbm[None, :, None, None]                      # [4, NB, 8, 4]
-    sb = tl.load(s_ptr + tok[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
-                 other=0).to(tl.int32)
-    nan = sb == 255
-    valid = mask4 & ~nan
-    e = sb - 127
-    e_top = tl.max(tl.max(tl.max(tl.where(valid, e, -1000), axis=3), axis=2), axis=0)        # [NB]
-    e_low = tl.min(tl.min(tl.min(tl.where(valid, e, 1000), axis=3), axis=2), axis=0)
+    sb0, v0 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 0)
+    sb1, v1 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 1)
+    sb2, v2 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 2)
+    sb3, v3 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 3)
+    e_top = tl.max(tl.max(tl.maximum(tl.maximum(tl.where(v0, sb0, -1000), tl.where(v1, sb1, -1000)),
+                                     tl.maximum(tl.where(v2, sb2, -1000), tl.where(v3, sb3, -1000))), 2), 0) - 127
+    e_low = tl.min(tl.min(tl.minimum(tl.minimum(tl.where(v0, sb0, 1000), tl.where(v1, sb1, 1000)),
+                                     tl.minimum(tl.where(v2, sb2, 1000), tl.where(v3, sb3, 1000))), 2), 0) - 127
     if tl.min(e_low - e_top) >= -11:
         # Every element is c * 2^(E - S) with E - S >= -5 (S >= E_top - 6 whenever the column has
         # a nonzero, E >= E_top - 11): a zero or an E4M3 normal, four tokens per integer operation.
         # P = B(m) + [m != 0](8 k0 - 1) with k0 = 6 + E - S_ref, S_ref = E_top - 20 <= every S, is
         # the E4M3 byte of the element at scale 2^S_ref (k0 in [15, 26]: lanes <= 236, no carry),
         # so the column's largest P gives S, and P - 8 (S - S_ref) [m != 0] the output byte.
-        dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
-        word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
-        mask5 = mask4[:, :, None, :, :]
-        x = tl.load(dw_ptr + tok[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
-        k8 = tl.where(valid, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
-        kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
-        nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
-        x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
-        xe, xo = x.reshape(4, NB, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
-        x0, x2 = xe.split()
-        x1, x3 = xo.split()
+        x0, k0, n0 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb0, v0, e_top, 0)
+        x1, k1, n1 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb1, v1, e_top, 1)
+        x2, k2, n2 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb2, v2, e_top, 2)
+        x3, k3, n3 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb3, v3, e_top, 3)
+        kq = (k0 | (k1 << 8) | (k2 << 16) | (k3 << 24))[:, :, None, :]                # [4, NB, 1, 8]
+        nq = (n0 | (n1 << 8) | (n2 << 16) | (n3 << 24))[:, :, None, :]
         if ASM:
             b0, b1, b2, b3 = bytes_transpose4x4_asm(x0, x1, x2, x3)
         else:
