@@ -234,32 +234,6 @@ def _column_max_byte(p, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, i: tl.constexpr):
-    """Token lane i of every quad: (E8M0 bytes int32 [4, NB, 8] of tokens 4 q + i, valid [4, NB, 8]:
-    in range and not a NaN block)."""
-    tok = pid_t.to(tl.int64) * 128 + quad * 4 + i                                  # [4, 8]
-    mask = (tok < M)[:, None, :] & kbm[None, :, None]
-    sb = tl.load(s_ptr + tok[:, None, :] * stride_sm + nb[None, :, None], mask=mask, other=0).to(tl.int32)
-    return sb, mask & (sb != 255)
-
-
-@triton.jit
-def _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb, valid, e_top,
-                              i: tl.constexpr):
-    """Token lane i: (code words int32 [4, NB, 4 wb, 8] with NaN blocks' codes zeroed, 8 k0 - 1 per
-    valid block int32 [4, NB, 8] (0 elsewhere), 0x7F per NaN block [4, NB, 8])."""
-    tok = pid_t.to(tl.int64) * 128 + quad * 4 + i
-    mask = (tok < M)[:, None, :] & kbm[None, :, None]
-    word = (nb * 4)[None, :, None, None] + wb[None, None, :, None]
-    x = tl.load(d_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None, None, :] * (stride_dm // 4) + word,
-                mask=mask[:, :, None, :], other=0)
-    nan = mask & (sb == 255)
-    x = x & tl.where(nan, 0, -1)[:, :, None, :]
-    k8 = tl.where(valid, 8 * (26 + sb - 127 - e_top[None, :, None]) - 1, 0)
-    return x, k8, tl.where(nan, 0x7F, 0)
-
-
-@triton.jit
 def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
                                  NB: tl.constexpr, ASM: tl.constexpr):
     # M % 4 == 0, rows 4-byte aligned. A program: one tile of 128 tokens x NB MXFP4 blocks of
@@ -270,34 +244,42 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
     n_k = tl.cdiv(KB, NB)
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
-    # Tokens 4 q + i, quad q = 8 qr + ql as [4 qr, 8 ql], one tensor per lane i: a quad's four tokens
-    # become the four bytes of one output word (out[k, 4q:4q + 4]). The lanes are separate loads so
-    # that no layout has to keep them in one thread (a reshape and split of one [.., 4] tensor did on
-    # Triton 3.6 but went through shared memory on 3.9).
+    # Tokens as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql. A quad's four tokens become
+    # the four bytes of one output word (out[k, 4q:4q + 4]); the layout the loads give (a block's
+    # four words in one thread, quads across lanes and registers) keeps the quad split in registers.
+    qr = tl.arange(0, 4)
+    ql = tl.arange(0, 8)
+    i4 = tl.arange(0, 4)
     nb = pid_k * NB + tl.arange(0, NB)
     wb = tl.arange(0, 4)
-    quad = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]                  # [4, 8]
+    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
+    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
     kbm = nb < KB
-    sb0, v0 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 0)
-    sb1, v1 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 1)
-    sb2, v2 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 2)
-    sb3, v3 = _mxfp4_colwise_lane_scales(s_ptr, M, stride_sm, pid_t, quad, nb, kbm, 3)
-    e_top = tl.max(tl.max(tl.maximum(tl.maximum(tl.where(v0, sb0, -1000), tl.where(v1, sb1, -1000)),
-                                     tl.maximum(tl.where(v2, sb2, -1000), tl.where(v3, sb3, -1000))), 2), 0) - 127
-    e_low = tl.min(tl.min(tl.minimum(tl.minimum(tl.where(v0, sb0, 1000), tl.where(v1, sb1, 1000)),
-                                     tl.minimum(tl.where(v2, sb2, 1000), tl.where(v3, sb3, 1000))), 2), 0) - 127
+    mask4 = (tok < M)[:, None, :, :] & kbm[None, :, None, None]                      # [4, NB, 8, 4]
+    sb = tl.load(s_ptr + tok[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
+                 other=0).to(tl.int32)
+    nan = sb == 255
+    valid = mask4 & ~nan
+    e = sb - 127
+    e_top = tl.max(tl.max(tl.max(tl.where(valid, e, -1000), axis=3), axis=2), axis=0)        # [NB]
+    e_low = tl.min(tl.min(tl.min(tl.where(valid, e, 1000), axis=3), axis=2), axis=0)
     if tl.min(e_low - e_top) >= -11:
         # Every element is c * 2^(E - S) with E - S >= -5 (S >= E_top - 6 whenever the column has
         # a nonzero, E >= E_top - 11): a zero or an E4M3 normal, four tokens per integer operation.
         # P = B(m) + [m != 0](8 k0 - 1) with k0 = 6 + E - S_ref, S_ref = E_top - 20 <= every S, is
         # the E4M3 byte of the element at scale 2^S_ref (k0 in [15, 26]: lanes <= 236, no carry),
         # so the column's largest P gives S, and P - 8 (S - S_ref) [m != 0] the output byte.
-        x0, k0, n0 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb0, v0, e_top, 0)
-        x1, k1, n1 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb1, v1, e_top, 1)
-        x2, k2, n2 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb2, v2, e_top, 2)
-        x3, k3, n3 = _mxfp4_colwise_lane_words(d_ptr, M, stride_dm, pid_t, quad, nb, wb, kbm, sb3, v3, e_top, 3)
-        kq = (k0 | (k1 << 8) | (k2 << 16) | (k3 << 24))[:, :, None, :]                # [4, NB, 1, 8]
-        nq = (n0 | (n1 << 8) | (n2 << 16) | (n3 << 24))[:, :, None, :]
+        dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
+        word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
+        mask5 = mask4[:, :, None, :, :]
+        x = tl.load(dw_ptr + tok[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
+        k8 = tl.where(valid, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
+        kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
+        nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
+        x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
+        xe, xo = x.reshape(4, NB, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
+        x0, x2 = xe.split()
+        x1, x3 = xo.split()
         if ASM:
             b0, b1, b2, b3 = bytes_transpose4x4_asm(x0, x1, x2, x3)
         else:
@@ -402,63 +384,21 @@ def _f16_column_scale(h, s_ref):
 
 
 @triton.jit
-def _column_max_abs_f16x2(a0, a1, a2, a3):
-    """a0..a3: int32 float16x2 words [4, G, 4, 8] -> int32 [G, 4]: the largest |value| per lane over
-    the four tensors and their axes 0 and 3, NaN lanes left out (0 when there is nothing else): the
-    pure-Triton twin of the max_abs_f16x2_asm reduction, written with tl.max (the interpreter runs a
-    tl.reduce combine once per element pair, about 6 s per program)."""
-    lo = tl.maximum(tl.maximum(_abs_f16_no_nan(a0), _abs_f16_no_nan(a1)),
-                    tl.maximum(_abs_f16_no_nan(a2), _abs_f16_no_nan(a3)))
-    hi = tl.maximum(tl.maximum(_abs_f16_no_nan(a0 >> 16), _abs_f16_no_nan(a1 >> 16)),
-                    tl.maximum(_abs_f16_no_nan(a2 >> 16), _abs_f16_no_nan(a3 >> 16)))
-    return f32_to_f16_lo(tl.max(tl.max(lo, 3), 0)) | (f32_to_f16_lo(tl.max(tl.max(hi, 3), 0)) << 16)
-
-
-@triton.jit
-def _abs_f16_no_nan(h):
-    v = tl.abs(f16_lo_to_f32(h))
-    return tl.where(v != v, 0.0, v)
+def _column_max_abs_f16x2(a):
+    """a: int32 float16x2 words [4, G, 4, 8, 4] -> int32 [G, 4]: the largest |value| per lane over
+    axes 0, 3 and 4, NaN lanes left out (0 when there is nothing else): the pure-Triton twin of the
+    max_abs_f16x2_asm reduction, written with tl.max (the interpreter runs a tl.reduce combine once
+    per element pair, about 6 s per program)."""
+    lo = tl.abs(f16_lo_to_f32(a))
+    hi = tl.abs(f16_lo_to_f32(a >> 16))
+    lo = tl.max(tl.max(tl.max(tl.where(lo != lo, 0.0, lo), 4), 3), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(hi != hi, 0.0, hi), 4), 3), 0)
+    return f32_to_f16_lo(lo) | (f32_to_f16_lo(hi) << 16)
 
 
 @triton.jit
 def _max_abs_f16x2_asm_combine(a, b):
     return max_abs_f16x2_asm(a, b)
-
-
-@triton.jit
-def _fp8_colwise_lane(q_ptr, s_ptr, M, K4, pid_t, col0, gw, quad, i: tl.constexpr):
-    """Token lane i of every quad: (tok int64 [4, 8] = 4 q + i, valid [4, 8], row exponent S_r [4, 8],
-    words int32 [4, G, 4, 8]: columns col0 + 16 g + 4 w .. + 3 of token 4 q + i)."""
-    tok = pid_t.to(tl.int64) * 128 + quad * 4 + i
-    tmask = tok < M
-    sbits = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tmask, other=1.0).to(tl.int32, bitcast=True)
-    x = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None, None, :] * K4
-                + (col0 // 4 + gw)[None, :, :, None], mask=tmask[:, None, None, :], other=0)
-    return tmask, (sbits >> 23) - 127, x
-
-
-@triton.jit
-def _fp8_colwise_lane_a(x, tmask, s_r, s_ref, ASM: tl.constexpr):
-    """One token lane's words -> (a_lo, a_hi, far): float16x2 words of q 2^(7 - d) (d = s_ref - S_r;
-    +-0 where d > 21) for bytes (0, 1) and (2, 3), and whether a token of the lane with d > 21 has a
-    nonzero byte (int32 scalar 0 / 1)."""
-    d = s_ref - s_r
-    tf = (tl.where(tmask & (d <= 21), (22 - d) << 10, 0) * 0x10001)[:, None, None, :]   # 2^(7 - d), twice
-    far = tl.max(tl.where((tmask & (d > 21))[:, None, None, :] & ((x & 0x7F7F7F7F) != 0), 1, 0))
-    if ASM:
-        lo, hi = e4m3x4_to_f16x2_asm(x)
-        return mul_f16x2_asm(lo, tf), mul_f16x2_asm(hi, tf), far
-    else:
-        lo, hi = e4m3x4_to_f16x2(x)
-        return mul_f16x2(lo, tf), mul_f16x2(hi, tf), far
-
-
-@triton.jit
-def _fp8_colwise_lane_out(a_lo, a_hi, cf_lo, cf_hi, ASM: tl.constexpr):
-    if ASM:
-        return f16x2x2_to_e4m3x4_asm(mul_f16x2_asm(a_lo, cf_lo), mul_f16x2_asm(a_hi, cf_hi))
-    else:
-        return f16x2x2_to_e4m3x4(mul_f16x2(a_lo, cf_lo), mul_f16x2(a_hi, cf_hi))
 
 
 @triton.jit
@@ -480,46 +420,57 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
     col0 = pid_k * (16 * G)
-    # Tokens 4 q + i, quad q = 8 qr + ql as [4 qr, 8 ql], one tensor per lane i (a 4 x 4 byte
-    # transpose of the four lanes' words gives out[k, 4 q:4 q + 4]); columns as [G, 4 w, 4 bytes]. The
-    # lanes are separate loads so that no layout has to keep them in one thread (a reshape and split
-    # of one [.., 4] tensor did on Triton 3.6 but went through shared memory on 3.9).
+    # Tokens as [4 qr, 8 ql, 4 i] (token 4 q + i of quad q = 8 qr + ql), columns as [G, 4 w, 4 bytes]:
+    # x[qr, g, w, ql, i] is the word of columns 16 g + 4 w .. + 3 of token 4 q + i. The four tokens of
+    # a quad stay in one thread's registers, so a 4 x 4 byte transpose gives out[k, 4 q:4 q + 4].
+    qr = tl.arange(0, 4)
+    ql = tl.arange(0, 8)
+    i4 = tl.arange(0, 4)
     gw = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]                   # [G, 4] word in row
-    quad = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]                  # [4, 8]
-    t0, s0, x0 = _fp8_colwise_lane(q_ptr, s_ptr, M, K4, pid_t, col0, gw, quad, 0)
-    t1, s1, x1 = _fp8_colwise_lane(q_ptr, s_ptr, M, K4, pid_t, col0, gw, quad, 1)
-    t2, s2, x2 = _fp8_colwise_lane(q_ptr, s_ptr, M, K4, pid_t, col0, gw, quad, 2)
-    t3, s3, x3 = _fp8_colwise_lane(q_ptr, s_ptr, M, K4, pid_t, col0, gw, quad, 3)
-    s_ref = tl.max(tl.maximum(tl.maximum(tl.where(t0, s0, -1000), tl.where(t1, s1, -1000)),
-                              tl.maximum(tl.where(t2, s2, -1000), tl.where(t3, s3, -1000))))
-    s_low = tl.min(tl.minimum(tl.minimum(tl.where(t0, s0, 0), tl.where(t1, s1, 0)),
-                              tl.minimum(tl.where(t2, s2, 0), tl.where(t3, s3, 0))))
-    a0_lo, a0_hi, far0 = _fp8_colwise_lane_a(x0, t0, s0, s_ref, ASM)
-    a1_lo, a1_hi, far1 = _fp8_colwise_lane_a(x1, t1, s1, s_ref, ASM)
-    a2_lo, a2_hi, far2 = _fp8_colwise_lane_a(x2, t2, s2, s_ref, ASM)
-    a3_lo, a3_hi, far3 = _fp8_colwise_lane_a(x3, t3, s3, s_ref, ASM)
+    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
+    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    tmask = tok < M
+    sbits = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tmask, other=1.0).to(tl.int32, bitcast=True)
+    s_r = (sbits >> 23) - 127
+    s_ref = tl.max(tl.where(tmask, s_r, -1000))
     # Scales 2^-126 .. 2^100 (positive normals; the bytes kernel's products stay finite).
-    ok = (s_ref <= 100) & (s_low >= -126) & ((far0 | far1 | far2 | far3) == 0)
+    ok = (s_ref <= 100) & (tl.min(tl.where(tmask, s_r, 0)) >= -126)
+    d = s_ref - s_r
+    tf = tl.where(tmask & (d <= 21), (22 - d) << 10, 0) * 0x10001                     # 2^(7 - d), twice
+    mask5 = tmask[:, None, None, :, :]
+    x = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None, None, :, :] * K4
+                + (col0 // 4 + gw)[None, :, :, None, None], mask=mask5, other=0)
+    if tl.max(tl.where(tmask, d, 0)) > 21:
+        far = (tmask & (d > 21))[:, None, None, :, :]
+        ok = ok & (tl.max(tl.where(far, x & 0x7F7F7F7F, 0)) == 0)
+    tf = tf[:, None, None, :, :]
     if ASM:
-        c_lo = max_abs_f16x2_asm(max_abs_f16x2_asm(a0_lo, a1_lo), max_abs_f16x2_asm(a2_lo, a3_lo))
-        c_hi = max_abs_f16x2_asm(max_abs_f16x2_asm(a0_hi, a1_hi), max_abs_f16x2_asm(a2_hi, a3_hi))
-        m_lo = tl.reduce(tl.reduce(c_lo, 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
-        m_hi = tl.reduce(tl.reduce(c_hi, 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
+        lo, hi = e4m3x4_to_f16x2_asm(x)
+        a_lo = mul_f16x2_asm(lo, tf)
+        a_hi = mul_f16x2_asm(hi, tf)
+        m_lo = tl.reduce(tl.reduce(tl.reduce(a_lo, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
+        m_hi = tl.reduce(tl.reduce(tl.reduce(a_hi, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
     else:
-        m_lo = _column_max_abs_f16x2(a0_lo, a1_lo, a2_lo, a3_lo)
-        m_hi = _column_max_abs_f16x2(a0_hi, a1_hi, a2_hi, a3_hi)
+        lo, hi = e4m3x4_to_f16x2(x)
+        a_lo = mul_f16x2(lo, tf)
+        a_hi = mul_f16x2(hi, tf)
+        m_lo = _column_max_abs_f16x2(a_lo)
+        m_hi = _column_max_abs_f16x2(a_hi)
     S0, f0, bad0 = _f16_column_scale(m_lo, s_ref)                                      # [G, 4] each
     S1, f1, bad1 = _f16_column_scale(m_lo >> 16, s_ref)
     S2, f2, bad2 = _f16_column_scale(m_hi, s_ref)
     S3, f3, bad3 = _f16_column_scale(m_hi >> 16, s_ref)
     ok = ok & (tl.max((bad0 | bad1 | bad2 | bad3).to(tl.int32)) == 0)
     if ok:
-        cf_lo = (f0 | (f1 << 16))[None, :, :, None]
-        cf_hi = (f2 | (f3 << 16))[None, :, :, None]
-        y0 = _fp8_colwise_lane_out(a0_lo, a0_hi, cf_lo, cf_hi, ASM)
-        y1 = _fp8_colwise_lane_out(a1_lo, a1_hi, cf_lo, cf_hi, ASM)
-        y2 = _fp8_colwise_lane_out(a2_lo, a2_hi, cf_lo, cf_hi, ASM)
-        y3 = _fp8_colwise_lane_out(a3_lo, a3_hi, cf_lo, cf_hi, ASM)
+        cf_lo = (f0 | (f1 << 16))[None, :, :, None, None]
+        cf_hi = (f2 | (f3 << 16))[None, :, :, None, None]
+        if ASM:
+            y = f16x2x2_to_e4m3x4_asm(mul_f16x2_asm(a_lo, cf_lo), mul_f16x2_asm(a_hi, cf_hi))
+        else:
+            y = f16x2x2_to_e4m3x4(mul_f16x2(a_lo, cf_lo), mul_f16x2(a_hi, cf_hi))
+        ye, yo = y.reshape(4, G, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
+        y0, y2 = ye.split()
+        y1, y3 = yo.split()
         if ASM:
             b0, b1, b2, b3 = bytes_transpose4x4_asm(y0, y1, y2, y3)
         else:
