@@ -42,7 +42,8 @@ def main() -> int:
         mx = KMX.quantize_mxfp4_rowwise(x)
         f8 = K8.quantize_fp8_rowwise(x)
         cases = [("mxfp4_to_fp8", "mxfp4_to_fp8_rowwise", mx), ("fp8_to_mxfp4", "quantize_mxfp4_from_fp8", f8),
-                 ("mxfp4_to_bf16", "dequantize_mxfp4", (*mx, torch.bfloat16))]
+                 ("mxfp4_to_bf16", "dequantize_mxfp4", (*mx, torch.bfloat16)),
+                 ("mxfp4_to_fp8_colwise", "mxfp4_to_fp8_colwise", mx), ("fp8_to_fp8_colwise", "fp8_to_fp8_colwise", f8)]
         for name, fn, args in cases:
             mod_name, _, _, _, _, _, branch = sass.KERNELS[name]
             both = getattr(sass._module(mod_name, branch, None), fn)
