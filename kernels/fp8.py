@@ -143,11 +143,11 @@ def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
 def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          stride_xm, stride_fm, stride_fsm, stride_fst, stride_mm, stride_msm,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
-                         BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+                         BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
     rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
-    word, fscale = fp8_encode_tiles(lo, hi)
+    word, fscale = fp8_encode_tiles(lo, hi, ASM)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
@@ -199,7 +199,8 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
 
-def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles: int, num_warps: int, out=None):
+def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles: int, num_warps: int, out=None,
+                         asm: bool | None = None):
     m, k = x.shape
     dev = x.device
     if out is None:
@@ -219,21 +220,25 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
             words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
             words.stride(0), fw.stride(0), fscale.stride(0), fscale.stride(1), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
             IN_KIND=kind, WRITE_MXFP4=write_mxfp4,
-            BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+            BLOCK_M=block_m, TILES=tiles, ASM=use_asm(x) if asm is None else asm, num_warps=num_warps)
     return (fp8, fscale), (mx, ms)
 
 
-def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 8, tiles: int = 4, num_warps: int = 4):
+def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 8, tiles: int = 4, num_warps: int = 4,
+                        asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
     M-major), or written into ``out`` = (data, scale) views of those shapes (data with unit column
-    stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref."""
-    return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out)[0]
+    stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref. asm: None = the PTX E4M3
+    rounding (cvt.rn.satfinite.e4m3x2.f32) on sm_90+ outside the interpreter (use_asm), True / False
+    to force it or its integer twin."""
+    return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 32, tiles: int = 1, num_warps: int = 4):
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 4, num_warps: int = 4,
+                           asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
-    read of x; bit-identical to quantize_fp8_and_mxfp4_ref."""
-    return _launch_quantize_fp8(x, True, block_m, tiles, num_warps)
+    read of x; bit-identical to quantize_fp8_and_mxfp4_ref (asm as in quantize_fp8_rowwise)."""
+    return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 
 def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 4, tiles: int = 4,

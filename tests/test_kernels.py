@@ -20,8 +20,8 @@ from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, bytes_t
                                              e2m1_decode_scaled, e2m1_pairs_to_base_flagged,
                                              e2m1_pairs_to_base_flagged_asm, e2m1_rne_mag,
                                              e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
-                                             e4m3_rne, e4m3x4_to_e2m1x4, max15x2, max_u16x2_asm,
-                                             nibbles_to_byte_lanes)
+                                             e4m3_rne, e4m3x4_to_e2m1x4, f32x2_to_e4m3x2_asm, max15x2,
+                                             max_u16x2_asm, nibbles_to_byte_lanes)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -386,6 +386,51 @@ def test_gpu_fp8_to_mxfp4_inline_ptx_path_equals_the_twin_path():
     real = K8.quantize_fp8_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
     for d, s in ((fd, fs), real):
         _check(KMX.quantize_mxfp4_from_fp8(d, s, asm=True), KMX.quantize_mxfp4_from_fp8(d, s, asm=False))
+
+
+@triton.jit
+def _probe_f32x2_e4m3_kernel(a_ptr, b_ptr, out_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+    if ASM:
+        w = f32x2_to_e4m3x2_asm(a, b)
+    else:
+        w = (e4m3_rne(a) | (e4m3_rne(b) << 8)).to(tl.int16)
+    tl.store(out_ptr + offs, w, mask=mask)
+
+
+@pytest.mark.gpu
+def test_gpu_f32x2_to_e4m3x2_ptx_equals_e4m3_rne():
+    # Every finite bf16 pattern (as float32: every E4M3 tie, subnormal step and overflow) in each lane,
+    # then random float32 within +-500 and below 2^-6: cvt.rn.satfinite.e4m3x2.f32 against the
+    # integer rule, bytes equal (NaN included; +-Inf left out, where satfinite gives +-448).
+    g = torch.Generator().manual_seed(21)
+    bf = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    rnd = torch.cat([(torch.rand(1 << 16, generator=g) - 0.5) * 1000,
+                     (torch.rand(1 << 16, generator=g) - 0.5) * 2.0 ** -5])
+    a = torch.cat([bf, rnd])
+    b = torch.cat([bf.flip(0), rnd.flip(0)])
+    keep = ~(torch.isinf(a) | torch.isinf(b))
+    a, b = a[keep].cuda(), b[keep].cuda()
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(a.numel(), dtype=torch.int16, device="cuda")
+        _probe(_probe_f32x2_e4m3_kernel, a.numel(), a, b, out, ASM=asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_fp8_ptx_rounding_equals_the_twin_path():
+    for kind in ("gaussian", "outlier_channels", "tiny", "subnormal", "mixed_magnitudes"):
+        x = make_input((4096, 7168), kind, torch.bfloat16, seed=22, device="cuda")
+        _check(K8.quantize_fp8_rowwise(x, asm=True), K8.quantize_fp8_rowwise(x, asm=False))
+        _check(K8.quantize_fp8_rowwise(x, asm=True), K8.quantize_fp8_rowwise_ref(x))
+        _check(K8.quantize_fp8_and_mxfp4(x, asm=True), K8.quantize_fp8_and_mxfp4_ref(x))
+    x = _with_nonfinite(make_input((1024, 2048), "gaussian", torch.float32, seed=23, device="cuda"))
+    _check(K8.quantize_fp8_rowwise(x, asm=True), K8.quantize_fp8_rowwise_ref(x))
 
 
 def test_bf16_decode_every_byte_times_every_scale_byte():
