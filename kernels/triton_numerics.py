@@ -208,9 +208,10 @@ def e4m3_rne(v):
     """float32 v (|v| <= 448, or non-finite) -> int32 E4M3 byte: round-to-nearest-even into
     subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.
 
-    Integer arithmetic on the bits (e4m3_rne_mag), on every device: the interpreter's float8 cast does
-    not round to nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a
-    quarter of the elements in these kernels (H200, 2026-11-22), so neither is used.
+    Integer arithmetic on the bits (e4m3_rne_mag): the interpreter's float8 cast does not round to
+    nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a quarter of the
+    elements in these kernels (H200, 2026-11-22), so neither is used. The PTX instruction itself, as
+    f32x2_to_e4m3x2_asm, equals this on finite inputs and NaN (a GPU test), and fp8_encode_tiles uses it.
     """
     bits = v.to(tl.int32, bitcast=True)
     u = bits & 0x7FFFFFFF
