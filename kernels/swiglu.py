@@ -35,6 +35,7 @@ from moe_fp4.kernels.triton_numerics import (
     load_pairs_as_f32_bits,
     mx_encode_tiles,
     tile_program,
+    use_asm,
     words_view,
 )
 
@@ -160,7 +161,8 @@ def _swiglu_bits(g_bits, u_bits, w, HAS_W: tl.constexpr):
 def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr, hmx_ptr, hmxs_ptr, a_ptr,
                             M, NT, stride_w,
                             HAS_W: tl.constexpr, WRITE_H_MX: tl.constexpr, WRITE_A_MX: tl.constexpr,
-                            WRITE_A: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+                            WRITE_A: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
+                            ASM: tl.constexpr):
     # A program covers [BLOCK_M rows, TILES tiles of 128 columns of a] as [BM, TILES, 4, 16] pair
     # words, and reads the same columns of gate and up. F = 128 NT columns = 64 NT pair words; every
     # tensor is contiguous, so the row strides are multiples of NT (h, h_mx: 128 NT pair words/bytes;
@@ -178,7 +180,7 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
     a_hi = _swiglu_bits(g_hi, u_hi, w, HAS_W)
 
     a_off = r4 * HALF + pair
-    word, scale = fp8_encode_tiles(a_lo, a_hi)
+    word, scale = fp8_encode_tiles(a_lo, a_hi, ASM)
     tl.store(fp8_ptr + a_off, word, mask=mask4)
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * M + rows[:, None], scale, mask=mask_t)  # M-major
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                            # [1, TILES, 4]
@@ -248,7 +250,7 @@ def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_
 # --------------------------------------------------------------------------------------------
 
 def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool, write_a: bool = False,
-                    block_m: int = 8, tiles: int = 1, num_warps: int = 2):
+                    block_m: int = 8, tiles: int = 1, num_warps: int = 2, asm: bool | None = None):
     """h: bf16 [M, 2F] = [gate | up] contiguous (F % 128 == 0), w: float32 [M] or None
     -> ((data float8_e4m3fn [M, F], scale float32 [M, F/128] M-major),
         (data uint8 [M, F/2], scale uint8 [M, F/32]) or None,
@@ -257,7 +259,9 @@ def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool
 
     a = bf16(g * sigmoid(g) * u * w) in float32 (within SWIGLU_MAX_ULP of the reference's); the FP8 and
     a-MXFP4 outputs are bit-identical to quantize_fp8_rowwise_ref / quantize_mxfp4_rowwise_ref of
-    this kernel's own a, the h-MXFP4 output to quantize_mxfp4_rowwise_ref(h).
+    this kernel's own a, the h-MXFP4 output to quantize_mxfp4_rowwise_ref(h). asm: None = the FP8
+    encode's PTX rounding on sm_90+ outside the interpreter (use_asm), True / False to force it or
+    its integer twin (quantize_fp8_rowwise's).
     Defaults measured on an H100 (Triton 3.6) at M = 4096, F = 2048, every output but a: 40 us
     (52 MiB moved, 1.4 TB/s); block_m = 16 with 4 warps: 42 us.
     """
@@ -283,7 +287,7 @@ def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool
             fw if a is None else a.view(torch.int32),
             m, nt, 0 if w is None else w.stride(0),
             HAS_W=w is not None, WRITE_H_MX=write_h_mxfp4, WRITE_A_MX=write_a_mxfp4, WRITE_A=write_a,
-            BLOCK_M=block_m, TILES=tiles, num_warps=num_warps)
+            BLOCK_M=block_m, TILES=tiles, ASM=use_asm(h) if asm is None else asm, num_warps=num_warps)
     return ((fp8, fscale), (amx, amxs) if write_a_mxfp4 else None, (hmx, hmxs) if write_h_mxfp4 else None, a)
 
 

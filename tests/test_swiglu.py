@@ -247,6 +247,20 @@ def test_backward_gradient_validation(bad):
 # ---- real size on a GPU ------------------------------------------------------------------------
 
 @pytest.mark.gpu
+def test_gpu_fp8_encode_ptx_path_equals_the_twin_path():
+    h, w, _ = _inputs(4096, 2048, True, seed=10, device="cuda")
+    for hm, am in ((False, False), (True, True)):
+        ptx = KS.swiglu_quantize(h, w, hm, am, write_a=True, asm=True)
+        twin = KS.swiglu_quantize(h, w, hm, am, write_a=True, asm=False)
+        for p, t in zip(ptx, twin):
+            if p is None:
+                assert t is None
+                continue
+            for x, y in zip(p, t) if isinstance(p, tuple) else ((p, t),):
+                assert same_bits(x, y)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("weighted", [False, True])
 def test_gpu_moe_size(weighted):
     h, w, da = _inputs(4096, 2048, weighted, seed=9, device="cuda")
