@@ -21,6 +21,7 @@ from moe_fp4.kernels.triton_numerics import (
     e2m1_pairs_to_base_flagged_asm,
     e2m1_to_e4m3_normal,
     e4m3_rne,
+    e4m3_rne_asm,
     e4m3_to_f32_bits,
     e4m3x4_to_f16x2,
     e4m3x4_to_f16x2_asm,
@@ -604,7 +605,7 @@ def _load_f32_bits(ptr, offs, IN_KIND: tl.constexpr):
 @triton.jit
 def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
                                IN_KIND: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_COLS: tl.constexpr,
-                               TILE: tl.constexpr, SUB: tl.constexpr, TILES_K: tl.constexpr):
+                               TILE: tl.constexpr, SUB: tl.constexpr, TILES_K: tl.constexpr, ASM: tl.constexpr):
     # A program: one tile of TILE (=128) tokens x TILES_K column tiles of TILE, one [TILE, TILE] block
     # at a time, in column slices [TILE, SUB]. A slice holds all 128 tokens of its columns, so its
     # column amax is the scale of each of its columns of X^T. The row amax of a token spans the whole
@@ -613,7 +614,8 @@ def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
     # SUB == TILE the block is loaded once and both amaxes come from the same registers.
     # ptxas for sm_90a (Triton 3.6, bf16, both outputs, 8 warps): SUB 32 -> 64 registers, SUB 128 ->
     # 152; no spills. An all-finite fast path (the row-wise kernel's unsaturated encoding behind a
-    # per-block branch) doubled the registers, so every element takes e4m3_rne (3 more ops).
+    # per-block branch) doubled the registers, so every element takes e4m3_rne (3 more ops), or with
+    # ASM its one-instruction PTX form e4m3_rne_asm (the same bytes).
     pid_m = tl.program_id(0)
     tok = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)          # [T] rows of X
     sub = tl.arange(0, SUB).to(tl.int64)
@@ -640,11 +642,17 @@ def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
                     S_r = fp8_scale_exp(tl.max(fin, axis=1))                     # [T] per token
                     tl.store(rs_ptr + t.to(tl.int64) * M + tok, pow2_f32(S_r))
                 # S <= 120 for finite data, so 2^-S is a normal float32 and the product exact.
-                q_r = e4m3_rne(v * pow2_f32(-tl.minimum(S_r, 126))[:, None])
+                if ASM:
+                    q_r = e4m3_rne_asm(v * pow2_f32(-tl.minimum(S_r, 126))[:, None])
+                else:
+                    q_r = e4m3_rne(v * pow2_f32(-tl.minimum(S_r, 126))[:, None])
                 tl.store(r_ptr + tok[:, None] * K + cols[None, :], q_r.to(tl.uint8))
             if WRITE_COLS:
                 S_c = fp8_scale_exp(tl.max(fin, axis=0))                         # [SUB] per column
-                q_c = e4m3_rne(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
+                if ASM:
+                    q_c = e4m3_rne_asm(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
+                else:
+                    q_c = e4m3_rne(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
                 # Element (token, column) goes to out[column, token]. Storing the transposed [column,
                 # token] tile makes tokens the fastest axis of both the registers' order and memory:
                 # the compiler moves the bytes through shared memory and each output row segment of
@@ -654,7 +662,7 @@ def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
 
 
 def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise: bool = True,
-                                 tiles_k: int = 1, slice_k: int = 32, num_warps: int = 8):
+                                 tiles_k: int = 1, slice_k: int = 32, num_warps: int = 8, asm: bool | None = None):
     """FP8 1x128 quantization of X (tiles along K) and of X^T (tiles along M) from one read of X.
 
     x: bf16/fp16/fp32 [M, K] contiguous, M and K multiples of 128 (M or K may be 0)
@@ -667,7 +675,8 @@ def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise:
     Tuning: a program covers 128 tokens x ``tiles_k`` tiles of 128 columns (reduced to a divisor of
     K/128), looping over its 128 x 128 blocks, each in column slices of ``slice_k`` (16, 32, 64 or
     128; below 128 with ``rowwise`` a block is read twice, the second time from cache, to keep few
-    registers per thread); ``num_warps`` per program.
+    registers per thread); ``num_warps`` per program. ``asm``: None = the PTX E4M3 rounding
+    (e4m3_rne_asm) on sm_90+ outside the interpreter (use_asm), True / False to force it or e4m3_rne.
     """
     name = "quantize_fp8_rowwise_colwise"
     _check_cast_transpose_input(x, name)
@@ -690,5 +699,6 @@ def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise:
         raw = x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
         _cast_transpose_fp8_kernel[(m // FP8_TILE, nt // tiles_k)](
             raw, r, rs, c, cs, m, k, IN_KIND=_CAST_T_DTYPES.index(x.dtype), WRITE_ROWS=rowwise, WRITE_COLS=colwise,
-            TILE=FP8_TILE, SUB=slice_k, TILES_K=tiles_k, num_warps=num_warps)
+            TILE=FP8_TILE, SUB=slice_k, TILES_K=tiles_k, ASM=use_asm(x) if asm is None else asm,
+            num_warps=num_warps)
     return rows, cols

@@ -355,6 +355,21 @@ def f32x2_to_e4m3x2_asm(lo, hi):
 
 
 @triton.jit
+def e4m3_rne_asm(v):
+    """e4m3_rne with the PTX cvt.rn.satfinite.e4m3x2.f32 (sm_89+, CUDA only), one value per
+    instruction (the pair's other input is 0): the same byte on every input, since non-finite values
+    (which satfinite would send to +-448 when infinite) take 0x7F by a select."""
+    q = tl.inline_asm_elementwise(
+        """{
+        .reg .f32 z;
+        mov.f32 z, 0f00000000;
+        cvt.rn.satfinite.e4m3x2.f32 $0, z, $1;
+        }""",
+        "=h,f", [v], dtype=tl.int16, is_pure=True, pack=1).to(tl.int32) & 0xFF
+    return tl.where((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000, 0x7F, q)
+
+
+@triton.jit
 def fp8_encode_tiles(lo, hi, ASM: tl.constexpr = False):
     """lo/hi: int32 [BM, TILES, 4, 16] fp32 bits of elements 2i / 2i+1 of each 128-column tile
     -> (int16 [BM, TILES, 4, 16] pair words of E4M3 bytes, float32 [BM, TILES] tile scales 2^S).

@@ -194,6 +194,20 @@ def test_gpu_moe_size_bf16():
 
 
 @pytest.mark.gpu
+def test_gpu_ptx_rounding_equals_the_twin_path():
+    # Every dtype, the special values (NaN, +-Inf, huge, subnormal) included: asm=True against asm=False.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for x in (_with_nonfinite(make_input((1024, 2048), "mixed_magnitudes", dtype, seed=2, device="cuda")),
+                  _special(dtype).cuda()):
+            for tuning in ({}, {"slice_k": 128}):
+                ptx = KT.quantize_fp8_rowwise_colwise(x, asm=True, **tuning)
+                twin = KT.quantize_fp8_rowwise_colwise(x, asm=False, **tuning)
+                m, k = x.shape
+                for got, want, lead in ((ptx[0], twin[0], m), (ptx[1], twin[1], k)):
+                    _check_pair(got, want, lead)
+
+
+@pytest.mark.gpu
 def test_gpu_int64_offsets_past_2_31_elements():
     # M * K > 2^31 + 2^20: token * K (rows) and column * M (cols) overflow int32 in the last tiles.
     k = 7168

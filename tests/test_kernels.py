@@ -20,7 +20,7 @@ from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, bytes_t
                                              e2m1_decode_scaled, e2m1_pairs_to_base_flagged,
                                              e2m1_pairs_to_base_flagged_asm, e2m1_rne_mag,
                                              e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
-                                             e4m3_rne, e4m3x4_to_e2m1x4, f32x2_to_e4m3x2_asm, max15x2,
+                                             e4m3_rne, e4m3_rne_asm, e4m3x4_to_e2m1x4, f32x2_to_e4m3x2_asm, max15x2,
                                              max_u16x2_asm, nibbles_to_byte_lanes)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -420,6 +420,28 @@ def test_gpu_f32x2_to_e4m3x2_ptx_equals_e4m3_rne():
         _probe(_probe_f32x2_e4m3_kernel, a.numel(), a, b, out, ASM=asm)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@triton.jit
+def _probe_e4m3_asm_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, e4m3_rne_asm(v).to(tl.uint8), mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_gpu_e4m3_rne_asm_equals_e4m3_rne_everywhere():
+    # The one-value PTX form against the integer rule on every bf16 pattern (+-Inf and NaN included)
+    # and random float32 within +-500 and below 2^-6.
+    g = torch.Generator().manual_seed(24)
+    v = torch.cat([(torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32),
+                   (torch.rand(1 << 16, generator=g) - 0.5) * 1000,
+                   (torch.rand(1 << 16, generator=g) - 0.5) * 2.0 ** -5]).cuda()
+    ptx = torch.empty(v.numel(), dtype=torch.uint8, device="cuda")
+    twin = torch.empty_like(ptx)
+    _probe(_probe_e4m3_asm_kernel, v.numel(), v, ptx)
+    _probe(_probe_e4m3_kernel, v.numel(), v, twin)
+    assert torch.equal(ptx, twin)
 
 
 @pytest.mark.gpu
