@@ -215,6 +215,28 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, str
 
 
 @triton.jit
+def _quad_tokens(pid_t):
+    """Tokens of token tile pid_t as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql -> (quad
+    int32 [4, 8], tok int64 [4, 8, 4]). A quad's four tokens become the four bytes of one output word
+    (out[k, 4 q:4 q + 4]); loads of [4, N, 4 words, 8, 4] keep i in one thread's registers (Triton 3.6)."""
+    quad = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return quad, pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+
+
+@triton.jit
+def _quad_bytes_transpose(x, N: tl.constexpr, ASM: tl.constexpr):
+    """x: int32 [4, N, 4, 8, 4] words of tokens 4 q + i (i last) -> (b0, b1, b2, b3) int32 [4, N, 4, 8]:
+    byte i of b_j = byte j of token i's word (bytes_transpose4x4 over the quad, PTX with ASM)."""
+    xe, xo = x.reshape(4, N, 4, 8, 2, 2).split()            # i = 2u + v: v = 0 -> i = 0, 2
+    x0, x2 = xe.split()
+    x1, x3 = xo.split()
+    if ASM:
+        return bytes_transpose4x4_asm(x0, x1, x2, x3)
+    else:
+        return bytes_transpose4x4(x0, x1, x2, x3)
+
+
+@triton.jit
 def _max_u16x2_combine(a, b):
     return max_u16x2_asm(a, b)
 
@@ -245,16 +267,12 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
     n_k = tl.cdiv(KB, NB)
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
-    # Tokens as [4 qr, 8 ql, 4 i]: token 4 q + i of quad q = 8 qr + ql. A quad's four tokens become
-    # the four bytes of one output word (out[k, 4q:4q + 4]); the layout the loads give (a block's
-    # four words in one thread, quads across lanes and registers) keeps the quad split in registers.
-    qr = tl.arange(0, 4)
-    ql = tl.arange(0, 8)
+    # Tokens as [4 qr, 8 ql, 4 i] (_quad_tokens): a block's four words in one thread, quads across
+    # lanes and registers, the quad split in registers.
     i4 = tl.arange(0, 4)
     nb = pid_k * NB + tl.arange(0, NB)
     wb = tl.arange(0, 4)
-    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
-    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    quad, tok = _quad_tokens(pid_t)                                                 # [4, 8], [4, 8, 4]
     kbm = nb < KB
     mask4 = (tok < M)[:, None, :, :] & kbm[None, :, None, None]                      # [4, NB, 8, 4]
     sb = tl.load(s_ptr + tok[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
@@ -278,13 +296,7 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
         kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
         nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
         x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
-        xe, xo = x.reshape(4, NB, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
-        x0, x2 = xe.split()
-        x1, x3 = xo.split()
-        if ASM:
-            b0, b1, b2, b3 = bytes_transpose4x4_asm(x0, x1, x2, x3)
-        else:
-            b0, b1, b2, b3 = bytes_transpose4x4(x0, x1, x2, x3)
+        b0, b1, b2, b3 = _quad_bytes_transpose(x, NB, ASM)
         s_ref = (e_top - 20)[:, None]
         qg = pid_t * 32 + quad
         omask = kbm[None, :, None, None] & (qg < M4)[:, None, None, :]
@@ -421,15 +433,11 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
     col0 = pid_k * (16 * G)
-    # Tokens as [4 qr, 8 ql, 4 i] (token 4 q + i of quad q = 8 qr + ql), columns as [G, 4 w, 4 bytes]:
-    # x[qr, g, w, ql, i] is the word of columns 16 g + 4 w .. + 3 of token 4 q + i. The four tokens of
-    # a quad stay in one thread's registers, so a 4 x 4 byte transpose gives out[k, 4 q:4 q + 4].
-    qr = tl.arange(0, 4)
-    ql = tl.arange(0, 8)
-    i4 = tl.arange(0, 4)
+    # Tokens as [4 qr, 8 ql, 4 i] (_quad_tokens), columns as [G, 4 w, 4 bytes]: x[qr, g, w, ql, i] is
+    # the word of columns 16 g + 4 w .. + 3 of token 4 q + i, and a 4 x 4 byte transpose of a quad's
+    # words gives out[k, 4 q:4 q + 4].
     gw = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]                   # [G, 4] word in row
-    quad = qr[:, None] * 8 + ql[None, :]                                            # [4, 8]
-    tok = pid_t.to(tl.int64) * 128 + quad[:, :, None] * 4 + i4[None, None, :]       # [4, 8, 4]
+    quad, tok = _quad_tokens(pid_t)                                                 # [4, 8], [4, 8, 4]
     tmask = tok < M
     sbits = tl.load(s_ptr + (col0 // 128).to(tl.int64) * M + tok, mask=tmask, other=1.0).to(tl.int32, bitcast=True)
     s_r = (sbits >> 23) - 127
@@ -469,13 +477,7 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
             y = f16x2x2_to_e4m3x4_asm(mul_f16x2_asm(a_lo, cf_lo), mul_f16x2_asm(a_hi, cf_hi))
         else:
             y = f16x2x2_to_e4m3x4(mul_f16x2(a_lo, cf_lo), mul_f16x2(a_hi, cf_hi))
-        ye, yo = y.reshape(4, G, 4, 8, 2, 2).split()           # i = 2u + v: v = 0 -> i = 0, 2
-        y0, y2 = ye.split()
-        y1, y3 = yo.split()
-        if ASM:
-            b0, b1, b2, b3 = bytes_transpose4x4_asm(y0, y1, y2, y3)
-        else:
-            b0, b1, b2, b3 = bytes_transpose4x4(y0, y1, y2, y3)
+        b0, b1, b2, b3 = _quad_bytes_transpose(y, G, ASM)
         qg = pid_t * 32 + quad
         col = col0 + gw * 4                                                           # [G, 4]
         obase = o_ptr.to(tl.pointer_type(tl.int32)) + col[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
