@@ -54,11 +54,11 @@ def main() -> None:
     mx = KMX.quantize_mxfp4_rowwise_ref(x)
     f8 = K8.quantize_fp8_rowwise_ref(x)
     rowmk = _grid(block_m=[4, 8, 16, 32], block_k=[256, 512, 1024], num_warps=[4, 8])
-    tiles = _grid(block_m=[4, 8, 16, 32], tiles=[1, 2, 4], num_warps=[4, 8])
+    tiles = _grid(block_m=[2, 4, 8, 16], tiles=[2, 4, 8], num_warps=[2, 4, 8])
     # The SWAR kernels do little work per element: small programs of 1-4 warps keep more in flight,
     # but one-warp programs stop at 32 resident per SM (half its warps), so larger ones are swept too.
-    small_rowmk = _grid(block_m=[1, 2, 4, 8], block_k=[128, 256, 512], num_warps=[1, 2, 4])
-    small_tiles = _grid(block_m=[1, 2, 4, 8, 16, 32], tiles=[1, 2, 4], num_warps=[1, 2, 4, 8])
+    small_rowmk = _grid(block_m=[1, 2, 4, 8], block_k=[256, 512, 1024, 2048], num_warps=[1, 2, 4])
+    small_tiles = _grid(block_m=[1, 2, 4, 8], tiles=[2, 4, 8, 16], num_warps=[1, 2, 4])
     wide_rowmk = _grid(block_m=[2, 4, 8, 16], block_k=[1024, 2048], num_warps=[2, 4, 8])
     ops = [
         ("bf16_to_mxfp4", lambda **c: KMX.quantize_mxfp4_rowwise(x, **c), (x,), rowmk),

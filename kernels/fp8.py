@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
+    row_chunks,
     tile_program,
     e2m1_decode_scaled,
     e2m1x4_to_e4m3x4,
@@ -144,17 +145,22 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          stride_xm, stride_fm, stride_fsm, stride_fst, stride_mm, stride_msm,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
-    # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128] as [BM, TILES, 4, 16].
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
-    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None, None] * stride_xm + pair, mask4, IN_KIND)
+    # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded and stored as
+    # [BM, TILES * 8 chunks, 8] (row_chunks), encoded as [BM, TILES, 4 blocks, 16].
+    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
+    pair, mask_c = row_chunks(rows, M, tl.program_id(1) * (TILES * 64), NT * 64, TILES * 64, 8)
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
+    lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])
+    hi = tl.reshape(hi, [BLOCK_M, TILES, 4, 16])
     word, fscale = fp8_encode_tiles(lo, hi, ASM)
-    tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
+    tl.store(fp8_ptr + rows[:, None, None] * stride_fm + pair, tl.reshape(word, [BLOCK_M, TILES * 8, 8]), mask=mask_c)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
     if WRITE_MXFP4:
         # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
         packed, sc = mx_encode_tiles(lo, hi)
-        tl.store(mx_ptr + rows[:, None, None, None] * stride_mm + pair, packed, mask=mask4)
+        tl.store(mx_ptr + rows[:, None, None] * stride_mm + pair, tl.reshape(packed, [BLOCK_M, TILES * 8, 8]),
+                 mask=mask_c)
         blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
         tl.store(mscale_ptr + rows[:, None, None] * stride_msm + blk, sc, mask=mask3)
 
@@ -163,16 +169,16 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
 def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # MXFP4 codes as int16 words (4 codes each: [M, K/4]) and FP8 bytes as int32 words (4 bytes each:
-    # [M, K/4]): input word i becomes output word i. A program covers [BLOCK_M, TILES * 128] as
-    # [BM, TILES, 4 blocks, 2, 4 words]: a last axis of 4 gives the int16 loads and the int32 stores
-    # the same 4 words per thread, so both use one register layout (with an axis of 8 the compiler
-    # picks 8 per thread for the 16-byte loads, 4 for the stores, and converts through shared memory).
+    # [M, K/4]): input word i becomes output word i. A program covers [BLOCK_M, TILES * 128], loaded
+    # and stored as [BM, TILES * 8 chunks, 4 words] (row_chunks) and decoded as [BM, TILES, 4 blocks,
+    # 2, 4 words]: a last axis of 4 gives the int16 loads and the int32 stores the same 4 words per
+    # thread, so both use one register layout (with an axis of 8 the compiler picks 8 per thread for
+    # the 16-byte loads, 4 for the stores, and converts through shared memory).
     # ASM (CUDA only) decodes with two prmt per word; the pure-Triton twin gives the same bits.
     rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
-    word = ((t * 32)[None, :, None, None, None] + (tl.arange(0, 4) * 8)[None, None, :, None, None]
-            + (tl.arange(0, 2) * 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :])
-    mask5 = mask4[:, :, :, :, None]
-    x = tl.load(d_ptr + rows[:, None, None, None, None] * stride_dm + word, mask=mask5, other=0).to(tl.int32)
+    word, mask_c = row_chunks(rows, M, tl.program_id(1) * (TILES * 32), NT * 32, TILES * 32, 4)
+    x = tl.load(d_ptr + rows[:, None, None] * stride_dm + word, mask=mask_c, other=0).to(tl.int32)
+    x = tl.reshape(x, [BLOCK_M, TILES, 4, 2, 4])
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
     sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
     nan, S, e_rel, normal = mxfp4_tile_exponents(sb, mask3)
@@ -195,7 +201,7 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
             v = e2m1_decode_scaled((x >> (4 * j)) & 15, shifted).to(tl.float32, bitcast=True)
             q |= (e4m3_rne(v) & 0xFF) << (8 * j)
     q = tl.where(nan[:, :, :, None, None], 0x7F7F7F7F, q)
-    tl.store(o_ptr + rows[:, None, None, None, None] * stride_om + word, q, mask=mask5)
+    tl.store(o_ptr + rows[:, None, None] * stride_om + word, tl.reshape(q, [BLOCK_M, TILES * 8, 4]), mask=mask_c)
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 
 
@@ -224,17 +230,18 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
     return (fp8, fscale), (mx, ms)
 
 
-def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 8, tiles: int = 4, num_warps: int = 4,
+def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int = 8, num_warps: int = 2,
                         asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128]
     M-major), or written into ``out`` = (data, scale) views of those shapes (data with unit column
     stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref. asm: None = the PTX E4M3
     rounding (cvt.rn.satfinite.e4m3x2.f32) on sm_90+ outside the interpreter (use_asm), True / False
-    to force it or its integer twin."""
+    to force it or its integer twin. Defaults (4 rows x 8 tiles on 2 warps) from the H200 sweep in
+    bench/RESULTS.md (row_chunks layout)."""
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 4, num_warps: int = 4,
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 8, num_warps: int = 2,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref (asm as in quantize_fp8_rowwise)."""
@@ -242,10 +249,10 @@ def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 4, nu
 
 
 def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int = 4, tiles: int = 4,
-                         num_warps: int = 1, asm: bool | None = None):
+                         num_warps: int = 2, asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale
-    float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref. Defaults from
-    ``bench/tune.py`` on the H200 (one-warp programs: the per-program reductions stay in the warp).
+    float32 [M, K/128] M-major); bit-identical to mxfp4_to_fp8_rowwise_ref. Defaults (4 rows x 4
+    tiles on 2 warps) from the H200 sweep in bench/RESULTS.md (row_chunks layout).
     asm: None = the prmt decode on sm_90+ outside the interpreter (use_asm), True / False to force it
     or its pure-Triton twin."""
     m, half_k = data.shape

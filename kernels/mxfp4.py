@@ -14,6 +14,7 @@ import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
     block_program,
+    row_chunks,
     bytes_0246,
     bytes_0246_asm,
     ceil_log2_ratio_bits,
@@ -210,15 +211,15 @@ def _dequantize_mxfp4_bf16_kernel(
     M, KB, stride_dm, stride_sm, stride_om,     # stride_om in output pair words
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Each MXFP4 byte (two codes) becomes one int32 word of two BF16, at the same index. A block's 16
-    # bytes are a [4, 4] axis pair: a last axis of 4 gives the byte loads and the word stores the same
-    # 4 elements per thread, so both use one register layout (see _mxfp4_to_fp8_kernel in fp8.py).
+    # Each MXFP4 byte (two codes) becomes one int32 word of two BF16, at the same index. Loaded and
+    # stored as [BM, NB * 4 chunks, 4] (row_chunks), decoded as [BM, NB, 4, 4]: a last axis of 4 gives
+    # the byte loads and the word stores the same 4 elements per thread, so both use one register
+    # layout (see _mxfp4_to_fp8_kernel in fp8.py).
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB)
-    pair = ((kb * 16)[None, :, None, None] + (tl.arange(0, 4) * 4)[None, None, :, None]
-            + tl.arange(0, 4)[None, None, None, :])
-    mask4 = mask3[:, :, :, None]
-    b = tl.load(data_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
+    pair, mask_c = row_chunks(rows, M, tl.program_id(1) * (NB * 16), KB * 16, NB * 16, 4)
+    b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask_c, other=0).to(tl.int32)
+    b = tl.reshape(b, [BLOCK_M, NB, 4, 4])
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=2).to(tl.int32)
     nan = (s == 255)[:, :, None, None]
     s_fin = tl.where(s == 255, 2, s)
@@ -232,7 +233,8 @@ def _dequantize_mxfp4_bf16_kernel(
         # Subnormal or overflowing blocks, one code at a time: exact fp32 bits, whose top half is
         # the BF16 value exactly (see _f32_bits_to_out).
         word = ((e2m1_decode_scaled(b & 15, s3) >> 16) & 0xFFFF) | (e2m1_decode_scaled(b >> 4, s3) & -65536)
-    tl.store(out_ptr + rows[:, None, None, None] * stride_om + pair, tl.where(nan, 0x7FC07FC0, word), mask=mask4)
+    word = tl.reshape(tl.where(nan, 0x7FC07FC0, word), [BLOCK_M, NB * 4, 4])
+    tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask_c)
 
 
 @triton.jit
@@ -351,11 +353,11 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
                      block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] (each with unit column stride; the rows may be
     strided, e.g. views of a received wire buffer) -> dtype [M, K] (bit-identical to dequantize_mxfp4_ref).
-    Tuning defaults (bench/tune.py, H200): BF16 output (the two-codes-per-operation kernel) 2 rows x
-    512 columns on 2 warps; FP16/FP32 4 x 1024 on 4 warps."""
+    Tuning defaults (H200 sweeps in bench/RESULTS.md): BF16 output (the two-codes-per-operation
+    kernel, row_chunks layout) 2 rows x 1024 columns on 2 warps; FP16/FP32 4 x 1024 on 4 warps."""
     bf16 = dtype == torch.bfloat16
     block_m = block_m or (2 if bf16 else 4)
-    block_k = block_k or (512 if bf16 else 1024)
+    block_k = block_k or 1024
     num_warps = num_warps or (2 if bf16 else 4)
     m, half_k = data.shape
     k = 2 * half_k
