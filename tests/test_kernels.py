@@ -507,6 +507,25 @@ def test_mxfp4_quantizer_on_k_not_a_multiple_of_the_program_tile(k):
     _check(KMX.quantize_mxfp4_rowwise(x), KMX.quantize_mxfp4_rowwise_ref(x))
 
 
+def test_row_chunk_kernels_with_several_column_programs_and_strided_rows():
+    # The row_chunks kernels (MXFP4 -> FP8 rows, MXFP4 -> BF16, BF16 -> FP8, fused) at a K that
+    # takes several column programs per row with a partial last one (9 FP8 tiles: programs of 8 and
+    # of 4 tiles), on row views with padding between rows (the wire buffer's layout).
+    k = 9 * 128
+    x = make_input((6, k + 256), "mixed_magnitudes", torch.bfloat16, seed=3, device=DEVICE)[:, :k]
+    data, scale = KMX.quantize_mxfp4_rowwise_ref(x.contiguous())
+    padded = torch.zeros(6, k // 2 + 64, dtype=torch.uint8, device=DEVICE)
+    padded[:, : k // 2] = data
+    for tiles in (8, 4):
+        _check(K8.quantize_fp8_rowwise(x, tiles=tiles), K8.quantize_fp8_rowwise_ref(x.contiguous()))
+        _check(K8.quantize_fp8_and_mxfp4(x, tiles=tiles), K8.quantize_fp8_and_mxfp4_ref(x.contiguous()))
+        _check(K8.mxfp4_to_fp8_rowwise(padded[:, : k // 2], scale, tiles=tiles),
+               K8.mxfp4_to_fp8_rowwise_ref(data, scale))
+    for block_k in (1024, 512):
+        _check(KMX.dequantize_mxfp4(padded[:, : k // 2], scale, torch.bfloat16, block_k=block_k),
+               KMX.dequantize_mxfp4_ref(data, scale, torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", HIGH)
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (33, 384), (130, 128)])
 def test_mxfp4_dequantize(shape, dtype):
