@@ -17,6 +17,8 @@ import triton.language as tl
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
     row_chunks,
+    row_column_grid,
+    row_column_program,
     tile_program,
     e2m1_decode_scaled,
     e2m1x4_to_e4m3x4,
@@ -148,7 +150,8 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded and stored as
     # [BM, TILES * 8 chunks, 8] (row_chunks), encoded as [BM, TILES, 4 blocks, 16].
     rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
-    pair, mask_c = row_chunks(rows, M, tl.program_id(1) * (TILES * 64), NT * 64, TILES * 64, 8)
+    _rb, cb = row_column_program()
+    pair, mask_c = row_chunks(rows, M, cb * (TILES * 64), NT * 64, TILES * 64, 8)
     lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
     lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])
     hi = tl.reshape(hi, [BLOCK_M, TILES, 4, 16])
@@ -176,7 +179,8 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     # the 16-byte loads, 4 for the stores, and converts through shared memory).
     # ASM (CUDA only) decodes with two prmt per word; the pure-Triton twin gives the same bits.
     rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
-    word, mask_c = row_chunks(rows, M, tl.program_id(1) * (TILES * 32), NT * 32, TILES * 32, 4)
+    _rb, cb = row_column_program()
+    word, mask_c = row_chunks(rows, M, cb * (TILES * 32), NT * 32, TILES * 32, 4)
     x = tl.load(d_ptr + rows[:, None, None] * stride_dm + word, mask=mask_c, other=0).to(tl.int32)
     x = tl.reshape(x, [BLOCK_M, TILES, 4, 2, 4])
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
@@ -221,7 +225,7 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
         nt = k // FP8_TILE
         tiles = min(tiles, triton.next_power_of_2(nt))
         fw = fp8.view(torch.int16)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
+        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
         _quantize_fp8_kernel[grid](
             words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
             words.stride(0), fw.stride(0), fscale.stride(0), fscale.stride(1), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
@@ -265,7 +269,7 @@ def mxfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, block_m: int =
         words = words_view(data if data.stride(1) == 1 else data.contiguous(), torch.int16)
         scale = scale if scale.stride(1) == 1 else scale.contiguous()
         ow = out.view(torch.int32)
-        _mxfp4_to_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
+        _mxfp4_to_fp8_kernel[row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
             words, scale, ow, oscale, m, nt, words.stride(0), scale.stride(0), ow.stride(0),
             BLOCK_M=block_m, TILES=tiles, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
     return out, oscale

@@ -15,6 +15,8 @@ import triton.language as tl
 from moe_fp4.kernels.triton_numerics import (
     block_program,
     row_chunks,
+    row_column_grid,
+    row_column_program,
     bytes_0246,
     bytes_0246_asm,
     ceil_log2_ratio_bits,
@@ -217,7 +219,8 @@ def _dequantize_mxfp4_bf16_kernel(
     # layout (see _mxfp4_to_fp8_kernel in fp8.py).
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, _ = block_program(M, KB, BLOCK_M, NB)
-    pair, mask_c = row_chunks(rows, M, tl.program_id(1) * (NB * 16), KB * 16, NB * 16, 4)
+    _rb, cb = row_column_program()
+    pair, mask_c = row_chunks(rows, M, cb * (NB * 16), KB * 16, NB * 16, 4)
     b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask_c, other=0).to(tl.int32)
     b = tl.reshape(b, [BLOCK_M, NB, 4, 4])
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=2).to(tl.int32)
@@ -252,7 +255,7 @@ def _fp8_to_mxfp4_kernel(
     # [BM, NB, 2, 2] output words with no layout conversion. ASM (CUDA only) selects one-instruction
     # PTX for the lane maximum and the byte gather; the pure-Triton twins give the same bits.
     NB: tl.constexpr = BLOCK_K // 32
-    rows, kb, mask2, mask3, _pairs = block_program(M, KB, BLOCK_M, NB)
+    rows, kb, mask2, mask3, _pairs = block_program(M, KB, BLOCK_M, NB, True)
     word = ((kb * 8)[None, :, None, None] + (tl.arange(0, 2) * 4)[None, None, :, None]
             + tl.arange(0, 4)[None, None, None, :])
     mask4 = mask3[:, :, :, None]
@@ -341,7 +344,7 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k:
     block_k = min(block_k, triton.next_power_of_2(k))
     words, kind = pair_view(x)
     kb = k // MXFP4_BLOCK
-    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_mxfp4_kernel[grid](
         words, data, scale, m, kb, words.stride(0), data.stride(0), scale.stride(0),
         IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
@@ -369,7 +372,7 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     scale = scale if scale.stride(1) == 1 else scale.contiguous()
     words, kind = pair_view(out)
     block_k = min(block_k, triton.next_power_of_2(k))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     if dtype == torch.bfloat16:
         _dequantize_mxfp4_bf16_kernel[grid](
             data, scale, words, m, k // MXFP4_BLOCK, data.stride(0), scale.stride(0), words.stride(0),
@@ -401,7 +404,7 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
     words = words_view(data.contiguous().view(torch.uint8), torch.int32)
     out_words = out.view(torch.int32)
     block_k = min(block_k, triton.next_power_of_2(k))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k), rows_fastest=True)
     _fp8_to_mxfp4_kernel[grid](
         words, scale, out_words, oscale, m, k // MXFP4_BLOCK, words.stride(0),
         scale.stride(0), scale.stride(1), out_words.stride(0), oscale.stride(0),

@@ -34,6 +34,7 @@ from moe_fp4.kernels.triton_numerics import (
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
     mx_encode_tiles,
+    row_column_grid,
     tile_program,
     use_asm,
     words_view,
@@ -167,7 +168,7 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
     # words, and reads the same columns of gate and up. F = 128 NT columns = 64 NT pair words; every
     # tensor is contiguous, so the row strides are multiples of NT (h, h_mx: 128 NT pair words/bytes;
     # a, FP8, a_mx: 64 NT; scales: 4 NT and 8 NT blocks).
-    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES, True)
     HALF = NT * 64
     r4 = rows[:, None, None, None]
     h_off = r4 * (2 * HALF) + pair
@@ -279,7 +280,7 @@ def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool
         nt = f // FP8_TILE
         tiles = min(tiles, triton.next_power_of_2(nt))
         fw = fp8.view(torch.int16)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
+        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles), rows_fastest=True)
         _swiglu_quantize_kernel[grid](
             words_view(h, torch.int32), fscale if w is None else w, fw, fscale,
             fw if amx is None else amx, fw if amxs is None else amxs,

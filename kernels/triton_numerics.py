@@ -260,13 +260,46 @@ def e2m1_to_e4m3_normal(code, e_rel):
     return tl.where(m == 0, 0, byte) | ((code & 8) << 4)
 
 
+MAX_GRID_YZ = 65535
+
+
+def row_column_grid(n_row_blocks: int, n_col_blocks: int, rows_fastest: bool = False) -> tuple[int, int, int]:
+    """The launch grid of row_column_program: column blocks on axis 0 (fastest), row blocks on
+    axes 1 and 2 (CUDA caps those at 65535 each); with rows_fastest, row blocks on axis 0 and
+    column blocks on axis 1."""
+    if rows_fastest:
+        return (n_row_blocks, n_col_blocks, 1)
+    ny = max(1, min(n_row_blocks, MAX_GRID_YZ))
+    return (n_col_blocks, ny, triton.cdiv(n_row_blocks, ny))
+
+
 @triton.jit
-def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+def row_column_program(ROWS_FASTEST: tl.constexpr = False):
+    """(row block, column block) of this program in a row_column_grid of the same ROWS_FASTEST.
+
+    Column blocks fastest (the default) puts consecutive programs on consecutive memory of the same
+    rows. With the row_chunks layout, against row blocks fastest in the same run (H100): MXFP4 -> BF16
+    1.06-1.08x, the fused BF16 -> {FP8, MXFP4} pass 1.04-1.07x, BF16 -> FP8 1.03-1.04x, MXFP4 -> FP8
+    rows 1.00-1.05x (bench/RESULTS.md). FP8 -> MXFP4 ran 1-5% slower that way (separate runs), so it
+    keeps row blocks fastest, as does the fused SwiGLU + quantize (not measured). No division: a one-axis grid's
+    pid // n, pid % n at the start of every program delays its first loads (the fused pass ran 8-9%
+    slower that way on the H100). Row blocks past the last (axis 2 rounds up) fall outside M and are
+    masked."""
+    if ROWS_FASTEST:
+        return tl.program_id(0), tl.program_id(1)
+    else:
+        return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1), tl.program_id(0)
+
+
+@triton.jit
+def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr, ROWS_FASTEST: tl.constexpr = False):
     """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as pair
-    words [BLOCK_M, NB, 16] -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1],
-    pair-word column [1, NB, 16]). Row offsets are int64: rows * stride can pass 2^31."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    words [BLOCK_M, NB, 16] (grid: row_column_grid) -> (rows int64 [BM], block index [NB],
+    mask [BM, NB], mask [BM, NB, 1], pair-word column [1, NB, 16]). Row offsets are int64: rows *
+    stride can pass 2^31."""
+    rb, cb = row_column_program(ROWS_FASTEST)
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    kb = cb * NB + tl.arange(0, NB)
     mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
     pair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
     return rows, kb, mask2, mask2[:, :, None], pair
@@ -291,12 +324,14 @@ def row_chunks(rows, M, col0, n_cols, COLS: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+def tile_program(M, NT, BLOCK_M: tl.constexpr, TILES: tl.constexpr, ROWS_FASTEST: tl.constexpr = False):
     """This program's [BLOCK_M rows, TILES FP8 tiles of 128] of a row-major [M, 128 NT] tensor, seen
-    as pair words [BLOCK_M, TILES, 4 blocks, 16] -> (rows int64 [BM], tile index [TILES],
-    mask [BM, TILES], mask [BM, TILES, 1], mask [BM, TILES, 1, 1], pair-word column [1, TILES, 4, 16])."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    t = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    as pair words [BLOCK_M, TILES, 4 blocks, 16] (grid: row_column_grid) -> (rows int64 [BM], tile
+    index [TILES], mask [BM, TILES], mask [BM, TILES, 1], mask [BM, TILES, 1, 1], pair-word column
+    [1, TILES, 4, 16])."""
+    rb, cb = row_column_program(ROWS_FASTEST)
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = cb * TILES + tl.arange(0, TILES)
     mask_t = (rows < M)[:, None] & (t < NT)[None, :]
     pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 4) * 16)[None, None, :, None]
             + tl.arange(0, 16)[None, None, None, :])

@@ -526,6 +526,26 @@ def test_row_chunk_kernels_with_several_column_programs_and_strided_rows():
                KMX.dequantize_mxfp4_ref(data, scale, torch.bfloat16))
 
 
+def test_row_column_grid_spills_row_blocks_onto_axis_2(monkeypatch):
+    # CUDA caps grid axes 1 and 2 at 65535, so row blocks past that go to axis 2 (rounded up, the
+    # extra programs masked). Cap the axis at 3 here so 13 rows in 1-row programs need it.
+    import moe_fp4.kernels.triton_numerics as TN
+    assert TN.row_column_grid(70000, 14) == (14, 65535, 2)
+    assert TN.row_column_grid(1, 3) == (3, 1, 1)
+    monkeypatch.setattr(TN, "MAX_GRID_YZ", 3)
+    assert TN.row_column_grid(13, 2) == (2, 3, 5)
+    x = make_input((13, 384), "mixed_magnitudes", torch.bfloat16, seed=5, device=DEVICE)
+    mx = KMX.quantize_mxfp4_rowwise_ref(x)
+    f8 = K8.quantize_fp8_rowwise_ref(x)
+    _check(KMX.quantize_mxfp4_rowwise(x, block_m=1, block_k=128), mx)
+    _check(KMX.quantize_mxfp4_from_fp8(*f8, block_m=1, block_k=128), KMX.quantize_mxfp4_from_fp8_ref(*f8))
+    for dtype in (torch.bfloat16, torch.float32):
+        _check(KMX.dequantize_mxfp4(*mx, dtype, block_m=1, block_k=128), KMX.dequantize_mxfp4_ref(*mx, dtype))
+    _check(K8.quantize_fp8_rowwise(x, block_m=1, tiles=1), f8)
+    _check(K8.quantize_fp8_and_mxfp4(x, block_m=1, tiles=1), K8.quantize_fp8_and_mxfp4_ref(x))
+    _check(K8.mxfp4_to_fp8_rowwise(*mx, block_m=1, tiles=1), K8.mxfp4_to_fp8_rowwise_ref(*mx))
+
+
 @pytest.mark.parametrize("dtype", HIGH)
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (33, 384), (130, 128)])
 def test_mxfp4_dequantize(shape, dtype):
