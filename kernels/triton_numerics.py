@@ -281,10 +281,10 @@ def row_column_program(ROWS_FASTEST: tl.constexpr = False):
     rows. With the row_chunks layout, against row blocks fastest in the same run (H100): MXFP4 -> BF16
     1.06-1.08x, the fused BF16 -> {FP8, MXFP4} pass 1.04-1.07x, BF16 -> FP8 1.03-1.04x, MXFP4 -> FP8
     rows 1.00-1.05x (bench/RESULTS.md). FP8 -> MXFP4 ran 1-5% slower that way (separate runs), so it
-    keeps row blocks fastest, as does the fused SwiGLU + quantize (not measured). No division: a one-axis grid's
-    pid // n, pid % n at the start of every program delays its first loads (the fused pass ran 8-9%
-    slower that way on the H100). Row blocks past the last (axis 2 rounds up) fall outside M and are
-    masked."""
+    keeps row blocks fastest, as does the fused SwiGLU + quantize (not measured). No division: a
+    one-axis grid's pid // n, pid % n at the start of every program delays its first loads (the
+    fused pass ran 8-9% slower that way on the H100). Row blocks past the last (axis 2 rounds up)
+    fall outside M and are masked."""
     if ROWS_FASTEST:
         return tl.program_id(0), tl.program_id(1)
     else:
