@@ -61,11 +61,11 @@ def main() -> None:
     small_tiles = _grid(block_m=[1, 2, 4, 8], tiles=[2, 4, 8, 16], num_warps=[1, 2, 4])
     wide_rowmk = _grid(block_m=[2, 4, 8, 16], block_k=[1024, 2048], num_warps=[2, 4, 8])
     ops = [
-        ("bf16_to_mxfp4", lambda **c: KMX.quantize_mxfp4_rowwise(x, **c), (x,), rowmk),
+        ("bf16_to_mxfp4", lambda **c: KMX.quantize_mxfp4_rowwise(x, **c), (x,), rowmk + small_rowmk + wide_rowmk),
         ("mxfp4_to_bf16", lambda **c: KMX.dequantize_mxfp4(*mx, torch.bfloat16, **c), mx, small_rowmk + wide_rowmk),
         ("fp8_to_mxfp4", lambda **c: KMX.quantize_mxfp4_from_fp8(*f8, **c), f8, rowmk + small_rowmk + wide_rowmk),
         ("bf16_to_fp8", lambda **c: K8.quantize_fp8_rowwise(x, **c), (x,), tiles),
-        ("bf16_to_fp8_and_mxfp4", lambda **c: K8.quantize_fp8_and_mxfp4(x, **c), (x,), tiles),
+        ("bf16_to_fp8_and_mxfp4", lambda **c: K8.quantize_fp8_and_mxfp4(x, **c), (x,), tiles + small_tiles),
         ("mxfp4_to_fp8", lambda **c: K8.mxfp4_to_fp8_rowwise(*mx, **c), mx, small_tiles),
         ("mxfp4_to_fp8_colwise", lambda **c: KT.mxfp4_to_fp8_colwise(*mx, **c), mx,
          _grid(nb=[1, 2, 4, 8], num_warps=[1, 2, 4])),

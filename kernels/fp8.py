@@ -29,6 +29,7 @@ from moe_fp4.kernels.triton_numerics import (
     mxfp4_tile_exponents,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
+    mx_encode_bf16_pairs,
     mx_encode_tiles,
     nibbles_to_byte_lanes,
     pair_view,
@@ -152,16 +153,27 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     _rb, cb = row_column_program()
     pair, mask_c = row_chunks(rows, M, cb * (TILES * 64), NT * 64, TILES * 64, 8)
-    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
-    lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])
-    hi = tl.reshape(hi, [BLOCK_M, TILES, 4, 16])
+    if IN_KIND == 0:
+        w = tl.reshape(tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask_c, other=0),
+                       [BLOCK_M, TILES, 4, 16])
+        lo = w << 16
+        hi = w & -65536
+    else:
+        lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
+        lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])
+        hi = tl.reshape(hi, [BLOCK_M, TILES, 4, 16])
     word, fscale = fp8_encode_tiles(lo, hi, ASM)
     tl.store(fp8_ptr + rows[:, None, None] * stride_fm + pair, tl.reshape(word, [BLOCK_M, TILES * 8, 8]), mask=mask_c)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
     if WRITE_MXFP4:
         # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
-        packed, sc = mx_encode_tiles(lo, hi)
+        if IN_KIND == 0:
+            packed, sc = mx_encode_bf16_pairs(w, 3, ASM)
+            packed = packed.to(tl.uint8)
+            sc = sc.to(tl.uint8)
+        else:
+            packed, sc = mx_encode_tiles(lo, hi)
         tl.store(mx_ptr + rows[:, None, None] * stride_mm + pair, tl.reshape(packed, [BLOCK_M, TILES * 8, 8]),
                  mask=mask_c)
         blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
@@ -248,7 +260,8 @@ def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int
 def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 8, num_warps: int = 2,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
-    read of x; bit-identical to quantize_fp8_and_mxfp4_ref (asm as in quantize_fp8_rowwise)."""
+    read of x; bit-identical to quantize_fp8_and_mxfp4_ref. asm as in quantize_fp8_rowwise; for BF16
+    input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs)."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 

@@ -27,6 +27,7 @@ from moe_fp4.kernels.triton_numerics import (
     load_pairs_as_f32_bits,
     max15x2,
     max_u16x2_asm,
+    mx_encode_bf16_pairs,
     mx_encode_pairs,
     mx_scale_exp,
     pair_view,
@@ -148,25 +149,28 @@ def _quantize_mxfp4_kernel(
     M, KB,                      # rows, number of 32-blocks per row
     stride_xm,                  # row stride of x in pair words
     stride_dm, stride_sm,       # row strides of data (bytes) and scale (bytes)
-    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
-
-    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
-
-    # amax on the bits: |x| bits are monotone in |x|; NaN/Inf (>= 0x7F800000) are the largest.
-    lo_abs = lo & 0x7FFFFFFF
-    hi_abs = hi & 0x7FFFFFFF
-    amax_bits = tl.max(tl.maximum(lo_abs, hi_abs), axis=2)                      # [BM, NB]
-    nan_blk = amax_bits >= 0x7F800000
-    E = mx_scale_exp(amax_bits)
-    # 2^-E: for finite amax E <= 126 (amax < 2^128 gives at most 254 - 129 + 1), so -E is in
-    # [-126, 127] and 2^-E is a normal float32. The min() only matters for NaN blocks (overwritten).
-    mult = pow2_f32(-tl.minimum(E, 126))
-    # No saturation needed: E = ceil(log2(amax / 6)) unclamped gives |x| * 2^-E <= 6 exactly, the
-    # -127 floor only makes |v| smaller, and the 127 ceiling is unreachable for finite input.
-    packed, scale = mx_encode_pairs(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, False)
+    offs = rows[:, None, None] * stride_xm + pair
+    if IN_KIND == 0:
+        # BF16: two elements per operation on the pair words as loaded (mx_encode_bf16_pairs).
+        packed, scale = mx_encode_bf16_pairs(tl.load(x_ptr + offs, mask=mask3, other=0), 2, ASM)
+    else:
+        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask3, IN_KIND)
+        # amax on the bits: |x| bits are monotone in |x|; NaN/Inf (>= 0x7F800000) are the largest.
+        lo_abs = lo & 0x7FFFFFFF
+        hi_abs = hi & 0x7FFFFFFF
+        amax_bits = tl.max(tl.maximum(lo_abs, hi_abs), axis=2)                      # [BM, NB]
+        nan_blk = amax_bits >= 0x7F800000
+        E = mx_scale_exp(amax_bits)
+        # 2^-E: for finite amax E <= 126 (amax < 2^128 gives at most 254 - 129 + 1), so -E is in
+        # [-126, 127] and 2^-E is a normal float32. The min() only matters for NaN blocks (overwritten).
+        mult = pow2_f32(-tl.minimum(E, 126))
+        # No saturation needed: E = ceil(log2(amax / 6)) unclamped gives |x| * 2^-E <= 6 exactly, the
+        # -127 floor only makes |v| smaller, and the 127 ceiling is unreachable for finite input.
+        packed, scale = mx_encode_pairs(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, False)
 
     tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
     tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], scale.to(tl.uint8), mask=mask2)
@@ -328,9 +332,12 @@ def _fp8_to_mxfp4_kernel(
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
-def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k: int = 1024, num_warps: int = 4):
+def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k: int = 1024, num_warps: int = 4,
+                           asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]), or
-    written into ``out`` = (data, scale) views with unit column stride (one pass either way)."""
+    written into ``out`` = (data, scale) views with unit column stride (one pass either way).
+    asm (BF16 input): None = max.u16x2 and fma.rn.bf16x2 on sm_90+ outside the interpreter (use_asm),
+    True / False to force them or their pure-Triton twins."""
     assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
     m, k = x.shape
     x = x.contiguous()
@@ -347,7 +354,8 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k:
     grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_mxfp4_kernel[grid](
         words, data, scale, m, kb, words.stride(0), data.stride(0), scale.stride(0),
-        IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+        IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, ASM=use_asm(x) if asm is None else asm,
+        num_warps=num_warps,
     )
     return data, scale
 

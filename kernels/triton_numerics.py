@@ -573,6 +573,93 @@ def max_u16x2_asm(a, b):
                                      is_pure=True, pack=1)
 
 
+# SWAR encode (BF16 -> MXFP4): two BF16 values per 32-bit operation. The block maximum, the scaling
+# and the E2M1 rounding run on 16-bit lanes of the pair word as loaded, so no per-element float32
+# unpacking, multiply or integer rounding is left (BF16 -> MXFP4 executes 10.2 SASS instructions per
+# element against 15.9 with mx_encode_pairs; bench/RESULTS.md).
+
+@triton.jit
+def fma_bf16x2(a, b, c):
+    """a, b, c: int32 pairs of BF16 bit patterns (16-bit lanes) -> int32 pair of bf16(a * b + c)
+    (RNE), lane-wise: the pure-Triton twin of fma_bf16x2_asm on the inputs e2m1x2_rne_bf16x2 gives it
+    (a >= 0 finite, b a power of two with a * b <= 6 where it matters, c in {64, 128, 256}).
+
+    Computed in float32 and rounded once to BF16 (bf16_rne_bits). That is the single rounding of the
+    exact a * b + c whenever the float32 result is exact, which holds here when a * b >= 2^-3:
+    a * b has at most 8 significant bits, down to 2^-10, and c + a * b < 512 needs 19 bits. Below
+    2^-3 the float32 sum may round (or the product flush), but it stays under c + 2^-3 + ulp, short of
+    the BF16 midpoint c + ulp_bf16(c) / 2 >= c + 2^-2, so both round to c."""
+    lo = (a << 16).to(tl.float32, bitcast=True) * (b << 16).to(tl.float32, bitcast=True) \
+        + (c << 16).to(tl.float32, bitcast=True)
+    hi = (a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True) \
+        + (c & -65536).to(tl.float32, bitcast=True)
+    return ((bf16_rne_bits(lo) >> 16) & 0xFFFF) | bf16_rne_bits(hi)
+
+
+@triton.jit
+def fma_bf16x2_asm(a, b, c):
+    """fma_bf16x2 as one PTX fma.rn.bf16x2 (sm_90: one rounding of the exact a * b + c per lane,
+    subnormals kept). CUDA only."""
+    return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1x2_rne_bf16x2(w, E, ASM: tl.constexpr):
+    """w: int32 pair word of two BF16 (element 2i in bits 0..15, 2i+1 in 16..31); E: int32 block
+    exponent in [-127, 126] (broadcast) with |x| * 2^-E <= 6 for both lanes (RCEIL makes it so for
+    finite blocks) -> int32 whose low byte is the MXFP4 byte of the pair: the E2M1 codes of
+    RNE(x * 2^-E), element 2i in bits 0..3 (sign in bit 3), 2i+1 in bits 4..7. The bits above 7 are
+    not cleared (callers store the low byte). Other inputs (NaN or Inf blocks) give some byte, which
+    callers overwrite; lanes only ever meet inside their own word, so nothing leaks to a neighbour.
+
+    The rounding is the magic-number add of e2m1_rne_mag, in BF16: with c' = clamp(floor(log2 v),
+    0, 2) for v = |x| * 2^-E, the E2M1 step is 2^(c'-1), which is the BF16 ulp of M = 2^(6 + c'), so
+    bf16(v + M) = bits(M) + n with n = RNE(v / step) (M's low 7 bits are 0: the tie goes to even n),
+    and the code is n + 2c'. One fma.rn.bf16x2 forms v + M from |x|, 2^-E and M exactly (one rounding:
+    neither the scaling nor a subnormal v loses anything). M comes from the exponent field of
+    max(|x|, 2^E) (1.0 after scaling: below it c' = 0; v <= 6 keeps it under 2^(E+3)): bits(M) =
+    (that field + 6 - E) << 7. Then bits(M) >> 7 = 133 + c', so n + 2c' = r - M + (M >> 6) - 266 per
+    lane (M >> 6 moves nothing across lanes: the high lane's low 7 bits are 0). Every lane result is
+    in [0, 0xFFFF], so the packed per-block constants, negative lanes included, add without borrows."""
+    a = w & 0x7FFF7FFF
+    inv = ((127 - E) << 7) * 0x10001                 # BF16 2^-E per lane: a normal (E <= 126)
+    one = ((127 + E) << 7) * 0x10001                 # BF16 2^E per lane (0 for E = -127: below every |x|)
+    if ASM:
+        cs = max_u16x2_asm(a, one)
+    else:
+        cs = max15x2(a, one)
+    m = (cs & 0x7F807F80) + ((6 - E) << 7) * 0x10001
+    if ASM:
+        r = fma_bf16x2_asm(a, inv, m)
+    else:
+        r = fma_bf16x2(a, inv, m)
+    t = r - m + (m >> 6) + ((w >> 12) & 0x00080008) - 266 * 0x10001
+    return t | (t >> 12)
+
+
+@triton.jit
+def mx_encode_bf16_pairs(w, AXIS: tl.constexpr, ASM: tl.constexpr):
+    """w: int32 [..., 16, ...] BF16 pair words, axis AXIS running over the 16 pairs of a 32-block
+    -> (packed int32 [..., 16, ...] with the MXFP4 byte of each pair in its low 8 bits, scale int32
+    [...] E8M0 bytes): mx_encode_pairs's bytes for BF16 input, two elements per operation. ASM (CUDA
+    only) takes max.u16x2 and fma.rn.bf16x2; the pure-Triton twins give the same bits.
+
+    The block maximum is a lane-wise maximum of the |x| lanes (BF16 magnitude bits are monotone in
+    |x|, NaN and Inf are the largest), then of the two lanes; as float32 bits it is that << 16."""
+    a = w & 0x7FFF7FFF
+    if ASM:
+        lanes = tl.reduce(a, AXIS, max_u16x2_asm)
+    else:
+        lanes = tl.reduce(a, AXIS, max15x2)
+    amax = tl.maximum(lanes & 0xFFFF, lanes >> 16)
+    nan_blk = amax >= 0x7F80
+    E = mx_scale_exp(amax << 16)
+    byte = e2m1x2_rne_bf16x2(w, tl.expand_dims(tl.minimum(E, 126), AXIS), ASM)
+    packed = tl.where(tl.expand_dims(nan_blk, AXIS), 0, byte)
+    return packed, tl.where(nan_blk, 255, E + 127)
+
+
 @triton.jit
 def bytes_0246(a, b):
     """a, b: int32 -> int32 of bytes (a0, a2, b0, b2), byte 0 lowest: the pure-Triton twin of

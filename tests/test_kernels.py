@@ -20,8 +20,8 @@ from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, bytes_t
                                              e2m1_decode_scaled, e2m1_pairs_to_base_flagged,
                                              e2m1_pairs_to_base_flagged_asm, e2m1_rne_mag,
                                              e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
-                                             e4m3_rne, e4m3_rne_asm, e4m3x4_to_e2m1x4, f32x2_to_e4m3x2_asm, max15x2,
-                                             max_u16x2_asm, nibbles_to_byte_lanes)
+                                             e2m1x2_rne_bf16x2, e4m3_rne, e4m3_rne_asm, e4m3x4_to_e2m1x4,
+                                             f32x2_to_e4m3x2_asm, max15x2, max_u16x2_asm, nibbles_to_byte_lanes)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -279,6 +279,68 @@ def test_gpu_mxfp4_to_fp8_prmt_path_equals_the_twin_path():
     real = KMX.quantize_mxfp4_rowwise(torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda"))
     for data, scale in ((d, s), real):
         _check(K8.mxfp4_to_fp8_rowwise(data, scale, asm=True), K8.mxfp4_to_fp8_rowwise(data, scale, asm=False))
+
+
+@triton.jit
+def _probe_e2m1x2_bf16_kernel(w_ptr, e_ptr, out_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + i, mask=i < n, other=0)
+    e = tl.load(e_ptr + i, mask=i < n, other=0)
+    tl.store(out_ptr + i, e2m1x2_rne_bf16x2(w, e, ASM).to(tl.uint8), mask=i < n)
+
+
+# Block exponents for the BF16 pair encoder: the floor (2^E not a BF16 normal), the BF16 subnormal
+# range scaled up, ordinary ones, and the largest a finite block reaches.
+E2M1X2_EXPONENTS = (-127, -126, -125, -120, -3, 0, 1, 2, 64, 125, 126)
+
+
+def _e2m1x2_bf16(asm: bool):
+    """For each E in E2M1X2_EXPONENTS, every BF16 pattern x with |x| * 2^-E <= 6 (the encoder's
+    precondition: both signs, zeros, subnormals, every tie) in each lane of a pair word beside a random
+    valid partner -> (words int32, E int32, bytes from the probe uint8, reference bytes uint8)."""
+    g = torch.Generator().manual_seed(31)
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    x = (bits << 16).view(torch.float32)
+    words, exps, want = [], [], []
+    for e in E2M1X2_EXPONENTS:
+        valid = bits[x.double().abs() <= 6.0 * 2.0 ** e]         # float64: no Inf passes at E = 126
+        lanes = valid[torch.randint(0, valid.numel(), (2 * valid.numel(), 2), generator=g)]
+        lanes[:valid.numel(), 0] = valid
+        lanes[valid.numel():, 1] = valid
+        vals = (lanes << 16).view(torch.float32) * exp2_int(torch.tensor(-e))
+        want.append(pack_nibbles(encode_e2m1(vals)).view(-1))
+        words.append((lanes[:, 0] & 0xFFFF) | (lanes[:, 1] << 16))
+        exps.append(torch.full((lanes.shape[0],), e, dtype=torch.int32))
+    w, e, want = torch.cat(words).to(DEVICE), torch.cat(exps).to(DEVICE), torch.cat(want).to(DEVICE)
+    out = torch.empty(w.numel(), dtype=torch.uint8, device=DEVICE)
+    # Large programs: the interpreter's cost is per program, and this is over a million words.
+    _probe_e2m1x2_bf16_kernel[(triton.cdiv(w.numel(), 1 << 16),)](w, e, out, w.numel(), BLOCK=1 << 16, ASM=asm)
+    return w, e, out, want
+
+
+def test_swar_bf16x2_to_e2m1x2_every_bf16_in_every_lane():
+    # BF16 -> MXFP4's two-elements-per-operation rounding (the fma twin) against encode_e2m1 of
+    # x * 2^-E in float32, the reference quantizer's own arithmetic.
+    _w, _e, out, want = _e2m1x2_bf16(asm=False)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16x2_to_e2m1x2_fma_equals_its_pure_triton_twin():
+    """fma.rn.bf16x2 and max.u16x2 against the float32 twin and max15x2 on every input of the CPU test."""
+    _w, _e, ptx, want = _e2m1x2_bf16(asm=True)
+    assert torch.equal(ptx, _e2m1x2_bf16(asm=False)[2]) and torch.equal(ptx, want)
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_mxfp4_bf16_ptx_path_equals_the_twin_path():
+    for kind in INPUT_KINDS:
+        x = make_input((4096, 7168), kind, torch.bfloat16, seed=25, device="cuda")
+        if kind == "gaussian":
+            x = _with_nonfinite(x)
+        _check(KMX.quantize_mxfp4_rowwise(x, asm=True), KMX.quantize_mxfp4_rowwise(x, asm=False))
+        _check(KMX.quantize_mxfp4_rowwise(x, asm=True), KMX.quantize_mxfp4_rowwise_ref(x))
+        _check(K8.quantize_fp8_and_mxfp4(x, asm=True), K8.quantize_fp8_and_mxfp4(x, asm=False))
 
 
 def test_bytes_0246_gathers_bytes_0_and_2_of_each_word():
