@@ -257,11 +257,12 @@ def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 4, tiles: int = 8, num_warps: int = 2,
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 2, tiles: int = 8, num_warps: int = 1,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref. asm as in quantize_fp8_rowwise; for BF16
-    input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs)."""
+    input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs). Defaults
+    (2 rows x 8 tiles on 1 warp) from the H200 sweep in bench/RESULTS.md."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 

@@ -155,7 +155,9 @@ def _quantize_mxfp4_kernel(
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
     offs = rows[:, None, None] * stride_xm + pair
     if IN_KIND == 0:
-        # BF16: two elements per operation on the pair words as loaded (mx_encode_bf16_pairs).
+        # BF16: two elements per operation on the pair words as loaded (mx_encode_bf16_pairs). Each
+        # thread holds whole blocks ([1, 1, 16] per thread), so the block maximum needs no shuffle;
+        # the row_chunks layout (a block over 4 threads) was slower (bench/RESULTS.md).
         packed, scale = mx_encode_bf16_pairs(tl.load(x_ptr + offs, mask=mask3, other=0), 2, ASM)
     else:
         lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask3, IN_KIND)
@@ -332,12 +334,13 @@ def _fp8_to_mxfp4_kernel(
     tl.store(scale_ptr + rows[:, None] * stride_om + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
 
-def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 8, block_k: int = 1024, num_warps: int = 4,
+def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 4, block_k: int = 1024, num_warps: int = 2,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]), or
     written into ``out`` = (data, scale) views with unit column stride (one pass either way).
     asm (BF16 input): None = max.u16x2 and fma.rn.bf16x2 on sm_90+ outside the interpreter (use_asm),
-    True / False to force them or their pure-Triton twins."""
+    True / False to force them or their pure-Triton twins. Defaults (4 rows x 1024 columns on 2 warps)
+    from the H200 sweep in bench/RESULTS.md."""
     assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
     m, k = x.shape
     x = x.contiguous()
