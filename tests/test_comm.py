@@ -2,7 +2,8 @@
 of ``all_to_all`` in every forward/backward/output format, the drop-ins for torch's
 ``all_to_all_single`` functions, ``swap_all_to_all``, and the errors the count exchange raises.
 
-Spawning costs seconds, so each test runs many cases inside ONE rank function. The children run with
+Spawning costs seconds, so each test runs many cases inside ONE rank function, and the three per-world
+tests share one spawn per world (``comm_results``). The children run with
 ``TRITON_INTERPRET=0`` (tests/distributed.py): moe_fp4 and helpers (which imports moe_fp4) are
 imported inside the rank functions, never at the top of this module, and the pure-torch references
 run there; the kernels are checked against them bit for bit in test_kernels.py / test_wire.py.
@@ -256,9 +257,23 @@ def _exchange_cases(rank: int, world: int):
     return {"ran": sorted(ran), "sqnr": sqnr}
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_all_to_all_routing_values_and_gradients(world):
-    results = run_ranks(_exchange_cases, world)
+def _comm_cases(rank: int, world: int):
+    """The three case groups of this module's per-world tests in one spawn: starting the ranks costs
+    about 3, 6 and 13 s at world 2, 4 and 8 on the 2-core CI machine, more than most groups take.
+    The errors go last: each ends in a normal exchange, so they also show nothing was left half-done."""
+    return {"exchange": _exchange_cases(rank, world), "dropins": _dropin_cases(rank, world),
+            "errors": _error_cases(rank, world)}
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
+def comm_results(request):
+    world = request.param
+    return world, run_ranks(_comm_cases, world)
+
+
+def test_all_to_all_routing_values_and_gradients(comm_results):
+    world, results = comm_results
+    results = [res["exchange"] for res in results]
     for rank, res in enumerate(results):
         assert res["ran"] == sorted(COMBOS), f"rank {rank} did not run every forward/backward/output combination"
     for fmt, floor in GRAD_SQNR_FLOOR_DB.items():
@@ -486,9 +501,9 @@ def _dropin_cases(rank: int, world: int):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_dropins_and_swap(world):
-    assert run_ranks(_dropin_cases, world) == [True] * world
+def test_dropins_and_swap(comm_results):
+    world, results = comm_results
+    assert [res["dropins"] for res in results] == [True] * world
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,10 +599,10 @@ def _error_cases(rank: int, world: int):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_errors_raise_on_every_rank_and_nothing_hangs(world):
-    for rank, checked in enumerate(run_ranks(_error_cases, world)):
-        assert checked == list(ERROR_CASES), rank
+def test_errors_raise_on_every_rank_and_nothing_hangs(comm_results):
+    _world, results = comm_results
+    for rank, res in enumerate(results):
+        assert res["errors"] == list(ERROR_CASES), rank
 
 
 # ------------------------------------------------------------------------------------------------
