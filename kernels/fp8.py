@@ -150,7 +150,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded and stored as
     # [BM, TILES * 8 chunks, 8] (row_chunks), encoded as [BM, TILES, 4 blocks, 16].
-    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
+    rows, t, mask_t, mask3, _mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     _rb, cb = row_column_program()
     pair, mask_c = row_chunks(rows, M, cb * (TILES * 64), NT * 64, TILES * 64, 8)
     if IN_KIND == 0:
@@ -190,7 +190,7 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     # thread, so both use one register layout (with an axis of 8 the compiler picks 8 per thread for
     # the 16-byte loads, 4 for the stores, and converts through shared memory).
     # ASM (CUDA only) decodes with two prmt per word; the pure-Triton twin gives the same bits.
-    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
+    rows, t, mask_t, mask3, _mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     _rb, cb = row_column_program()
     word, mask_c = row_chunks(rows, M, cb * (TILES * 32), NT * 32, TILES * 32, 4)
     x = tl.load(d_ptr + rows[:, None, None] * stride_dm + word, mask=mask_c, other=0).to(tl.int32)

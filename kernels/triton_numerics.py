@@ -650,9 +650,12 @@ def mx_encode_bf16_pairs(w, AXIS: tl.constexpr, ASM: tl.constexpr):
     a = w & 0x7FFF7FFF
     if ASM:
         lanes = tl.reduce(a, AXIS, max_u16x2_asm)
+        amax = tl.maximum(lanes & 0xFFFF, lanes >> 16)
     else:
-        lanes = tl.reduce(a, AXIS, max15x2)
-    amax = tl.maximum(lanes & 0xFFFF, lanes >> 16)
+        # Each lane on its own with tl.max: the same maximum as a max15x2 reduction, and the Triton
+        # interpreter runs a reduction with a user combine function one element at a time (24 s
+        # against 0.7 s for a 256 x 1024 tensor on the CI machine).
+        amax = tl.maximum(tl.max(a & 0xFFFF, AXIS), tl.max(a >> 16, AXIS))
     nan_blk = amax >= 0x7F80
     E = mx_scale_exp(amax << 16)
     byte = e2m1x2_rne_bf16x2(w, tl.expand_dims(tl.minimum(E, 126), AXIS), ASM)
