@@ -51,7 +51,8 @@ def main() -> None:
         pairs += [(a_mx, quantize_mxfp4_rowwise_ref(act))] if am else []
         pairs += [(h_mx, quantize_mxfp4_rowwise_ref(h))] if hm else []
         for got, want in pairs:
-            if not all(torch.equal(g.view(torch.uint8), r.view(torch.uint8)) for g, r in zip(got, want)):
+            if not all(torch.equal(g.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
+                       for g, r in zip(got, want)):
                 raise SystemExit(f"MISMATCH: swiglu_quantize h_mx={hm} a_mx={am} differs from its definition")
         out = KS.swiglu_quantize(h, w, hm, am)
         moved = h.numel() * 2 + w.numel() * 4 + sum(t.numel() * t.element_size() for t in _leaves(out))
