@@ -624,7 +624,8 @@ def e2m1x2_rne_bf16x2(w, E, ASM: tl.constexpr):
     in [0, 0xFFFF], so the packed per-block constants, negative lanes included, add without borrows."""
     a = w & 0x7FFF7FFF
     inv = ((127 - E) << 7) * 0x10001                 # BF16 2^-E per lane: a normal (E <= 126)
-    one = ((127 + E) << 7) * 0x10001                 # BF16 2^E per lane (0 for E = -127: below every |x|)
+    one = ((127 + E) << 7) * 0x10001                 # BF16 2^E per lane; 0 at E = -127, where a zero
+                                                     # exponent field (|x| < 2^-126, v < 2) gives c' = 0 too
     if ASM:
         cs = max_u16x2_asm(a, one)
     else:
