@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
 from moe_fp4.kernels.triton_numerics import (
+    bf16_pair_bits,
     row_chunks,
     row_column_grid,
     row_column_program,
@@ -156,8 +157,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     if IN_KIND == 0:
         w = tl.reshape(tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask_c, other=0),
                        [BLOCK_M, TILES, 4, 16])
-        lo = w << 16
-        hi = w & -65536
+        lo, hi = bf16_pair_bits(w)                  # w itself feeds the MXFP4 half below
     else:
         lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
         lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])

@@ -30,6 +30,7 @@ from moe_fp4.kernels.fp8 import empty_m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, with_canonical_nan
 from moe_fp4.kernels.triton_numerics import (
+    bf16_pair_bits,
     bf16_rne_bits,
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
@@ -172,10 +173,10 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
     HALF = NT * 64
     r4 = rows[:, None, None, None]
     h_off = r4 * (2 * HALF) + pair
-    g_w = tl.load(h_ptr + h_off, mask=mask4, other=0)            # bf16 pair words: [hi | lo]
+    g_w = tl.load(h_ptr + h_off, mask=mask4, other=0)            # bf16 pair words, kept for h's MXFP4
     u_w = tl.load(h_ptr + h_off + HALF, mask=mask4, other=0)
-    g_lo, g_hi = g_w << 16, g_w & -65536                           # fp32 bits: bf16 is the top half
-    u_lo, u_hi = u_w << 16, u_w & -65536
+    g_lo, g_hi = bf16_pair_bits(g_w)
+    u_lo, u_hi = bf16_pair_bits(u_w)
     w = 1.0
     if HAS_W:
         w = tl.load(w_ptr + rows * stride_w, mask=rows < M, other=1.0)[:, None, None, None]

@@ -157,12 +157,17 @@ def mx_encode_pairs(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mult, SAT: tl.
 
 
 @triton.jit
+def bf16_pair_bits(w):
+    """int32 BF16 pair word [hi bf16 | lo bf16] -> (lo, hi) int32 fp32 bit patterns of elements 2i
+    and 2i+1 (BF16 bits are the fp32 top half)."""
+    return w << 16, w & -65536                                 # -65536 = 0xFFFF0000
+
+
+@triton.jit
 def load_pairs_as_f32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
     """Load pair words and return (lo, hi) int32 fp32 bit patterns of elements 2i and 2i+1."""
     if IN_KIND == 0:
-        w = tl.load(ptr + offs, mask=mask, other=0)            # int32: [hi bf16 | lo bf16]
-        lo = w << 16                                           # bf16 bits are the fp32 top half
-        hi = w & -65536                                        # 0xFFFF0000
+        lo, hi = bf16_pair_bits(tl.load(ptr + offs, mask=mask, other=0))
     elif IN_KIND == 1:
         w = tl.load(ptr + offs, mask=mask, other=0)            # int32: [hi fp16 | lo fp16]
         lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
