@@ -10,6 +10,14 @@ share of issue, and DRAM bytes. Instructions per element = thread instructions /
 the number that has to fall for an issue-bound kernel to reach memory bandwidth (bench/RESULTS.md).
 Needs ``ncu`` with access to the counters (the Firecracker machines; gVisor refuses them) and
 ``--clock-control none`` so the clocks stay as the timed runs see them.
+
+``--limiters`` also reads what a kernel that misses its bandwidth target waits on: registers per
+thread, achieved occupancy, eligible warps per scheduler per cycle, the issue slots used, the warp
+cycles between two issued instructions and their split by stall reason (Nsight Compute's
+``smsp__average_warps_issue_stalled_<reason>_per_issue_active``: long scoreboard = waiting on a global
+load, barrier = a ``bar.sync``, short scoreboard = shared memory or a slow ALU result, ...), and DRAM
+throughput as % of its peak. An issue-bound kernel shows issue near its ceiling and few stalls; a
+latency-bound one long-scoreboard stalls with few eligible warps.
 """
 
 from __future__ import annotations
@@ -35,14 +43,29 @@ METRICS = {
     "dram_bytes": "dram__bytes.sum",
     "time_ns": "gpu__time_duration.sum",
 }
+STALLS = ["long_scoreboard", "barrier", "short_scoreboard", "mio_throttle", "lg_throttle", "wait",
+          "math_pipe_throttle", "not_selected", "dispatch_stall", "no_instruction", "branch_resolving", "drain",
+          "selected"]
+LIMITERS = {
+    "registers": "launch__registers_per_thread",
+    "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "eligible_warps": "smsp__warps_eligible.avg.per_cycle_active",
+    "issue_active": "smsp__issue_active.avg.per_cycle_active",
+    "cycles_per_issue": "smsp__average_warps_active_per_issue_active.ratio",
+    "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    **{f"stall_{r}": f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in STALLS},
+}
 
 
 def _number(text: str) -> float:
-    return float(text.replace(",", ""))
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:                                       # "n/a" where a counter is not available
+        return float("nan")
 
 
-def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str) -> list[dict]:
-    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name", "regex:^_", "--metrics", ",".join(METRICS.values()),
+def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str, metrics: dict[str, str] = METRICS) -> list[dict]:
+    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name", "regex:^_", "--metrics", ",".join(metrics.values()),
            sys.executable, os.path.join(HERE, "tune.py"), "--once", "--tokens", str(tokens), "--hidden", str(hidden),
            "--ops", *ops]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -52,7 +75,7 @@ def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str) -> list[dict]:
     launches: dict[str, dict] = {}
     for row in csv.DictReader(io.StringIO(body)):
         rec = launches.setdefault(row["ID"], {"kernel": row["Kernel Name"]})
-        for key, name in METRICS.items():
+        for key, name in metrics.items():
             if row["Metric Name"] == name:
                 rec[key] = _number(row["Metric Value"])
     rows = [launches[i] for i in sorted(launches, key=int)]
@@ -66,6 +89,22 @@ def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str) -> list[dict]:
     return rows
 
 
+def limiter_table(rows: list[dict], top: int = 3) -> str:
+    """A markdown table of the --limiters metrics, one row per kernel; the stall columns are the
+    ``top`` largest shares of the cycles between two issued instructions, "selected" (issuing) left out."""
+    out = ["| op | registers | occupancy % | eligible warps / scheduler | issue slots used % | cycles per issue | "
+           "largest stalls (cycles per issue) | DRAM % of peak |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in rows:
+        stalls = sorted(((r.get(f"stall_{s}", 0.0), s) for s in STALLS if s != "selected"), reverse=True)[:top]
+        out.append(f"| {r['op']} | {r.get('registers', float('nan')):.0f} | {r.get('occupancy_pct', float('nan')):.1f} | "
+                   f"{r.get('eligible_warps', float('nan')):.2f} | {100 * r.get('issue_active', float('nan')):.1f} | "
+                   f"{r.get('cycles_per_issue', float('nan')):.2f} | "
+                   + ", ".join(f"{s.replace('_', ' ')} {v:.2f}" for v, s in stalls)
+                   + f" | {r.get('dram_pct', float('nan')):.1f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
@@ -73,9 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="+", choices=OPS, default=OPS)
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="path of Nsight Compute's ncu")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--limiters", action="store_true", help="also occupancy, issue, stall reasons and DRAM %%")
     a = ap.parse_args(argv)
     ops = [op for op in OPS if op in a.ops]  # tune.py launches in its own order
-    rows = run_ncu(a.tokens, a.hidden, ops, a.ncu)
+    rows = run_ncu(a.tokens, a.hidden, ops, a.ncu, {**METRICS, **LIMITERS} if a.limiters else METRICS)
     print(f"{a.tokens} x {a.hidden} elements; instructions are SASS, executed, per element (thread level)")
     print("| op | kernel | inst/elem | warp inst per 32 elem | issue % | ALU pipe % | FMA pipe % | DRAM GB | time us |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -83,6 +123,9 @@ def main(argv=None) -> int:
         print(f"| {r['op']} | `{r['kernel']}` | {r['inst_per_elem']:.2f} | {r['warp_inst_per_32_elem']:.2f} | "
               f"{r.get('issue_pct', float('nan')):.1f} | {r.get('alu_pct', float('nan')):.1f} | "
               f"{r.get('fma_pct', float('nan')):.1f} | {r.get('dram_bytes', 0) / 1e9:.3f} | {r.get('time_ns', 0) / 1e3:.1f} |")
+    if a.limiters:
+        print()
+        print(limiter_table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"tokens": a.tokens, "hidden": a.hidden, "rows": rows}, f, indent=1)

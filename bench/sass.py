@@ -14,8 +14,10 @@ the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth
 the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
 H100: MXFP4 -> FP8 6.3 vs 9.5, MXFP4 -> BF16 10.7 vs 11.2). Also reported: the TTGIR's layout
 conversions, the elements of the largest tensor one of them moves (a data tile there is a round trip
-through shared memory), the shared memory, and the local-memory loads and stores (register spills:
-at 10087 they made the one-warp column kernel 4.5x slower, bench/RESULTS.md).
+through shared memory), the shared memory, the registers per thread (``cuobjdump -res-usage``: with
+one-warp programs they set how many fit on an SM, 65536 / (32 x registers) up to 32), and the
+local-memory loads and stores (register spills: at 10087 they made the one-warp column kernel 4.5x
+slower, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -107,11 +109,24 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def sass_text(kernel) -> str:
+def _cuobjdump(kernel, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    try:
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def sass_text(kernel) -> str:
+    return _cuobjdump(kernel, "--dump-sass")
+
+
+def registers(kernel) -> int:
+    """Registers per thread of the compiled kernel (-1 if cuobjdump does not say)."""
+    m = re.search(r"REG:(\d+)", _cuobjdump(kernel, "-res-usage"))
+    return int(m.group(1)) if m else -1
 
 
 def count(name: str, path: str, dump: str | None = None) -> dict:
@@ -134,7 +149,7 @@ def count(name: str, path: str, dump: str | None = None) -> dict:
              for m in re.finditer(r"ttg\.convert_layout %\S+ : tensor<([0-9x]+[a-z0-9]+),", ttgir)]
     return {"kernel": name, "path": path, "sass": len(lines), "elements_per_thread": per_thread,
             "per_element": len(lines) / per_thread, "convert_layout": ttgir.count("convert_layout"),
-            "largest_convert": max(moved, default=0), "shared_bytes": k.metadata.shared,
+            "largest_convert": max(moved, default=0), "shared_bytes": k.metadata.shared, "registers": registers(k),
             "local": sum(1 for ln in lines if re.search(r"\*/\s+(@!?U?P\w+\s+)?(LDL|STL)\b", ln)),
             "triton": triton.__version__}
 
@@ -151,7 +166,7 @@ def main() -> None:
     a.kernels = a.kernels or list(KERNELS)
     print(f"triton {triton.__version__}, sm_90a; SASS instructions without NOPs, per element of one thread's share")
     print(f"{'kernel':<21} {'path':<8} {'SASS':>6} {'elem/thread':>11} {'per elem':>8} {'convert_layout':>14} "
-          f"{'largest':>8} {'shared B':>8} {'local':>6}")
+          f"{'largest':>8} {'shared B':>8} {'regs':>5} {'local':>6}")
     for name in a.kernels:
         paths = ["both", "fast", "general"] if a.path == "all" else [a.path]
         if KERNELS[name][6] is None:
@@ -159,7 +174,8 @@ def main() -> None:
         for p in paths:
             r = count(name, p, a.dump)
             print(f"{name:<21} {p:<8} {r['sass']:>6} {r['elements_per_thread']:>11.0f} {r['per_element']:>8.2f} "
-                  f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8} {r['local']:>6}", flush=True)
+                  f"{r['convert_layout']:>14} {r['largest_convert']:>8} {r['shared_bytes']:>8} {r['registers']:>5} "
+                  f"{r['local']:>6}", flush=True)
 
 
 if __name__ == "__main__":
