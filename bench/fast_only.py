@@ -45,9 +45,9 @@ def main() -> int:
                  ("mxfp4_to_bf16", "dequantize_mxfp4", (*mx, torch.bfloat16)),
                  ("mxfp4_to_fp8_colwise", "mxfp4_to_fp8_colwise", mx), ("fp8_to_fp8_colwise", "fp8_to_fp8_colwise", f8)]
         for name, fn, args in cases:
-            mod_name, _, _, _, _, _, branch = sass.KERNELS[name]
-            both = getattr(sass._module(mod_name, branch, None), fn)
-            fast = getattr(sass._module(mod_name, branch, "True"), fn)
+            mod_name = sass.KERNELS[name][0]
+            both = getattr(sass._module(mod_name, []), fn)
+            fast = getattr(sass._module(mod_name, sass.path_branches(name, "fast")), fn)
             want = _flat(both(*args))
             same = all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
                        for a, b in zip(_flat(fast(*args)), want))

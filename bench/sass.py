@@ -39,7 +39,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 I32 = "i32"
 # name: (module, kernel, pointer/int signature, constexprs, num_warps, elements per program, fast-path
-# branch line (its start, inside the kernel) or None). Constexprs and warps are the launchers' defaults.
+# branch line (its start, inside the kernel), or per path the branch lines and their values (see
+# path_branches), or None). Constexprs and warps are the launchers' defaults.
 KERNELS = {
     "fp8_to_mxfp4": ("moe_fp4.kernels.mxfp4", "_fp8_to_mxfp4_kernel",
                      dict(q_ptr="*i32", s_ptr="*fp32", data_ptr="*i32", scale_ptr="*u8", M=I32, KB=I32, stride_qm=I32,
@@ -74,7 +75,10 @@ KERNELS = {
     "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
                            dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
                                 K4=I32),
-                           dict(G=2, ASM=True), 1, 128 * 32, "    if ok:"),
+                           dict(G=2, ASM=True), 1, 128 * 32,
+                           # the float16 path runs first and the general path may rewrite its tile
+                           {"fast": [("    if (not ok) or bad", "False")],
+                            "general": [("    if ok", "False"), ("    if (not ok) or bad", "True")]}),
 }
 # Integer arguments at the shape bench/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
@@ -82,15 +86,18 @@ KERNELS = {
 ARG_VALUES = {"M": 32768, "M4": 32768 // 4, "K": 7168, "K4": 7168 // 4, "KB": 7168 // 32, "NT": 7168 // 128}
 
 
-def _module(name: str, branch: str | None, value: str | None):
-    """The kernel module, or a copy of it with the fast-path branch condition replaced by ``value``."""
+def _module(name: str, branches: list[tuple[str, str]]):
+    """The kernel module, or a copy of it with each (branch line start, value) condition replaced by
+    value."""
     mod = importlib.import_module(name)
-    if value is None:
+    if not branches:
         return mod
     src = open(mod.__file__).read()
-    at = src.index(branch)
-    colon = src.index(":\n", at)
-    src = src[:at] + re.match(r"\s*if ", branch).group(0) + value + src[colon:]
+    for branch, value in branches:
+        at = src.index(branch)
+        colon = src.index(":\n", at)
+        src = src[:at] + re.match(r"\s*if ", branch).group(0) + value + src[colon:]
+    value = "_".join(v for _, v in branches)
     path = os.path.join(tempfile.mkdtemp(), f"sass_{name.rsplit('.', 1)[1]}_{value}.py")
     with open(path, "w") as f:
         f.write(src)
@@ -98,6 +105,20 @@ def _module(name: str, branch: str | None, value: str | None):
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
     return copy
+
+
+def path_branches(name: str, path: str) -> list[tuple[str, str]]:
+    """The (branch line start, value) replacements that leave only ``path`` ("both", "fast" or
+    "general") of kernel ``name``: a plain branch line is the fast path's test (True / False), a dict
+    lists them per path."""
+    branch = KERNELS[name][6]
+    if path == "both":
+        return []
+    if branch is None:
+        raise SystemExit(f"{name} has no fast/general branch; use --path both")
+    if isinstance(branch, dict):
+        return branch[path]
+    return [(branch, {"fast": "True", "general": "False"}[path])]
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int):
@@ -131,10 +152,7 @@ def registers(kernel) -> int:
 
 def count(name: str, path: str, dump: str | None = None) -> dict:
     mod_name, fn_name, sig, cx, warps, elems, branch = KERNELS[name]
-    value = {"both": None, "fast": "True", "general": "False"}[path]
-    if value is not None and branch is None:
-        raise SystemExit(f"{name} has no fast/general branch; use --path both")
-    k = compile_sm90(getattr(_module(mod_name, branch, value), fn_name), sig, cx, warps)
+    k = compile_sm90(getattr(_module(mod_name, path_branches(name, path)), fn_name), sig, cx, warps)
     text = sass_text(k)
     lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", ln)]
     lines = [ln for ln in lines if not re.search(r"\*/\s+NOP\b", ln)]

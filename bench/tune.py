@@ -70,7 +70,7 @@ def main() -> None:
         ("mxfp4_to_fp8_colwise", lambda **c: KT.mxfp4_to_fp8_colwise(*mx, **c), mx,
          _grid(nb=[1, 2, 4, 8], num_warps=[1, 2, 4])),
         ("fp8_to_fp8_colwise", lambda **c: KT.fp8_to_fp8_colwise(*f8, **c), f8,
-         _grid(g=[1, 2, 4, 8], num_warps=[1, 2, 4])),
+         _grid(g=[1, 2, 4, 8], num_warps=[1, 2, 4, 8])),
     ]
     ops = [op for op in ops if a.ops is None or op[0] in a.ops]
     if a.once:

@@ -350,13 +350,15 @@ def _fp8_to_fp8_colwise_bytes_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K,
     tl.store(os_ptr + pid_t.to(tl.int64) * K + cols, pow2_f32(S), mask=cols < K)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, BK: tl.constexpr):
     # One tile of 128 tokens x BK columns with the bytes kernel's arithmetic (one value per
     # operation), for the word kernel's programs that its float16 argument does not cover. Two passes
-    # over chunks of 32 tokens (column maxima, then encode and store) keep a one-warp program's
-    # registers at 32 values per thread.
-    CH: tl.constexpr = 32
+    # over chunks of 8 tokens (column maxima, then encode and store). Rare, so built for registers,
+    # not speed: a call (noinline) with small chunks keeps it from raising the kernel's register
+    # count, which sets how many programs an SM holds (Triton 3.6, G = 8 on 4 warps: 98 registers
+    # against 202 inlined with chunks of 32).
+    CH: tl.constexpr = 8
     c = tl.arange(0, CH)
     cols = col0 + tl.arange(0, BK)
     amax = tl.zeros([BK], tl.float32)
@@ -387,13 +389,15 @@ def _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, BK: tl.
 def _f16_column_scale(h, s_ref):
     """h: int32 float16 bits (low 16) of a column's max |a| (a = q 2^(S_r - s_ref + 7)); s_ref: int32
     scalar -> (S, f, bad): the column's exponent S, the float16 bits of 2^(s_ref - S - 7) (1.0 for a
-    column without a finite nonzero), and whether that factor is past float16 (s_ref - S > 22)."""
+    column without a finite nonzero, and for a bad one, whose bytes the general path rewrites), and
+    whether that factor is past float16 (s_ref - S > 22)."""
     h = h & 0xFFFF
     empty = (h == 0) | (h > 0x7C00)                   # zeros only, or NaN only (no value sets a max)
     e = ceil_log2_ratio_bits(f16_lo_to_f32(h).to(tl.int32, bitcast=True), 0x600000, 8) + s_ref - 7
     S = tl.where(empty, -126, tl.minimum(tl.maximum(e, -126), 127))
     g = s_ref - S
-    return S, tl.where(empty, 15 << 10, (g + 8) << 10), ~empty & (g > 22)
+    bad = ~empty & (g > 22)
+    return S, tl.where(empty | bad, 15 << 10, (g + 8) << 10), bad
 
 
 @triton.jit
@@ -465,12 +469,17 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
         a_hi = mul_f16x2(hi, tf)
         m_lo = _column_max_abs_f16x2(a_lo)
         m_hi = _column_max_abs_f16x2(a_hi)
-    S0, f0, bad0 = _f16_column_scale(m_lo, s_ref)                                      # [G, 4] each
-    S1, f1, bad1 = _f16_column_scale(m_lo >> 16, s_ref)
-    S2, f2, bad2 = _f16_column_scale(m_hi, s_ref)
-    S3, f3, bad3 = _f16_column_scale(m_hi >> 16, s_ref)
-    ok = ok & (tl.max((bad0 | bad1 | bad2 | bad3).to(tl.int32)) == 0)
+    # The path test comes in two parts. The scalar one (scales, far tokens) decides before the float16
+    # path runs; a column past float16 (g > 22) is only known after it has run, and then the general
+    # path rewrites the whole tile (after a barrier, so its stores land after the float16 path's).
+    # Testing the columns before the branch instead kept every column's S and factor live across it
+    # and cost 40-60 registers per thread (Triton 3.6: 162 at G = 2 on one warp against 106 now).
+    bad = False
     if ok:
+        S0, f0, bad0 = _f16_column_scale(m_lo, s_ref)                                  # [G, 4] each
+        S1, f1, bad1 = _f16_column_scale(m_lo >> 16, s_ref)
+        S2, f2, bad2 = _f16_column_scale(m_hi, s_ref)
+        S3, f3, bad3 = _f16_column_scale(m_hi >> 16, s_ref)
         cf_lo = (f0 | (f1 << 16))[None, :, :, None, None]
         cf_hi = (f2 | (f3 << 16))[None, :, :, None, None]
         if ASM:
@@ -491,7 +500,9 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
         tl.store(sbase + 1, pow2_f32(S1))
         tl.store(sbase + 2, pow2_f32(S2))
         tl.store(sbase + 3, pow2_f32(S3))
-    else:
+        bad = tl.max((bad0 | bad1 | bad2 | bad3).to(tl.int32)) != 0
+    if (not ok) or bad:
+        tl.debug_barrier()
         _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, 16 * G)
 
 
