@@ -75,7 +75,7 @@ KERNELS = {
     "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
                            dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
                                 K4=I32),
-                           dict(G=2, ASM=True), 1, 128 * 32,
+                           dict(G=4, ASM=True), 1, 128 * 64,
                            # the float16 path runs first and the general path may rewrite its tile
                            {"fast": [("    if (not ok) or bad", "False")],
                             "general": [("    if ok", "False"), ("    if (not ok) or bad", "True")]}),

@@ -168,9 +168,10 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, str
                            NB: tl.constexpr):
     # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: the word kernel's
     # programs with a block more than 11 binades under its tile's largest. Per block, two passes over chunks
-    # of 32 tokens (column maxima, then encode and store), so a one-warp program holds 16 byte pairs
-    # per thread instead of the tile's 64 per block (which would spill).
-    CH: tl.constexpr = 32
+    # of 8 tokens (column maxima, then encode and store), so a one-warp program holds 4 byte pairs
+    # per thread instead of the tile's 64 per block (which would spill). Rare, so built for size: with
+    # chunks of 32 it was half of the kernel's 12233 SASS instructions at NB = 4 (Triton 3.6; 6785 now).
+    CH: tl.constexpr = 8
     p = tl.arange(0, 16)
     c = tl.arange(0, CH)
     for b in tl.static_range(NB):
@@ -473,7 +474,7 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
     # path runs; a column past float16 (g > 22) is only known after it has run, and then the general
     # path rewrites the whole tile (after a barrier, so its stores land after the float16 path's).
     # Testing the columns before the branch instead kept every column's S and factor live across it
-    # and cost 40-60 registers per thread (Triton 3.6: 162 at G = 2 on one warp against 106 now).
+    # and cost 40-60 registers per thread (Triton 3.6, one warp: 162 at G = 2 against 104 now).
     bad = False
     if ok:
         S0, f0, bad0 = _f16_column_scale(m_lo, s_ref)                                  # [G, 4] each
@@ -537,12 +538,13 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, n
     return out, oscale
 
 
-def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, g: int = 2, num_warps: int = 1,
+def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, g: int = 4, num_warps: int = 1,
                        asm: bool | None = None):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] -> (data float8_e4m3fn [K, M],
     scale float32 [K, ceil(M/128)] M-major); bit-identical to fp8_to_fp8_colwise_ref. With M % 4 == 0
     the kernel works on float16x2 pairs and writes four tokens per 32-bit word; g (16-column groups
-    per program: 1, 2, 4 or 8) and num_warps configure it, and asm: None = its cvt / float16x2 PTX on
+    per program: 1, 2, 4 or 8; 4 reads 64 bytes of each token row, from an H200 sweep, bench/RESULTS.md)
+    and num_warps configure it, and asm: None = its cvt / float16x2 PTX on
     sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins.
     Other M take the one-value-per-operation kernel (32 columns, 4 warps)."""
     m, k = data.shape
