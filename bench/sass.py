@@ -71,7 +71,7 @@ KERNELS = {
     "mxfp4_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_mxfp4_to_fp8_colwise_kernel",
                              dict(d_ptr="*u8", s_ptr="*u8", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
                                   KB=I32, stride_dm=I32, stride_sm=I32),
-                             dict(NB=4, ASM=True), 1, 128 * 128, "    if tl.min(e_low - e_top)"),
+                             dict(NB=2, ASM=True), 1, 128 * 64, "    if tl.min(e_low - e_top)"),
     "fp8_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_fp8_to_fp8_colwise_kernel",
                            dict(q_ptr="*u8", s_ptr="*fp32", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32, K=I32,
                                 K4=I32),

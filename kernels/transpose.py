@@ -507,12 +507,12 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
         _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, 16 * G)
 
 
-def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 4, num_warps: int = 1,
+def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, num_warps: int = 1,
                          asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
     [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. With M % 4 == 0 the kernel
     writes four tokens per 32-bit word (SWAR); nb (MXFP4 blocks of columns per program, a power of
-    two) and num_warps configure it, and asm: None = its prmt / max.u16x2 forms on sm_90+ outside the
+    two; 2 from an H200 sweep, bench/RESULTS.md) and num_warps configure it, and asm: None = its prmt / max.u16x2 forms on sm_90+ outside the
     interpreter (use_asm), True / False to force them or their pure-Triton twins. Other M take the
     one-code-per-operation kernel at its own configuration (nb = 1, 4 warps)."""
     m, half_k = data.shape
