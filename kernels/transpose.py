@@ -169,8 +169,8 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, str
     # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: the word kernel's
     # programs with a block more than 11 binades under its tile's largest. Per block, two passes over chunks
     # of 8 tokens (column maxima, then encode and store), so a one-warp program holds 4 byte pairs
-    # per thread instead of the tile's 64 per block (which would spill). Rare, so built for size: with
-    # chunks of 32 it was half of the kernel's 12233 SASS instructions at NB = 4 (Triton 3.6; 6785 now).
+    # per thread instead of the tile's 64 per block (which would spill). Rare, so built for size
+    # (Triton 3.6, NB = 4: the kernel is 12233 SASS instructions with chunks of 32, 6785 with 8).
     CH: tl.constexpr = 8
     p = tl.arange(0, 16)
     c = tl.arange(0, CH)
@@ -357,7 +357,7 @@ def _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, BK: tl.
     # operation), for the word kernel's programs that its float16 argument does not cover. Two passes
     # over chunks of 8 tokens (column maxima, then encode and store). Rare, so built for registers,
     # not speed: a call (noinline) with small chunks keeps it from raising the kernel's register
-    # count, which sets how many programs an SM holds (Triton 3.6, G = 8 on 4 warps: 98 registers
+    # count, which sets how many programs an SM holds (Triton 3.6, G = 8 on 4 warps: 96 registers
     # against 202 inlined with chunks of 32).
     CH: tl.constexpr = 8
     c = tl.arange(0, CH)
@@ -512,9 +512,10 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, n
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
     [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. With M % 4 == 0 the kernel
     writes four tokens per 32-bit word (SWAR); nb (MXFP4 blocks of columns per program, a power of
-    two; 2 from an H200 sweep, bench/RESULTS.md) and num_warps configure it, and asm: None = its prmt / max.u16x2 forms on sm_90+ outside the
-    interpreter (use_asm), True / False to force them or their pure-Triton twins. Other M take the
-    one-code-per-operation kernel at its own configuration (nb = 1, 4 warps)."""
+    two; 2 from an H200 sweep, bench/RESULTS.md) and num_warps configure it, and asm: None = its
+    prmt / max.u16x2 forms on sm_90+ outside the interpreter (use_asm), True / False to force them or
+    their pure-Triton twins. Other M take the one-code-per-operation kernel at its own configuration
+    (nb = 1, 4 warps)."""
     m, half_k = data.shape
     k = 2 * half_k
     kb = k // MXFP4_BLOCK
@@ -544,8 +545,8 @@ def fp8_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, g: int = 4, num_
     scale float32 [K, ceil(M/128)] M-major); bit-identical to fp8_to_fp8_colwise_ref. With M % 4 == 0
     the kernel works on float16x2 pairs and writes four tokens per 32-bit word; g (16-column groups
     per program: 1, 2, 4 or 8; 4 reads 64 bytes of each token row, from an H200 sweep, bench/RESULTS.md)
-    and num_warps configure it, and asm: None = its cvt / float16x2 PTX on
-    sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins.
+    and num_warps configure it, and asm: None = its cvt / float16x2 PTX on sm_90+ outside the
+    interpreter (use_asm), True / False to force them or their pure-Triton twins.
     Other M take the one-value-per-operation kernel (32 columns, 4 warps)."""
     m, k = data.shape
     out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
