@@ -28,7 +28,6 @@ rotating over >= 4x L2). CUDA only.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -187,16 +186,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/ceiling.py needs a CUDA GPU")
-    dev = torch.device("cuda")
-    name, l2 = KB.device_description(dev)
-    cfg = KB.TimingConfig(dev, a.iters, 3, 0.25, max(KB.ROTATION_MIN_BYTES, 4 * l2))
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    KB.log(f"{name} | torch {torch.__version__} | triton {triton.__version__} | {date}")
-    KB.log(f"command: {' '.join(sys.argv)}")
-    result = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "date": date,
-              "argv": sys.argv, "rows": []}
+    cfg, record = KB.cuda_run("bench/ceiling.py", a.iters)
+    result = {**record, "rows": []}
     ops = [op for op in KB.OPS if op.name in a.ops]
     for tokens, hidden in zip(a.tokens, a.hidden):
         for op in ops:

@@ -373,6 +373,22 @@ def device_description(device: torch.device) -> tuple[str, int]:
 
 # -------------------------------------------------------------------------------------- main
 
+def cuda_run(script: str, iters: int) -> tuple[TimingConfig, dict]:
+    """For a bench script that needs a GPU (exits without one): -> (this module's timing config on
+    CUDA, with ``iters`` timed calls, 3 warmups, a 0.25 s budget and rotation over >= 4x L2; the
+    run's record {device, torch, triton, date, argv}), after logging that record."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU")
+    dev = torch.device("cuda")
+    name, l2 = device_description(dev)
+    cfg = TimingConfig(dev, iters, 3, 0.25, max(ROTATION_MIN_BYTES, 4 * l2))
+    torch_version, triton_version = versions()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    log(f"{name} | torch {torch_version} | triton {triton_version} | {date}")
+    log(f"command: {' '.join(sys.argv)}")
+    return cfg, {"device": name, "torch": torch_version, "triton": triton_version, "date": date, "argv": sys.argv}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)

@@ -23,7 +23,6 @@ bytes per token row per program, 128-byte output rows) is its limit, not its ari
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -135,22 +134,14 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench/transpose_ceiling.py needs a CUDA GPU")
-    dev = torch.device("cuda")
-    name, l2 = KB.device_description(dev)
-    cfg = KB.TimingConfig(dev, a.iters, 3, 0.25, max(KB.ROTATION_MIN_BYTES, 4 * l2))
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    KB.log(f"{name} | torch {torch.__version__} | triton {triton.__version__} | {date}")
-    KB.log(f"command: {' '.join(sys.argv)}")
+    cfg, record = KB.cuda_run("bench/transpose_ceiling.py", a.iters)
     rows = []
     for tokens, hidden in zip(a.tokens, a.hidden):
         rows.append(bench_shape(tokens, hidden, cfg))
         print(summary(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": name, "date": date, "torch": torch.__version__, "triton": triton.__version__,
-                       "argv": sys.argv, "rows": rows}, f, indent=1)
+            json.dump({**record, "rows": rows}, f, indent=1)
     return 0
 
 
