@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.triton_numerics import (
+    bf16_pair_word,
     block_program,
     row_chunks,
     row_column_grid,
@@ -240,7 +241,7 @@ def _dequantize_mxfp4_bf16_kernel(
     else:
         # Subnormal or overflowing blocks, one code at a time: exact fp32 bits, whose top half is
         # the BF16 value exactly (see _f32_bits_to_out).
-        word = ((e2m1_decode_scaled(b & 15, s3) >> 16) & 0xFFFF) | (e2m1_decode_scaled(b >> 4, s3) & -65536)
+        word = bf16_pair_word(e2m1_decode_scaled(b & 15, s3), e2m1_decode_scaled(b >> 4, s3))
     word = tl.reshape(tl.where(nan, 0x7FC07FC0, word), [BLOCK_M, NB * 4, 4])
     tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask_c)
 

@@ -31,6 +31,7 @@ from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, with_canonical_nan
 from moe_fp4.kernels.triton_numerics import (
     bf16_pair_bits,
+    bf16_pair_word,
     bf16_rne_bits,
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
@@ -190,7 +191,7 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                            # [1, TILES, 4]
     # a as bf16 pair words (bf16 of element 2i is the top half of a_lo -> low half of the word): the
     # MXFP4 encodes below work on bf16 pair words, two elements per operation (mx_encode_bf16_pairs).
-    a_w = ((a_lo >> 16) & 0xFFFF) | (a_hi & -65536)
+    a_w = bf16_pair_word(a_lo, a_hi)
     if WRITE_A_MX:
         packed, sc = mx_encode_bf16_pairs(a_w, 3, ASM)
         tl.store(amx_ptr + a_off, packed.to(tl.uint8), mask=mask4)
@@ -243,8 +244,8 @@ def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_
         d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, rows[:, None] * HALF + c[None, :], mask, 0)
         dg_lo, du_lo, t_lo = _swiglu_grad(g_lo, u_lo, d_lo, w, HAS_W)
         dg_hi, du_hi, t_hi = _swiglu_grad(g_hi, u_hi, d_hi, w, HAS_W)
-        tl.store(dh_ptr + h_off, ((dg_lo >> 16) & 0xFFFF) | (dg_hi & -65536), mask=mask)
-        tl.store(dh_ptr + h_off + HALF, ((du_lo >> 16) & 0xFFFF) | (du_hi & -65536), mask=mask)
+        tl.store(dh_ptr + h_off, bf16_pair_word(dg_lo, dg_hi), mask=mask)
+        tl.store(dh_ptr + h_off + HALF, bf16_pair_word(du_lo, du_hi), mask=mask)
         if HAS_W:
             acc += tl.sum(t_lo + t_hi, axis=1)  # masked lanes load zeros: their terms are 0
     if HAS_W:

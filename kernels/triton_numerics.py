@@ -164,6 +164,13 @@ def bf16_pair_bits(w):
 
 
 @triton.jit
+def bf16_pair_word(lo, hi):
+    """(lo, hi) int32 fp32 bit patterns whose top halves are BF16 values (elements 2i, 2i+1) -> the
+    int32 BF16 pair word [hi bf16 | lo bf16]: bf16_pair_bits inverted (the low halves are dropped)."""
+    return ((lo >> 16) & 0xFFFF) | (hi & -65536)
+
+
+@triton.jit
 def load_pairs_as_f32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
     """Load pair words and return (lo, hi) int32 fp32 bit patterns of elements 2i and 2i+1."""
     if IN_KIND == 0:
@@ -598,7 +605,7 @@ def fma_bf16x2(a, b, c):
         + (c << 16).to(tl.float32, bitcast=True)
     hi = (a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True) \
         + (c & -65536).to(tl.float32, bitcast=True)
-    return ((bf16_rne_bits(lo) >> 16) & 0xFFFF) | bf16_rne_bits(hi)
+    return bf16_pair_word(bf16_rne_bits(lo), bf16_rne_bits(hi))
 
 
 @triton.jit
