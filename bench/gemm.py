@@ -1,16 +1,21 @@
-"""Grouped FP8 GEMMs (moe_fp4's Triton kernels) against cuBLAS blockwise scaled_mm, in one run.
+"""Grouped FP8 GEMMs (moe_fp4's Gluon and Triton engines) against cuBLAS blockwise scaled_mm, in one run.
 
 For each GEMM of the expert layer's step at the dsv3 and small shapes of bench/moe_layer.py, with
-tokens spread evenly over the experts (each group a multiple of 128):
+tokens spread evenly over the experts (each group a multiple of 128), or with ``--skew`` one expert
+holding 4x the mean rows:
 
+- ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop and
+               dgrad, Hopper only; the MXFP4-A row includes its conversion to FP8);
 - ``triton``:  moe_fp4.gemm.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
+- ``rowwise``: torch._scaled_grouped_mm with row-wise scales (CUTLASS), torch's own grouped FP8 -
+               a coarser recipe than our 1x128 x 128x128 blocks, so a speed anchor, not a twin;
 - ``cublas``:  ONE torch.nn.functional.scaled_mm of the same total M, N, K (1x128 x 128x128 blockwise
                for fprop/dgrad, 1x128 x 1x128 for wgrad): the speed of light we compare with;
 - ``loop``:    one cuBLAS scaled_mm per expert (the layer's previous path, still the reference);
 - ``bf16``:    torch._grouped_mm in bf16 on the same shapes (the bf16 layer's path).
 
 Columns: median ms over --iters after --warmup (CUDA events), TFLOP/s = 2 R N K / time, and
-triton / cublas as a ratio of throughputs. ``--sweep`` times every tile config in CONFIGS per GEMM
+each engine / cublas as a ratio of throughputs. ``--sweep`` times every tile config in CONFIGS per GEMM
 and reports the best.
 
     python bench/gemm.py                      # GPU (sm90): both shapes
@@ -30,6 +35,7 @@ import torch
 import moe_fp4
 from moe_fp4.gemm import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
     quantize_fp8_weight, use_grouped_backend
+from moe_fp4.kernels import gluon_grouped_gemm as GL
 from moe_fp4.kernels import grouped_gemm as G
 from moe_fp4.compare import commit
 
@@ -41,6 +47,9 @@ CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_t
            for bm, bn, w, s, tma in [(64, 128, 4, 4, False), (64, 128, 4, 4, True), (128, 128, 8, 4, True),
                                      (128, 128, 8, 3, True), (128, 256, 8, 3, True), (64, 128, 4, 3, True),
                                      (128, 64, 4, 4, True)]]
+
+GLUON_CONFIGS = [GL.GluonConfig(num_stages=st, d_bufs=d, group_m=g)
+                 for st, d, g in [(3, None, 8), (3, None, 16), (3, 2, 8), (4, 2, 8), (4, 2, 16), (4, 1, 8)]]
 
 
 def timed(fn, warmup: int, iters: int) -> float:
@@ -69,13 +78,18 @@ def gemms(shape: str):
 
 def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     """One GEMM: [rows, k_dim] x per-expert [n_dim, k_dim]^T (nt), or dW [n_dim, k_dim] over rows (wgrad)."""
-    counts = [rows // e // 128 * 128] * e
+    if args.skew:   # expert 0 holds 4x the mean, the others share the rest
+        big = rows * 4 // e
+        counts = [big] + [(rows - big) // (e - 1)] * (e - 1)
+    else:
+        counts = [rows // e // 128 * 128] * e
     counts[-1] += rows - sum(counts)
     counts = [c + (-c) % 128 for c in counts]
     r = sum(counts)
     dev = "cuda"
     flop = 2 * r * n_dim * k_dim
     res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e}
+    gluon = rowwise = None   # fprop/dgrad only
     if kind == "wgrad":
         dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
         x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
@@ -105,6 +119,34 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         offs = torch.tensor(counts, device=dev).cumsum(0).int()
         wb = w.to(torch.bfloat16)
         bf16 = lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)  # noqa: E731
+        if GL.supported(dev):
+            gluon = lambda cfg: lambda: GL.grouped_mm_nt(a.data, a.scale, wq.data, wq.scale, counts,  # noqa: E731
+                                                         torch.bfloat16, config=cfg)
+        # torch's row-wise grouped FP8: one scale per row of x and per (expert, output column) of W.
+        xr, sxr = _rowwise_fp8(x)
+        wr, swr = _rowwise_fp8(w.reshape(-1, k_dim))
+        wr, swr = wr.view(e, n_dim, k_dim), swr.view(e, n_dim)
+        rowwise = lambda: torch._scaled_grouped_mm(xr, wr.transpose(1, 2), sxr, swr, offs=offs,  # noqa: E731
+                                                   out_dtype=torch.bfloat16)
+    runs = [("rowwise", None, rowwise)] if rowwise else []
+    if gluon:
+        runs += [("gluon", cfg, gluon(cfg)) for cfg in (GLUON_CONFIGS if args.sweep_gluon else [GL.NT_CONFIG])]
+    for label, cfg, fn in runs:
+        try:
+            ms = timed(fn, args.warmup, args.iters)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the other columns still run
+            res[f"{label}_error"] = str(exc).splitlines()[0][:160]
+            log(f"  {name}: {label} {cfg or ''} failed: {res[label + '_error']}")
+            continue
+        if cfg is not None:
+            res.setdefault("gluon_sweep", []).append({"config": cfg.__dict__, "ms": ms})
+            if args.sweep_gluon:
+                log(f"  {name}: gluon stages {cfg.num_stages} d_bufs {cfg.d_bufs} group_m {cfg.group_m}: "
+                    f"{flop / ms / 1e9:.0f} TFLOP/s")
+        if f"{label}_ms" not in res or ms < res[f"{label}_ms"]:
+            res[f"{label}_ms"], res[f"{label}_tflops"] = ms, flop / ms / 1e9
+            if cfg is not None:
+                res["gluon_config"] = cfg.__dict__
     best = None
     for cfg in configs:
         try:
@@ -124,7 +166,16 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                triton_tflops=flop / best[0] / 1e9, cublas_tflops=flop / cublas_ms / 1e9,
                bf16_tflops=flop / bf16_ms / 1e9, triton_vs_cublas=cublas_ms / best[0],
                triton_vs_loop=loop_ms / best[0])
+    for label in ("gluon", "rowwise"):
+        if f"{label}_ms" in res:
+            res[f"{label}_vs_cublas"] = cublas_ms / res[f"{label}_ms"]
     return res
+
+
+def _rowwise_fp8(t: torch.Tensor):
+    """t: [M, K] float -> (float8_e4m3fn [M, K], float32 [M] scales) with one scale per row (amax / 448)."""
+    s = t.float().abs().amax(dim=1).clamp(min=1e-12) / 448.0
+    return (t.float() / s[:, None]).to(torch.float8_e4m3fn), s
 
 
 def compiled_kernels() -> list[str]:
@@ -149,7 +200,9 @@ def main() -> None:
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="time every config in CONFIGS, report the best")
+    p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
+    p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
+    p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--asm", action="store_true",
                    help="after the run, print each compiled grouped-GEMM kernel's registers, spills and MMA kind")
@@ -164,10 +217,10 @@ def main() -> None:
     results = []
     for shape in args.shape:
         table, rows, e = gemms(shape)
-        log(f"\n{shape}: {rows} rows over {e} experts")
-        log("| GEMM | R x N x K | triton ms | TFLOP/s | cuBLAS ms | TFLOP/s | triton/cuBLAS | per-expert loop ms "
-            "| bf16 grouped TFLOP/s | config |")
-        log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        log(f"\n{shape}: {rows} rows over {e} experts{' (skewed: expert 0 has 4x the mean)' if args.skew else ''}")
+        log("| GEMM | R x N x K | gluon TFLOP/s | gluon/cuBLAS | triton TFLOP/s | triton/cuBLAS | cuBLAS TFLOP/s "
+            "| torch row-wise grouped TFLOP/s | bf16 grouped TFLOP/s | per-expert loop ms | triton config |")
+        log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, kind, k_dim, n_dim in table:
             r = bench_one(name, kind, k_dim, n_dim, rows, e, args, log)
             r["shape"] = shape
@@ -176,9 +229,11 @@ def main() -> None:
                 log(f"| {name} | {r['error']} |")
                 continue
             c = r["config"]
-            log(f"| {name} | {r['R']} x {r['N']} x {r['K']} | {r['triton_ms']:.3f} | {r['triton_tflops']:.0f} "
-                f"| {r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {r['triton_vs_cublas']:.2f} "
-                f"| {r['loop_ms']:.3f} | {r['bf16_tflops']:.0f} "
+            opt = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
+            log(f"| {name} | {r['R']} x {r['N']} x {r['K']} | {opt('gluon_tflops', '.0f')} "
+                f"| {opt('gluon_vs_cublas', '.2f')} | {r['triton_tflops']:.0f} | {r['triton_vs_cublas']:.2f} "
+                f"| {r['cublas_tflops']:.0f} | {opt('rowwise_tflops', '.0f')} | {r['bf16_tflops']:.0f} "
+                f"| {r['loop_ms']:.3f} "
                 f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
                 f"{' tma' if c['use_tma'] else ''} |")
     if args.asm:

@@ -29,12 +29,15 @@ import torch
 from moe_fp4.api import _check_out_dtype
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
 from moe_fp4.kernels import fp8 as fp8_kernels
+from moe_fp4.kernels import gluon_grouped_gemm as gluon_kernels
 from moe_fp4.kernels import grouped_gemm as grouped_kernels
 from moe_fp4.kernels.fp8 import WEIGHT_BLOCK
 from moe_fp4.kernels.numerics import FP8_TILE
 
 
 class GemmBackend(enum.Enum):
+    GLUON = "gluon"          # grouped only: the persistent warp-specialized Gluon engine (sm90; fprop/dgrad,
+                             # its weight gradients on the Triton kernel)
     TRITON = "triton"        # grouped only: moe_fp4's Triton kernels, one launch for all experts (sm90+)
     SCALED_MM = "scaled_mm"  # cuBLAS blockwise FP8 through torch.nn.functional.scaled_mm (sm90+), per expert
     EMULATED = "emulated"    # exact dequantization to float32, float32 matmul
@@ -214,10 +217,11 @@ _forced_grouped: list[GemmBackend] = []
 def grouped_gemm_backend(device: torch.device) -> GemmBackend:
     """The implementation of the grouped GEMMs for tensors on ``device``.
 
-    Default: the Triton kernels on sm90+ GPUs, the float32 emulation elsewhere. Overridden by
-    :func:`use_grouped_backend` (innermost wins), else by ``MOE_FP4_GROUPED_GEMM`` = ``triton`` |
-    ``scaled_mm`` | ``emulated`` (``scaled_mm`` = one cuBLAS blockwise GEMM per expert, the reference
-    path; ``triton`` on a CPU tensor needs ``TRITON_INTERPRET=1``).
+    Default: the Gluon engine on Hopper (sm90) where this Triton has Gluon, the Triton kernels on
+    other sm90+ GPUs, the float32 emulation elsewhere. Overridden by :func:`use_grouped_backend`
+    (innermost wins), else by ``MOE_FP4_GROUPED_GEMM`` = ``gluon`` | ``triton`` | ``scaled_mm`` |
+    ``emulated`` (``scaled_mm`` = one cuBLAS blockwise GEMM per expert, the reference path; ``triton``
+    on a CPU tensor needs ``TRITON_INTERPRET=1``; ``gluon`` needs a Hopper GPU).
     """
     if _forced_grouped:
         return _forced_grouped[-1]
@@ -229,6 +233,8 @@ def grouped_gemm_backend(device: torch.device) -> GemmBackend:
             raise ValueError(f"{GROUPED_BACKEND_ENV}={env!r}: expected one of "
                              f"{[b.value for b in GemmBackend]}") from None
     device = torch.device(device)
+    if gluon_kernels.supported(device):
+        return GemmBackend.GLUON
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
         return GemmBackend.TRITON
     return GemmBackend.EMULATED
@@ -245,8 +251,13 @@ def use_grouped_backend(backend: GemmBackend | str):
 
 
 def _grouped_impl(name: str, device: torch.device):
+    """-> (backend, the function with grouped_gemm.<name>'s signature that runs it): the one place where
+    an engine is chosen. The Gluon engine has the M-grouped GEMM only; its weight gradients run on
+    the Triton kernel."""
     backend = grouped_gemm_backend(device)
-    if backend is GemmBackend.TRITON:
+    if backend is GemmBackend.GLUON and hasattr(gluon_kernels, name):
+        return backend, getattr(gluon_kernels, name)
+    if backend in (GemmBackend.GLUON, GemmBackend.TRITON):
         return backend, getattr(grouped_kernels, name)
     return backend, getattr(grouped_kernels, name + "_ref")
 

@@ -272,3 +272,108 @@ def test_gpu_grouped_gemms_match_scaled_mm_per_expert(h, f, e):
     offs = G.group_offsets(counts)
     mag = torch.stack([af[:, offs[i]:offs[i + 1]] @ bf[:, offs[i]:offs[i + 1]].t() for i in range(e)])
     _close(got, ref, mag)
+
+
+# --------------------------------------------------------------------------------------------
+# The Gluon engine (kernels/gluon_grouped_gemm.py): its tile list on the CPU, the kernel on Hopper
+# against its Triton twin and the per-expert float32 reference.
+
+from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
+
+
+@pytest.mark.parametrize("counts", [(), (0,), (128,), (256,), (384, 0, 128), (0, 640, 0), (1024,) * 3])
+def test_gluon_tile_list_covers_each_expert_once(counts):
+    rows, experts, waves = GL.m_tiles(counts)
+    covered = []
+    for r0, e, w in zip(rows, experts, waves):
+        assert w in (1, 2) and counts[e] > 0
+        covered += [(r, e) for r in range(r0, r0 + w * GL.WAVE_M)]
+    offs = G.group_offsets(counts)
+    assert covered == [(r, e) for e in range(len(counts)) for r in range(offs[e], offs[e + 1])]
+    # Two-wave tiles wherever an expert has 256 rows left: one-wave tiles only at an expert's end.
+    assert sum(w == 1 for w in waves) == sum((c // 128) % 2 for c in counts)
+
+
+def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
+    monkeypatch.delenv("MOE_FP4_GROUPED_GEMM", raising=False)
+    assert not GL.supported(torch.device("cpu"))
+    assert grouped_gemm_backend(torch.device("cpu")) is GemmBackend.EMULATED
+    if GL.supported(torch.device(DEVICE)):
+        assert grouped_gemm_backend(torch.device(DEVICE)) is GemmBackend.GLUON
+    with use_grouped_backend("gluon"):
+        with pytest.raises(RuntimeError, match="Hopper"):
+            grouped_fp8_mm_nt(moe_fp4.quantize_fp8(torch.randn(128, 128)),
+                              quantize_fp8_weight(torch.randn(1, 128, 128)), [128])
+
+
+def _hopper():
+    return GL.supported(torch.device("cuda")) if torch.cuda.is_available() else False
+
+
+# Hopper's FP8 wgmma adds its products in an accumulator of about 14 bits (DeepSeek-V3 report, 3.3.2;
+# the reason the recipe promotes every 128 columns of K): against the float64 product of the exact
+# operands each 128-wide block sum carries a relative error of order 2^-14, so the bound is
+# 2^-14 x sum_k |a_k b_k|. The Triton twin and cuBLAS run the same instructions, so against them the
+# engine only reorders float32 additions (ORDER_RTOL).
+HOPPER_FP8_ACC_RTOL = 2.0 ** -14
+
+
+def _ref64_nt(a, b, counts):
+    """The exact product per expert in float64 (operands dequantized exactly)."""
+    af, bf = a.dequantize(torch.float32).double(), b.dequantize(torch.float32).double()
+    out = torch.zeros(af.shape[0], bf.shape[1], dtype=torch.float64, device=af.device)
+    offs = G.group_offsets(counts)
+    for e in range(len(counts)):
+        out[offs[e]:offs[e + 1]] = af[offs[e]:offs[e + 1]] @ bf[e].t()
+    return out
+
+
+def _close_to(got, ref, magnitude, rtol):
+    err = (got.double() - ref.double()).abs()
+    bound = rtol * magnitude + 1e-30
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g} (rtol {rtol:.3g})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+@pytest.mark.parametrize("h,f,e", [(7168, 2048, 8), (2048, 1408, 16), (512, 384, 5)])
+def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
+    # Ragged reality: experts with 0 rows, one 128-row wave, odd multiples of 128 (a one-wave last
+    # tile whose second wave reads the next expert's rows and must not store them), and the last
+    # tile running past R.
+    torch.manual_seed(29 + e)
+    counts = [128 * int(c) for c in torch.randint(0, 9, (e,))]
+    counts[0], counts[1] = 0, 128
+    counts[-1] = 384
+    r = sum(counts)
+    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
+    w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
+    xq, xmx = moe_fp4.quantize_fp8_and_mxfp4(x)
+    for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
+        got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+        twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+        mag = _abs_nt(a, b, counts)
+        _close_to(got, _ref64_nt(a, b, counts), mag, HOPPER_FP8_ACC_RTOL)
+        _close(got, twin, mag)
+        # bf16 output: the same float32 accumulator rounded once.
+        assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
+    with use_grouped_backend("gluon"):
+        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+def test_gpu_gluon_rows_of_empty_and_absent_experts():
+    # Only experts with rows are written; a NaN in one expert's rows stays in those rows.
+    counts = [0, 256, 0, 128]
+    a = moe_fp4.quantize_fp8(torch.randn(384, 256, device="cuda"))
+    b = quantize_fp8_weight(torch.randn(4, 256, 256, device="cuda") * 256 ** -0.5)
+    data = a.data.clone()
+    data[3, 7] = float("nan")
+    got = GL.grouped_mm_nt(data, a.scale, b.data, b.scale, counts, torch.float32)
+    assert got[3].isnan().all() and not got[torch.arange(384, device="cuda") != 3].isnan().any()
+    twin = G.grouped_mm_nt(data, a.scale, b.data, b.scale, counts, torch.float32)
+    rest = torch.arange(384, device="cuda") != 3
+    _close(got[rest], twin[rest], _abs_nt(a, b, counts)[rest])

@@ -1,0 +1,302 @@
+"""Grouped blockwise FP8 GEMM for Hopper in Triton's Gluon dialect: the M-grouped engine (fprop, dgrad).
+
+``out[rows of e] = A[rows of e] @ B[e]^T`` with A float8_e4m3fn [R, K] in 1x128 tiles along K (float32
+power-of-two scales, M-major as FP8BlockTensor stores them) and B float8_e4m3fn [E, N, K] in 128x128
+blocks. The contract, the numerics and the validation are those of
+:func:`moe_fp4.kernels.grouped_gemm.grouped_mm_nt`, its Triton twin: one wgmma chain per 128-wide K
+block into a fresh float32 partial, then ``acc += partial * (s_a * s_b)`` on the CUDA cores. Gluon has
+no interpreter, so the CPU suite runs the twin (and the pure-torch reference); the GPU tests compare
+this engine with both.
+
+Schedule (why each piece: docs/DESIGN.md, "The Gluon GEMM engine"):
+- persistent: one program per SM walks tiles t = pid, pid + P, ... of a grouped tile list. An M tile
+  is up to 256 rows of one expert (two 128-row waves; an expert's last tile may have one), so no rows
+  are computed for padding and no tile straddles two experts. Tiles are ordered in groups of GROUP_M
+  M tiles per N tile: consecutive programs share B[e]'s N tile while it is in L2.
+- warp-specialized: a 1-warp TMA producer (40 registers) fills a NUM_STAGES-deep mbarrier ring with
+  A (256 x 128) and B (BLOCK_N x 128); the default partition (8 warps, two warpgroups of 64 rows per
+  wave) issues wgmma, promotes, and stores each wave through shared memory with TMA while the next
+  tile's loads are already in flight.
+- scales: A's come from global memory (coalesced along M) and B's is one scalar per K block, both
+  loaded before the wgmma they scale is waited on, so their latency hides under the MMA.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # Gluon's Hopper API as Triton 3.6 ships it (the GPU image's Triton)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - Triton without Gluon: the Triton engine only
+    AVAILABLE = False
+
+from moe_fp4.kernels.fp8 import m_major, mxfp4_to_fp8_rowwise
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, _check_out_dtype, _nt_shapes, device_ints
+from moe_fp4.kernels.numerics import FP8_TILE
+
+WAVE_M = GROUP_ALIGN  # rows per wgmma wave (two warpgroups of 64): an expert's rows are whole waves
+TILE_M = 2 * WAVE_M   # rows per M tile (two waves of one expert)
+
+
+def supported(device: torch.device) -> bool:
+    """True when this engine can run on ``device``: Gluon imports and the GPU is a Hopper (sm90)."""
+    device = torch.device(device)
+    return (AVAILABLE and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def m_tiles(counts) -> tuple[list[int], list[int], list[int]]:
+    """counts: E ints (multiples of 128) -> (first row, expert, waves) per M tile: each expert's rows in
+    tiles of 256 (2 waves), its last tile 128 rows (1 wave) when its count is an odd multiple of 128;
+    experts without rows have no tile."""
+    rows, experts, waves = [], [], []
+    start = 0
+    for e, c in enumerate(counts):
+        for r in range(0, c, TILE_M):
+            rows.append(start + r)
+            experts.append(e)
+            waves.append(min(2, (c - r) // WAVE_M))
+        start += c
+    return rows, experts, waves
+
+
+if AVAILABLE:
+
+    @gluon.constexpr_function
+    def _acc_layout(block_n, num_warps):
+        # A wave of 128 rows over the partition's warps: 16 rows per warp, each warpgroup one m64 wgmma.
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, block_n, 32])
+
+    @gluon.jit
+    def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+        """Tile index t -> (M tile, N tile): GROUP_M M tiles per N tile, M fastest within a group."""
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (t % per_group) % size_m, (t % per_group) // size_m
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
+                  tiles_m, tiles_n, N,
+                  KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        # One warp: waits for a free stage, then TMA-loads A's 256 rows and B[e]'s BLOCK_N rows of one
+        # K block into it. The stage counter runs on across tiles, like the consumer's.
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        it = 0
+        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
+            row0 = gl.load(tile_row_ptr + mt)
+            brow = gl.load(tile_expert_ptr + mt) * N + nt * BLOCK_N
+            for kb in range(KB):
+                s = it % NUM_STAGES
+                mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], ready.index(s), a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s))
+                it += 1
+
+    @gluon.jit
+    def _store_quarter(acc, d_desc, d_smem, n_store, row, col, D_BUFS: gl.constexpr):
+        """One [128, BLOCK_N/2] quarter of a tile through shared memory and TMA; -> stores issued."""
+        # Buffer n_store % D_BUFS was last read by the store D_BUFS stores ago: wait for that one only.
+        tma.store_wait(pendings=D_BUFS - 1)
+        buf = d_smem.index(n_store % D_BUFS)
+        buf.store(acc.to(d_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(d_desc, [row, col], buf)
+        return n_store + 1
+
+    @gluon.jit
+    def _consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
+                  tiles_m, tiles_n,
+                  KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                  D_BUFS: gl.constexpr, num_warps: gl.constexpr):
+        # A tile is 2 waves x 2 column halves = four [128, BLOCK_N/2] quarters, each a float32
+        # accumulator of 32 registers per thread. Per K block the four quarter products run through
+        # two raw accumulators in turn: while one quarter is promoted (acc += raw * s_a * s_b on the
+        # CUDA cores) the next quarter's wgmma runs, so only the last promotion of a block leaves the
+        # tensor cores idle. 4 x 32 + 2 x 32 registers: within the consumers' budget without spills.
+        WAVE: gl.constexpr = d_desc.block_type.shape[0]    # rows per wave
+        HALF: gl.constexpr = d_desc.block_type.shape[1]    # columns per quarter (BLOCK_N / 2)
+        layout: gl.constexpr = _acc_layout(HALF, num_warps)
+        rows = gl.arange(0, WAVE, layout=gl.SliceLayout(1, layout))
+        it = 0
+        n_store = 0
+        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
+            row0 = gl.load(tile_row_ptr + mt)
+            two = gl.load(tile_waves_ptr + mt) == 2
+            wave1_rows = gl.where(two, WAVE, 0)   # masks the second wave's scale loads (may lie past R)
+            bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
+                      + (nt * BLOCK_N // 128) * stride_bs_n)
+            as_ptrs = a_scale_ptr + row0 + rows
+            acc00 = gl.zeros((WAVE, HALF), gl.float32, layout)   # acc<wave><half>
+            acc01 = gl.zeros((WAVE, HALF), gl.float32, layout)
+            acc10 = gl.zeros((WAVE, HALF), gl.float32, layout)
+            acc11 = gl.zeros((WAVE, HALF), gl.float32, layout)
+            ra = gl.zeros((WAVE, HALF), gl.float32, layout)
+            rb = gl.zeros((WAVE, HALF), gl.float32, layout)
+            for kb in range(KB):
+                s = it % NUM_STAGES
+                # Scales first: their loads are in flight while the stage arrives and the wgmmas run.
+                sb = gl.load(bs_ptr + kb)
+                s0 = gl.load(as_ptrs + kb * stride_as_k) * sb
+                s1 = gl.load(as_ptrs + (kb * stride_as_k + WAVE), mask=rows < wave1_rows, other=0.0) * sb
+                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                a0 = a_smem.index(s).slice(0, WAVE, dim=0)
+                a1 = a_smem.index(s).slice(WAVE, WAVE, dim=0)
+                b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
+                b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+                # The second wave runs even in a one-wave tile (its rows belong to the next expert
+                # or lie past R and are not stored): a branch here costs each wave its own
+                # accumulators, and the consumer spills.
+                ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+                rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
+                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                acc00 += ra * s0[:, None]
+                ra = warpgroup_mma(a1, b0, ra, use_acc=False, is_async=True)
+                rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+                acc01 += rb * s0[:, None]
+                rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                acc10 += ra * s1[:, None]
+                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+                # Every wgmma that read stage s has completed: the producer may refill it.
+                mbarrier.arrive(empty.index(s), count=1)
+                acc11 += rb * s1[:, None]
+                it += 1
+            col = nt * BLOCK_N
+            n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS)
+            n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS)
+            if two:
+                n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + WAVE, col, D_BUFS)
+                n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + WAVE, col + HALF, D_BUFS)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _grouped_mm_nt_kernel(a_desc, b_desc, d_desc, a_scale_ptr, stride_as_k,
+                              b_scale_ptr, stride_bs_e, stride_bs_n,
+                              tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N,
+                              K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                              GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, num_warps: gl.constexpr):
+        KB: gl.constexpr = K // 128
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [D_BUFS] + d_desc.block_type.shape, d_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize(
+            [(_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                          b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                          tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS,
+                          num_warps)),
+             (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
+                          tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
+            worker_num_warps=[1], worker_num_regs=[40])
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv"}
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return GluonTensorDescriptor.from_tensor(t, block, layout)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+BLOCK_N = 128     # output columns per tile: one 128-wide weight scale block, two 64-column quarters
+NUM_WARPS = 8     # the default (consumer) partition: two warpgroups
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Pipeline depth, output staging and tile order of one launch.
+
+    num_stages: A + B stages in the mbarrier ring (48 KiB each);
+    d_bufs:     [128, 64] output staging buffers (16 KiB bf16 / 32 KiB float32); None = 4 for bf16, 2 for
+                float32 (64 KiB);
+    group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]).
+    Shared memory (227 KiB per CTA on Hopper) must hold num_stages x 48 KiB + the staging buffers."""
+
+    num_stages: int = 3
+    d_bufs: int | None = None
+    group_m: int = 8
+
+    def __post_init__(self):
+        if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
+            raise ValueError(f"GluonConfig: need num_stages >= 2, group_m >= 1, d_bufs >= 1, got {self}")
+
+    def staging(self, out_dtype: torch.dtype) -> int:
+        if self.d_bufs is not None:
+            return self.d_bufs
+        return 4 if out_dtype == torch.bfloat16 else 2
+
+    def smem_bytes(self, out_dtype: torch.dtype) -> int:
+        quarter = WAVE_M * BLOCK_N // 2 * (2 if out_dtype == torch.bfloat16 else 4)
+        return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + self.staging(out_dtype) * quarter
+
+
+# 3 stages and four bf16 quarters: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
+NT_CONFIG = GluonConfig()
+SMEM_LIMIT = 232448   # bytes of shared memory one CTA may use on sm90
+
+
+def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                  out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | None = None) -> torch.Tensor:
+    """A: float8_e4m3fn [R, K] with a_scale float32 [R, K/128] (any strides), or MXFP4 uint8 [R, K/2]
+    with a_scale uint8 [R, K/32]; B: float8_e4m3fn [E, N, K] with b_scale float32 [E, N/128, K/128];
+    counts: E ints, multiples of 128, summing to R -> out_dtype (bfloat16 or float32) [R, N]: rows of
+    expert e times B[e]^T. The signature and result of grouped_gemm.grouped_mm_nt (``config``: a
+    :class:`GluonConfig`; None or another engine's config = NT_CONFIG); an MXFP4 A is converted to
+    FP8 first (mxfp4_to_fp8_rowwise, bit-identical to the decode inside the Triton kernel). CUDA
+    tensors on a Hopper GPU (:func:`supported`)."""
+    mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
+    _check_out_dtype(out_dtype, "grouped_mm_nt")
+    if not supported(a.device):
+        raise RuntimeError(f"gluon grouped_mm_nt: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
+    cfg = config if isinstance(config, GluonConfig) else NT_CONFIG
+    if cfg.smem_bytes(out_dtype) > SMEM_LIMIT:
+        raise ValueError(f"gluon grouped_mm_nt: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory, "
+                         f"more than the {SMEM_LIMIT} a CTA has")
+    out = torch.empty(r, n, dtype=out_dtype, device=a.device)
+    if r == 0 or n == 0:
+        return out
+    if mxfp4:
+        a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
+    rows, experts, waves = m_tiles(counts)
+    tiles_m = len(rows)
+    tables = device_ints(rows + experts + waves, torch.int32, a.device).view(3, tiles_m)
+    a_scale = m_major(a_scale)          # the consumer reads 128 rows' scales of one K block at once
+    b_scale = b_scale.contiguous()      # one scale per K block at consecutive addresses
+    tiles = tiles_m * triton.cdiv(n, BLOCK_N)
+    grid = (min(tiles, _num_sms(a.device.index or 0)),)
+    _grouped_mm_nt_kernel[grid](
+        _desc(a, [TILE_M, FP8_TILE]), _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]),
+        _desc(out, [WAVE_M, BLOCK_N // 2]), a_scale, a_scale.stride(1),
+        b_scale, b_scale.stride(0), b_scale.stride(1),
+        tables[0], tables[1], tables[2], tiles_m, n,
+        K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
+        num_warps=NUM_WARPS)
+    return out
