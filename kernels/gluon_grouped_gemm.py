@@ -147,12 +147,21 @@ if AVAILABLE:
             acc11 = gl.zeros((WAVE, HALF), gl.float32, layout)
             ra = gl.zeros((WAVE, HALF), gl.float32, layout)
             rb = gl.zeros((WAVE, HALF), gl.float32, layout)
+            # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
+            # so its latency never stalls a promotion (loaded just in time, it stalled 1/3 of the
+            # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
+            wave1 = rows < wave1_rows
+            sa0 = gl.load(as_ptrs)
+            sa1 = gl.load(as_ptrs + WAVE, mask=wave1, other=0.0)
+            sb = gl.load(bs_ptr)
             for kb in range(KB):
                 s = it % NUM_STAGES
-                # Scales first: their loads are in flight while the stage arrives and the wgmmas run.
-                sb = gl.load(bs_ptr + kb)
-                s0 = gl.load(as_ptrs + kb * stride_as_k) * sb
-                s1 = gl.load(as_ptrs + (kb * stride_as_k + WAVE), mask=rows < wave1_rows, other=0.0) * sb
+                s0 = sa0 * sb
+                s1 = sa1 * sb
+                nk = gl.minimum(kb + 1, KB - 1)
+                sa0 = gl.load(as_ptrs + nk * stride_as_k)
+                sa1 = gl.load(as_ptrs + (nk * stride_as_k + WAVE), mask=wave1, other=0.0)
+                sb = gl.load(bs_ptr + nk)
                 mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
                 a0 = a_smem.index(s).slice(0, WAVE, dim=0)
                 a1 = a_smem.index(s).slice(WAVE, WAVE, dim=0)
@@ -221,6 +230,15 @@ def _desc(t: torch.Tensor, block: list[int]):
     return GluonTensorDescriptor.from_tensor(t, block, layout)
 
 
+@functools.lru_cache(maxsize=256)
+def _tile_tables(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [3, M tiles] on ``device``: first row, expert, waves of each M tile (:func:`m_tiles`). Cached
+    per routing: a training step meets the same counts in fprop, dgrad and every layer's backward,
+    and building the table (a pinned host copy) costs more host time than the launch."""
+    rows, experts, waves = m_tiles(counts)
+    return device_ints(rows + experts + waves, torch.int32, device).view(3, len(rows))
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -285,9 +303,8 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out
     if mxfp4:
         a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
-    rows, experts, waves = m_tiles(counts)
-    tiles_m = len(rows)
-    tables = device_ints(rows + experts + waves, torch.int32, a.device).view(3, tiles_m)
+    tables = _tile_tables(tuple(counts), a.device)
+    tiles_m = tables.shape[1]
     a_scale = m_major(a_scale)          # the consumer reads 128 rows' scales of one K block at once
     b_scale = b_scale.contiguous()      # one scale per K block at consecutive addresses
     tiles = tiles_m * triton.cdiv(n, BLOCK_N)
