@@ -1,14 +1,9 @@
-"""``moe-fp4`` (also ``python -m moe_fp4``): the command line.
+"""``moe-fp4`` (also ``python -m moe_fp4``): the command line. ``moe-fp4 compare --help`` shows what
+``compare`` does (COMPARE_DESCRIPTION), its options and examples (COMPARE_EXAMPLES).
 
-    moe-fp4 compare                                    # one GPU (or a tiny CPU run): bf16 vs fp8 vs fp4
-    torchrun --nproc-per-node 2 -m moe_fp4 compare     # expert parallelism over 2 GPUs
-    moe-fp4 compare --max-batch 60                     # each mode at its largest batch in 60 GiB
-    moe-fp4 compare --steps 1000 --data stdlib         # convergence on the stdlib's source text
-    moe-fp4 compare --hook                             # a Hugging Face MoE model with and without the hook
-
-Prints a table (tokens/s per GPU, step time, peak and activation memory, all-to-all share, loss,
-ratios against fp8), writes ``<out>/compare.json`` and, with matplotlib (``pip install
-"moe_fp4[plot]"``), ``throughput.png``, ``memory.png`` and ``loss.png``.
+``compare`` checks every argument and the output directory before it builds a model (one line and
+exit code 2 per problem), prints the table before it writes any file, and under torchrun prints from
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -18,50 +13,145 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 
 from moe_fp4.model import PRESETS
 
 # Sequences per rank. small: 64 x 1024 tokens keep an H200 busy; at 16 the step is bound by the host
 # (kernel launches), which hides what the modes change.
 PRESET_BATCH = {"tiny": 4, "small": 64, "dsv3-layers": 2}
+DEFAULT_OUT = "moe_fp4_compare"
+
+COMPARE_DESCRIPTION = """\
+Train a small DeepSeek-V3-style MoE model in bf16, fp8 and fp4 (same weights,
+same batches) and compare them. Prints a table (tokens/s per GPU, step time,
+peak and activation memory, all-to-all share, loss, ratios against fp8), then
+writes DIR/compare.json and, with matplotlib (pip install "moe_fp4[plot]"),
+throughput.png, memory.png and loss.png."""
+
+COMPARE_EXAMPLES = """\
+examples:
+  moe-fp4 compare                     bf16 vs fp8 vs fp4 on a GPU (tiny on CPU)
+  moe-fp4 compare --max-batch 60      each mode at its largest batch in 60 GiB
+  moe-fp4 compare --steps 1000        convergence on the stdlib's source text
+  moe-fp4 compare --hook              a Hugging Face MoE model with and
+                                      without the compression hook
+  torchrun --nproc-per-node 2 -m moe_fp4 compare
+                                      expert parallelism over 2 GPUs"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's and examples' line breaks and appends "(default: X)" to an option's help
+    when it has a default worth showing (not None or False) and the help does not state one itself."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default is not None and action.default is not False
+                and action.default != argparse.SUPPRESS and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-fp4", description="MXFP4 storage and transport for FP8 MoE training")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train a small DeepSeek-V3-style model in bf16, fp8 and fp4 and compare",
-                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+                       description=COMPARE_DESCRIPTION, epilog=COMPARE_EXAMPLES, formatter_class=_HelpFormatter)
     c.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="model size (default: small on a GPU, tiny on CPU)")
     c.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                   help="bf16 fp8 fp4 (default: all three; with --hook: hf hf+hook)")
-    c.add_argument("--steps", type=int, default=None, help="training steps per mode (default 200 on GPU, 8 on CPU)")
-    c.add_argument("--warmup", type=int, default=None, help="untimed first steps (default steps // 5, at most 20)")
-    c.add_argument("--batch", type=int, default=None,
-                   help=f"sequences per rank (default per preset: {PRESET_BATCH})")
-    c.add_argument("--seq", type=int, default=None, help="sequence length (default per preset)")
-    c.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default per preset)")
-    c.add_argument("--layers", type=int, default=None, help="decoder layers, the first one dense (default per preset)")
-    c.add_argument("--lr", type=float, default=1e-3)
-    c.add_argument("--seed", type=int, default=0)
+                   help="bf16, fp8, fp4 (default: all three; with --hook: hf hf+hook)")
+    c.add_argument("--steps", type=int, default=None, help="steps per mode (default: 200 on GPU, 8 on CPU)")
+    c.add_argument("--warmup", type=int, default=None,
+                   help="untimed first steps (default: steps // 5, at most 20)")
+    batches = ", ".join(f"{k} {v}" for k, v in PRESET_BATCH.items())
+    c.add_argument("--batch", type=int, default=None, help=f"sequences per rank (default: {batches})")
+    c.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the preset's)")
+    c.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
+    c.add_argument("--layers", type=int, default=None,
+                   help="decoder layers, >= 2: the first is dense (default: the preset's)")
+    c.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    c.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     c.add_argument("--data", choices=["stdlib", "random"], default="stdlib",
-                   help="stdlib: byte tokens of the Python standard library's source (default); random: noise")
+                   help="tokens: the stdlib's Python source as bytes, or random")
     c.add_argument("--max-batch", type=float, default=None, metavar="GIB",
-                   help="find each mode's largest batch within GIB per device and train each at its own")
+                   help="train each mode at its largest batch in GIB GiB per GPU")
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",
-                   help="fail early, with the memory it needs, if --batch does not fit in GIB per device")
+                   help="fail early if --batch needs more than GIB GiB per device")
+    c.add_argument("--allow-cpu-budget", action="store_true",
+                   help="allow --max-batch on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
-                   help="NCCL_P2P_DISABLE=1: NCCL through host shared memory (~24 GB/s), standing in for a network")
+                   help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
     c.add_argument("--hook", action="store_true",
-                   help="compare a Hugging Face MoE model (from a config) with and without "
-                        "register_activation_compression")
-    c.add_argument("--out", default="moe_fp4_compare", help="directory for compare.json and the plots")
-    c.add_argument("--no-plots", action="store_true")
-    c.add_argument("--no-progress", action="store_true")
-    c.add_argument("--profile-steps", type=int, default=3, help="profiled steps for the all-to-all share (EP)")
+                   help="a Hugging Face MoE model with and without activation compression")
+    c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
+    c.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    c.add_argument("--no-progress", action="store_true", help="print no progress during training")
+    c.add_argument("--profile-steps", type=int, default=3, metavar="N",
+                   help="steps profiled per mode for the all-to-all share (EP)")
     c.add_argument("--profile", action="store_true",
-                   help="also write the profiler's table of those steps to <out>/profile_<mode>.txt (rank 0)")
+                   help="write rank 0's profile of those steps to DIR/profile_MODE.txt")
     return p
+
+
+def check_out_dir(path: str) -> str | None:
+    """Create ``path`` if missing and write and remove a probe file in it -> None if that worked, else why
+    not (one line). Done before training: a directory that cannot be written must not cost a run."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".moe_fp4_probe_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"--out {path}: cannot write there ({e.strerror or e})"
+    return None
+
+
+def _write_text(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def _warn(msg: str) -> None:
+    print(f"moe-fp4 compare: {msg}", file=sys.stderr, flush=True)
+
+
+def write_results(report: dict, out: str, plots: bool = True) -> tuple[list[str], bool]:
+    """Write ``<out>/compare.json``, the profiler tables (rows' "profile_table") and the plots -> (paths
+    written, whether everything went to ``out``). Called after the table is printed: if ``out`` cannot
+    be written, the report (profile tables kept inside it) goes to a new temporary file instead and one
+    line on stderr says where; a failing plot loses nothing and is one line too."""
+    tables = {m: row.pop("profile_table") for m, row in report["modes"].items() if "profile_table" in row}
+    try:
+        written = [_write_text(os.path.join(out, "compare.json"), json.dumps(report, indent=1, default=str))]
+        for mode, text in tables.items():
+            written.append(_write_text(os.path.join(out, f"profile_{mode.replace('+', '_')}.txt"), text))
+    except OSError as e:
+        for mode, text in tables.items():
+            report["modes"][mode]["profile_table"] = text
+        try:
+            fd, path = tempfile.mkstemp(prefix="moe_fp4_compare_", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1, default=str)
+        except OSError as e2:
+            _warn(f"could not write to {out} ({e.strerror or e}) nor to a temporary file ({e2.strerror or e2}); "
+                 "the table above is all that is left")
+            return [], False
+        _warn(f"could not write to {out} ({e.strerror or e}); wrote the report to {path} instead")
+        return [path], False
+    ok = True
+    if plots:
+        try:
+            from moe_fp4.plots import write_plots
+
+            written += write_plots(report, out)
+        except ImportError:
+            print('plots: matplotlib is not installed (pip install "moe_fp4[plot]")', flush=True)
+        except Exception as e:  # noqa: BLE001 - a plot is an extra: any failure loses nothing else
+            _warn(f"plots: failed ({type(e).__name__}: {e}); compare.json has every number")
+            ok = False
+    return written, ok
 
 
 def _distributed(slow_link: bool):
@@ -86,31 +176,54 @@ def _distributed(slow_link: bool):
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def compare(a: argparse.Namespace, err) -> int:
-    import torch
+def _rank_from_env() -> int:
+    """This process's rank under torchrun (RANK), 0 otherwise; known before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
 
-    from moe_fp4.compare import CompareConfig, Env, check_ep, run, table
-    from moe_fp4.ep import EPConfig
 
-    cuda = torch.cuda.is_available()
+def _check(a: argparse.Namespace, cuda: bool):
+    """Every argument and environment check, before any model is built or process group started ->
+    the CompareConfig. Raises ValueError with one line for the first problem."""
+    from moe_fp4.compare import CompareConfig, check_ep
+
     preset = a.preset or ("small" if cuda else "tiny")
     steps = a.steps if a.steps is not None else (200 if cuda else 8)
     modes = tuple(a.modes) if a.modes else (("hf", "hf+hook") if a.hook else ("bf16", "fp8", "fp4"))
+    cfg = CompareConfig(preset=preset, modes=modes, steps=steps,
+                        warmup=a.warmup if a.warmup is not None else min(20, steps // 5),
+                        batch=a.batch if a.batch is not None else PRESET_BATCH[preset],
+                        seq=a.seq, experts=a.experts, layers=a.layers,
+                        lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
+                        profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if a.hook:
+            raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
+        check_ep(cfg.model, world)
+    if a.max_batch is not None and not cuda and not a.allow_cpu_budget:
+        # On CPU every probe trains a model and the memory is an estimate: minutes for a number that
+        # says nothing about a GPU.
+        raise ValueError("--max-batch needs a GPU: on CPU there is no allocator to measure, the memory is only "
+                         "estimated and each probe trains a model (--allow-cpu-budget runs it anyway, for tests)")
+    if _rank_from_env() == 0:   # rank 0 alone writes
+        problem = check_out_dir(a.out)
+        if problem:
+            raise ValueError(problem)
+    return cfg
+
+
+def compare(a: argparse.Namespace, err) -> int:
+    import torch
+
+    from moe_fp4.compare import Env, run
+    from moe_fp4.ep import EPConfig
+
     try:
-        cfg = CompareConfig(preset=preset, modes=modes, steps=steps,
-                            warmup=a.warmup if a.warmup is not None else min(20, steps // 5),
-                            batch=a.batch if a.batch is not None else PRESET_BATCH[preset],
-                            seq=a.seq, experts=a.experts, layers=a.layers,
-                            lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
-                            profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            if a.hook:
-                raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
-            check_ep(cfg.model, world)
+        cfg = _check(a, torch.cuda.is_available())
     except ValueError as e:
         err(str(e))
         return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.slow_link and world == 1:
         print("note: --slow-link changes only NCCL between processes; it has no effect on one process", flush=True)
     device, rank, world = _distributed(a.slow_link)
@@ -126,28 +239,20 @@ def compare(a: argparse.Namespace, err) -> int:
 
             dist.destroy_process_group()
     report["meta"]["slow_link"] = bool(a.slow_link and world > 1)
-    if rank == 0:
-        print(table(report))
-        os.makedirs(a.out, exist_ok=True)
-        written = []
-        for mode, row in report["modes"].items():
-            if "profile_table" in row:
-                written.append(os.path.join(a.out, f"profile_{mode.replace('+', '_')}.txt"))
-                with open(written[-1], "w") as f:
-                    f.write(row.pop("profile_table"))
-        path = os.path.join(a.out, "compare.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        written.insert(0, path)
-        if not a.no_plots:
-            try:
-                from moe_fp4.plots import write_plots
+    return finish(report, a.out, plots=not a.no_plots) if rank == 0 else 0
 
-                written += write_plots(report, a.out)
-            except ImportError:
-                print('plots: matplotlib is not installed (pip install "moe_fp4[plot]")', flush=True)
+
+def finish(report: dict, out: str, plots: bool = True) -> int:
+    """Print the table, then write the files -> the exit code: 0, or 1 when something could not go to
+    ``out`` (the report then went to a temporary file, see :func:`write_results`)."""
+    from moe_fp4.compare import table
+
+    # The table first: whatever happens to the files, the run's numbers are on the screen.
+    print(table(report), flush=True)
+    written, ok = write_results(report, out, plots=plots)
+    if written:
         print("wrote " + ", ".join(written), flush=True)
-    return 0
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -156,7 +261,9 @@ def main(argv=None) -> int:
     sub = p._subparsers._group_actions[0].choices[a.command]
 
     def err(msg: str) -> None:
-        print(f"{sub.prog}: error: {msg}", file=sys.stderr, flush=True)
+        # Under torchrun every rank finds the same problem: one line, from rank 0.
+        if _rank_from_env() == 0:
+            print(f"{sub.prog}: error: {msg}", file=sys.stderr, flush=True)
 
     return compare(a, err)
 

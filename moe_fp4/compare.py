@@ -27,10 +27,12 @@ allocator to ask), so CPU budgets are for tests, not measurements.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ from moe_fp4.api import conversion_path
 from moe_fp4.data import RandomTokens, TokenBatches, stdlib_corpus
 from moe_fp4.ep import EPConfig
 from moe_fp4.experts import Precision
+from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
 from moe_fp4.saved import saved_bytes
 
@@ -88,6 +91,8 @@ class CompareConfig:
     progress: bool = True
 
     def __post_init__(self):
+        """Every check that needs no device: ``moe-fp4 compare`` builds this before any model, so a bad
+        argument fails in a second with one line instead of after minutes of training."""
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         allowed = HF_MODES if self.hook else MODES
@@ -101,6 +106,12 @@ class CompareConfig:
         for name in ("steps", "batch", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("seq", "experts", "layers"):   # None: the preset's
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):   # also NaN, which compares False
+            raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup = {self.warmup} must be in [0, steps = {self.steps}): "
                              "the timed steps come after it")
@@ -108,7 +119,18 @@ class CompareConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be positive, got {v}")
-        _ = self.model  # ModelConfig validates the overrides
+        if self.max_batch_gib is not None and self.budget_gib is not None:
+            raise ValueError("budget_gib checks the given batch, max_batch_gib picks each mode's own: give one of them")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
+        if self.profile and not self.profile_steps:
+            raise ValueError("profile writes the profiler's table of the profiled steps: it needs profile_steps > 0")
+        mc = self.model  # ModelConfig validates the overrides
+        if mc.moe_layers < 1:
+            # The modes differ only in the MoE layers: without one they would train the same model.
+            raise ValueError(f"layers = {mc.layers} leaves no MoE layer (preset {self.preset} starts with "
+                             f"{mc.dense_layers} dense), so every mode would train the same model; use layers >= "
+                             f"{mc.dense_layers + 1}")
 
     @property
     def model(self) -> ModelConfig:
@@ -139,20 +161,52 @@ def check_ep(model: ModelConfig, world: int) -> None:
                          f"the model has {model.num_experts} (pass --experts)")
 
 
-def commit() -> str:
-    """MOE_FP4_COMMIT if set (a copy of the tree without its git history), else git's short HEAD of the
-    tree this module lives in, "+dirty" with uncommitted changes to tracked files; "unknown" outside git."""
+def version() -> str:
+    """moe_fp4's version, from the code that runs (not the metadata of whatever copy pip installed)."""
+    from moe_fp4 import __version__
+
+    return __version__
+
+
+def _git(args: list[str], cwd: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                          check=True).stdout.strip()
+
+
+def _is_moe_fp4_project(root: str) -> bool:
+    """Whether ``root`` holds moe_fp4's own pyproject.toml (name = "moe_fp4")."""
+    try:
+        with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return re.search(r'(?m)^\s*name\s*=\s*["\']moe[_-]fp4["\']', text) is not None
+
+
+def commit() -> str | None:
+    """MOE_FP4_COMMIT if set (recorded when the tree was copied or built without its git history), else
+    git's short HEAD of moe_fp4's own checkout ("+dirty" with uncommitted changes to tracked files):
+    the package's parent directory must be the top of a git work tree that holds moe_fp4's
+    pyproject.toml (a source checkout or an editable install). None otherwise: a wheel installed into
+    some other repository's virtual environment must not report that repository's commit."""
     if os.environ.get("MOE_FP4_COMMIT"):
         return os.environ["MOE_FP4_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not _is_moe_fp4_project(root):
+        return None
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        if not os.path.samefile(_git(["rev-parse", "--show-toplevel"], root), root):
+            return None
+        sha = _git(["rev-parse", "--short", "HEAD"], root)
+        dirty = _git(["status", "--porcelain", "--untracked-files=no"], root)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+def provenance(meta: dict) -> str:
+    """meta: describe()'s dict -> "moe_fp4 0.1.0, commit abc1234" (no commit part when there is none)."""
+    return f"moe_fp4 {meta['version']}" + (f", commit {meta['commit']}" if meta.get("commit") else "")
 
 
 def describe(env: Env) -> dict:
@@ -161,7 +215,8 @@ def describe(env: Env) -> dict:
     dev = torch.cuda.get_device_name(env.device) if env.cuda else f"CPU ({platform.processor() or platform.machine()})"
     return {"device": dev, "gpus": env.world if env.cuda else 0, "world": env.world,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "version": version(), "commit": commit(), "grouped_gemm": grouped_gemm_backend(env.device).value,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join([_program()] + sys.argv[1:])}
 
 
@@ -178,6 +233,20 @@ def _all_reduce(x: torch.Tensor, env: Env, op=None) -> torch.Tensor:
 
 def _max_over_ranks(v: float, env: Env) -> float:
     return _all_reduce(torch.tensor([float(v)], dtype=torch.float64, device=env.device), env, dist.ReduceOp.MAX).item()
+
+
+def _mean_over_ranks(v: float, env: Env) -> float:
+    return _all_reduce(torch.tensor([float(v)], dtype=torch.float64, device=env.device), env).item() / env.world
+
+
+def ranks_legend(world: int) -> str | None:
+    """What each printed number is under expert parallelism (None on one process): the table's
+    columns are reduced over ranks, each in its own way."""
+    if world == 1:
+        return None
+    return (f"{world} ranks: tokens/s/GPU and step ms are the slowest rank's, peak and activation memory the "
+            f"largest rank's; the all-to-all share and the losses are means over the {world} ranks (the progress "
+            f"lines during training show rank 0's loss)")
 
 
 class Trainer:
@@ -305,17 +374,35 @@ def activation_bytes(trainer: Trainer, ids, targets, handle=None) -> dict:
     return {"activation_bytes": int(_max_over_ranks(grown, env)), "saved_bytes": int(_max_over_ranks(saved, env))}
 
 
+@contextlib.contextmanager
+def _quiet_kineto():
+    """Keep the profiler's C++ side (kineto) from writing its own log lines ("USDT: ... profiler_start" /
+    "profiler_stop", once per profiled run on every rank) to stderr. Kineto reads KINETO_LOG_LEVEL once,
+    when the first profile starts; 6 is above its highest severity. A level the user set is kept, and the
+    variable is restored so that no child process inherits the change."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def profile_steps(trainer: Trainer, data, batch: int, steps: int, table_rows: int = 0) -> tuple[float | None, str]:
     """Run ``steps`` training steps under torch.profiler -> (milliseconds per step in the all-to-all: the
-    NCCL send/recv kernels on CUDA, the collective's ops on CPU; None without EP, and the profiler's
-    table of the ``table_rows`` most expensive ops ("" when 0))."""
+    NCCL send/recv kernels on CUDA, the collective's ops on CPU, the mean over ranks; None without EP,
+    and this rank's profiler table of the ``table_rows`` most expensive ops ("" when 0))."""
     env = trainer.env
     if steps == 0 or (env.world == 1 and not table_rows):
         return None, ""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
-    with profile(activities=acts) as prof:
+    # acc_events: one profiling cycle here, so accumulating changes nothing, but without it torch 2.11
+    # on CUDA warns that "Profiler clears events at the end of each cycle" on the first profile.
+    with _quiet_kineto(), profile(activities=acts, acc_events=True) as prof:
         for _ in range(steps):
             trainer.step(*data.next(batch))
         _sync(env)
@@ -331,7 +418,7 @@ def profile_steps(trainer: Trainer, data, batch: int, steps: int, table_rows: in
     if table_rows:
         text = events.table(sort_by="self_cuda_time_total" if env.cuda else "self_cpu_time_total", row_limit=table_rows,
                             max_name_column_width=90)
-    return (total / 1e3 / steps if env.world > 1 else None), text
+    return (_mean_over_ranks(total / 1e3 / steps, env) if env.world > 1 else None), text
 
 
 def _progress(cfg: CompareConfig, env: Env, desc: str):
@@ -354,6 +441,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
         torch.cuda.reset_peak_memory_stats(env.device)
     bar = _progress(cfg, env, f"{mode:>8}")
     every = max(1, cfg.steps // 10)
+    # This rank's loss: averaging it over ranks here would add a collective inside the timed steps.
+    loss_label = "loss" if env.world == 1 else "rank 0 loss"
     losses, events, t_cpu = [], [], []
     t0 = time.perf_counter()
     for s in range(cfg.steps):
@@ -368,9 +457,9 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
         if bar is not None:
             bar.update(1)
             if s % every == 0 or s == cfg.steps - 1:
-                bar.set_postfix(loss=f"{losses[-1].item():.3f}")
+                bar.set_postfix_str(f"{loss_label} {losses[-1].item():.3f}")
         elif env.lead and cfg.progress and (s % every == 0 or s == cfg.steps - 1):
-            log(f"  {mode} step {s + 1}/{cfg.steps} loss {losses[-1].item():.4f}", flush=True)
+            log(f"  {mode} step {s + 1}/{cfg.steps} {loss_label} {losses[-1].item():.4f}", flush=True)
     if env.cuda:
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
@@ -509,6 +598,8 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
               "max_batch": {}}
     if not env.cuda:
         report["notes"].append(CPU_NOTE.format(path=conversion_path(env.device)))
+    if ranks_legend(env.world):
+        report["notes"].append(ranks_legend(env.world))
     if corpus is not None:
         meta["data"] = (f"stdlib: {corpus.files} Python source files, {corpus.train.numel() / 2**20:.1f} MiB train, "
                         f"{corpus.held_out.numel() / 2**20:.1f} MiB held out, byte tokens")
@@ -517,10 +608,10 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         log(f"moe-fp4 compare: preset {cfg.preset} ({mc.layers} layers, hidden {mc.hidden}, {mc.num_experts} experts "
             f"top-{mc.top_k}, ffn {mc.ffn}, seq {mc.seq}), modes {', '.join(cfg.modes)}, {cfg.steps} steps "
             f"({cfg.warmup} untimed), data {cfg.data}", flush=True)
-        if counts:
-            log(f"  parameters {counts['total'] / 1e6:.1f} M, active per token {counts['active_per_token'] / 1e6:.1f} M;"
-                f" {meta['device']} x {env.world}, torch {meta['torch']}, triton {meta['triton']}, "
-                f"commit {meta['commit']}", flush=True)
+        params = (f"{counts['total'] / 1e6:.1f} million parameters ({counts['active_per_token'] / 1e6:.1f} million "
+                  f"active per token); " if counts else "")
+        log(f"  {params}{meta['device']} x {env.world}, torch {meta['torch']}, triton {meta['triton']}, "
+            f"grouped GEMMs {meta['grouped_gemm']}, {provenance(meta)}", flush=True)
         for n in report["notes"]:
             log("  note: " + n, flush=True)
     batch = {m: cfg.batch for m in cfg.modes}
@@ -551,7 +642,7 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
             raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
                                   f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
         if env.lead:
-            log("  " + row_line(report["modes"][m]), flush=True)
+            log("  " + done_line(report["modes"][m], env.world), flush=True)
     report["ratios"] = ratios(report["modes"], "hf" if cfg.hook else "fp8")
     report["wall_s"] = time.perf_counter() - t0
     return report
@@ -562,7 +653,20 @@ def _quiet(*_a, **_k) -> None:
 
 
 def _gib(v) -> str:
-    return "-" if v is None else f"{v / GiB:.2f} G" if v >= GiB else f"{v / 2**20:.1f} M"
+    return "-" if v is None else f"{v / GiB:.2f} GiB" if v >= GiB else f"{v / 2**20:.1f} MiB"
+
+
+def done_line(r: dict, world: int = 1) -> str:
+    """One mode's result as it finishes, every number named (the table's header comes at the end)."""
+    slowest, largest, mean = ("", "", "") if world == 1 else (" (slowest rank)", " (largest rank)",
+                                                              f" (means over {world} ranks)")
+    parts = [f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['step_ms']:.1f} ms/step{slowest}"]
+    peak = "" if r["peak_bytes"] is None else f"peak {_gib(r['peak_bytes'])}, "
+    parts.append(f"memory{largest}: {peak}activation {_gib(r['activation_bytes'])}")
+    if r["a2a_share"] is not None:
+        parts.append(f"all-to-all {100 * r['a2a_share']:.1f}% of the step")
+    parts.append(f"loss {r['loss_final']:.4f}, eval loss {r['loss_eval']:.4f}{mean}")
+    return f"{r['mode']} done: " + ", ".join(parts)
 
 
 def row_line(r: dict) -> str:
@@ -572,15 +676,17 @@ def row_line(r: dict) -> str:
 
 
 def table(report: dict) -> str:
-    """The comparison as text: one row per mode, then the ratios against the baseline."""
+    """The comparison as text: the header, one row per mode, then the ratios against the baseline, the
+    largest batches and the notes."""
     m = report["meta"]
     base = "hf" if report["config"]["hook"] else "fp8"
-    lines = [f"{m['device']} x {m['world']} | torch {m['torch']} | triton {m['triton']} | commit {m['commit']} | "
+    lines = [f"{m['device']} x {m['world']} | torch {m['torch']} | triton {m['triton']} | {provenance(m)} | "
              f"{m['date']}",
              f"{'mode':<8} {'tokens/s/GPU':>12} {'step ms':>9} {'peak mem':>10} {'act mem':>10} {'a2a':>7} "
              f"{'loss':>8} {'eval':>8}"]
     lines += [row_line(r) for r in report["modes"].values()]
-    lines.append(f"ratios vs {base}:")
+    if any(mode != base for mode in report["ratios"]):
+        lines.append(f"ratios vs {base}:")
     for mode, d in report["ratios"].items():
         if mode == base:
             continue

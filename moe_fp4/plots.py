@@ -36,7 +36,8 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     rows = report["modes"]
     modes = list(rows)
     m = report["meta"]
-    title = f"{report['config']['preset']} on {m['device']} x {m['world']} ({m['commit']})"
+    build = " ".join(x for x in (m.get("version"), m.get("commit")) if x)   # absent in older reports
+    title = f"{report['config']['preset']} on {m['device']} x {m['world']}" + (f" (moe_fp4 {build})" if build else "")
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -208,8 +208,8 @@ def test_cli_hook(tmp_path):
 
 def test_cli_max_batch(tmp_path):
     gib = 0.02   # tiny preset on CPU: ~13 MB fixed + ~0.9 MB per sequence -> batches of 8-10
-    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--max-batch", gib, "--data", "random",
-                "--out", tmp_path, "--no-progress", "--no-plots"])
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--max-batch", gib, "--allow-cpu-budget", "--data",
+                "random", "--out", tmp_path, "--no-progress", "--no-plots"])
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
     found = report["max_batch"]
