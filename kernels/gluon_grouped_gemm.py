@@ -29,14 +29,19 @@ from dataclasses import dataclass
 import torch
 import triton
 
-try:  # Gluon's Hopper API as Triton 3.6 ships it (the GPU image's Triton)
+try:  # Gluon's Hopper API as Triton 3.6 ships it (the GPU image's Triton), and as 3.7+ renamed it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    # TMA copies: async_copy_global_to_shared / async_copy_shared_to_global in 3.6, async_load /
+    # async_store since (the old names then raise). Same arguments for what this module passes.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _ = (gluon.jit, gluon.constexpr_function, gl.warp_specialize, gl.NVMMADistributedLayout, mbarrier.MBarrierLayout)
     AVAILABLE = True
-except ImportError:  # pragma: no cover - Triton without Gluon: the Triton engine only
+except (ImportError, AttributeError):  # pragma: no cover - a Triton without (this) Gluon: the Triton engine
     AVAILABLE = False
 
 from moe_fp4.kernels.fp8 import m_major, mxfp4_to_fp8_rowwise
@@ -101,8 +106,8 @@ if AVAILABLE:
                 s = it % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], ready.index(s), a_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s))
+                _tma_load(a_desc, [row0, kb * 128], ready.index(s), a_smem.index(s))
+                _tma_load(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s))
                 it += 1
 
     @gluon.jit
@@ -113,7 +118,7 @@ if AVAILABLE:
         buf = d_smem.index(n_store % D_BUFS)
         buf.store(acc.to(d_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(d_desc, [row, col], buf)
+        _tma_store(d_desc, [row, col], buf)
         return n_store + 1
 
     @gluon.jit
@@ -317,3 +322,31 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
         num_warps=NUM_WARPS)
     return out
+
+
+def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig = NT_CONFIG):
+    """-> the engine's kernel compiled for sm90 (a triton CompiledKernel: .asm["ptx"], ["cubin"]) at
+    contraction K = k, without a GPU: Triton compiles for GPUTarget("cuda", 90, 32) from small host
+    tensors standing in for the operands (only dtypes, strides and alignment reach the compiler). The
+    CPU tests check with it that the kernel still compiles on the installed Triton, uses wgmma and does
+    not spill."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    e, n, r = 2, 2 * BLOCK_N, 2 * TILE_M
+    a = torch.empty(r, k, dtype=torch.float8_e4m3fn)
+    b = torch.empty(e * n, k, dtype=torch.float8_e4m3fn)
+    out = torch.empty(r, n, dtype=out_dtype)
+    scale = torch.empty(k // FP8_TILE, r).t()
+    tables = torch.empty(3, 2, dtype=torch.int32)
+    args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
+            "d_desc": _desc(out, [WAVE_M, BLOCK_N // 2]), "a_scale_ptr": scale, "stride_as_k": r,
+            "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
+            "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
+    constexprs = {"K": k, "BLOCK_N": BLOCK_N, "NUM_STAGES": config.num_stages, "GROUP_M": config.group_m,
+                  "D_BUFS": config.staging(out_dtype), "num_warps": NUM_WARPS}
+    names = [p.name for p in _grouped_mm_nt_kernel.params]
+    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
+    src = GluonASTSource(_grouped_mm_nt_kernel, signature, {(names.index(c),): v for c, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

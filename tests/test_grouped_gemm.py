@@ -306,6 +306,34 @@ def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
                               quantize_fp8_weight(torch.randn(1, 128, 128)), [128])
 
 
+def _cuobjdump(cubin: bytes, flag: str, tmp_path) -> str:
+    import os
+    import subprocess
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run([tool, flag, str(path)], capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+@pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path):
+    # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
+    # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
+    # makes the consumers spill (a branch around the second wave did: 156 spill instructions).
+    import re
+
+    kernel = GL.compile_sm90(k=1024)
+    ptx = kernel.asm["ptx"]
+    # Per K block: 2 waves x 2 column halves, each 4 k32 steps, all m64n64k32 E4M3 -> F32.
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx)) == 16
+    assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
+    usage = _cuobjdump(kernel.asm["cubin"], "-res-usage", tmp_path)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "LDL" not in _cuobjdump(kernel.asm["cubin"], "-sass", tmp_path)
+
+
 def _hopper():
     return GL.supported(torch.device("cuda")) if torch.cuda.is_available() else False
 
