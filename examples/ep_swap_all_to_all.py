@@ -1,12 +1,14 @@
 """An expert-parallel loop written with torch's all_to_all_single, switched to MXFP4 with one line.
 
     torchrun --nproc-per-node 2 examples/ep_swap_all_to_all.py            # CPU (gloo) or one GPU per rank (NCCL)
+    python examples/ep_swap_all_to_all.py                                  # one process: the exchange is with itself
 
 Each rank holds tokens and one expert (a linear layer); tokens go to the rank of their expert and
 back, exactly as a hand-written EP dispatcher does it with
 ``torch.distributed._functional_collectives.all_to_all_single_autograd``. Inside
 ``moe_fp4.swap_all_to_all()`` the same code sends MXFP4 rows (forward) and bf16 gradients
-(backward); the example prints how far the output and the gradients move.
+(backward); the example prints how far the output and the gradients move. Without torchrun it runs
+as one process (world size 1): every token stays on its rank, but it still crosses the all-to-all as MXFP4.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ def main() -> None:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > local
     if cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # launched by torchrun
+        dist.init_process_group(backend)
+    else:
+        print(f"not launched by torchrun: one process ({backend}, world size 1); for 2 ranks: "
+              "torchrun --nproc-per-node 2 examples/ep_swap_all_to_all.py")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     group = dist.group.WORLD
@@ -62,7 +70,8 @@ def main() -> None:
         results[name] = (y.detach(), xi.grad, expert.weight.grad.clone())
     ref, got = results["bf16 (torch)"], results["mxfp4 (swapped)"]
     if rank == 0:
-        print(f"{world} ranks on {device.type}: MXFP4 dispatch and combine vs torch's bf16 all-to-all")
+        print(f"{world} rank{'s' if world > 1 else ''} on {device.type}: "
+              "MXFP4 dispatch and combine vs torch's bf16 all-to-all")
     for name, a, b in zip(("output", "input grad", "expert grad"), ref, got):
         print(f"  rank {rank} {name:>11}: SQNR {sqnr_db(a.float(), b.float()):5.1f} dB")
     dist.destroy_process_group()

@@ -31,6 +31,10 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if "RANK" not in os.environ:
+        print(f"not launched by torchrun: one process on {'cuda' if cuda else 'cpu'} (world size 1, no expert "
+              "parallelism); for EP over 2 ranks: torchrun --nproc-per-node 2 examples/throughput_vs_fp8.py")
+        world = 1
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -1,4 +1,4 @@
-"""bench/transpose_ceiling.py's kernel (the column kernels' tiles with no arithmetic) must be a
+"""bench/tools/transpose_ceiling.py's kernel (the column kernels' tiles with no arithmetic) must be a
 transpose, bit for bit, or the ceiling it measures means nothing: checked here on the pure-Triton
 path (the script checks the PTX path on the GPU before it times it)."""
 
@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = str(Path(__file__).resolve().parents[1] / "bench")
-sys.path.insert(0, BENCH)
+TOOLS = str(Path(__file__).resolve().parents[1] / "bench" / "tools")
+_path, _modules = list(sys.path), set(sys.modules)
+sys.path.insert(0, TOOLS)
 try:
-    import transpose_ceiling  # (imports bench/kernels.py as "kernels")
+    import transpose_ceiling  # (puts bench/ on sys.path and imports bench/kernels.py as "kernels")
 finally:
-    sys.path.remove(BENCH)    # bench/'s module names (run, hook, gemm, ...) stay out of other tests' imports
+    # bench/'s module names (kernels, run, hook, gemm, ...) stay out of other tests' imports
+    sys.path[:] = _path
+    if "kernels" not in _modules:
+        sys.modules.pop("kernels", None)
 
 
 @pytest.mark.parametrize("m,k,g,warps", [(128, 32, 2, 1), (260, 64, 1, 2), (132, 128, 8, 1), (4, 16, 1, 1)])

@@ -1,4 +1,5 @@
-"""The examples run as the README says (ep_swap_all_to_all under torchrun, 2 CPU ranks on gloo here)."""
+"""The examples run as the README says (ep_swap_all_to_all under torchrun, 2 CPU ranks on gloo here), and the
+ones written for torchrun also run without it, as one process that says so."""
 
 import math
 import os
@@ -10,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # examples/ep_swap_all_to_all.py: MXFP4 dispatch + combine against bf16, measured 14.7-16.9 dB on 2
-# ranks (output, input grad, expert grad); 1 dB under the lowest.
+# ranks and 14.8-16.8 dB on 1 (output, input grad, expert grad); 1 dB under the lowest.
 SWAP_EXAMPLE_FLOOR_DB = 13.7
 
 
@@ -27,6 +28,33 @@ def test_ep_swap_all_to_all_example():
     assert len(found) == 6, run.stdout
     for rank, name, db in found:
         assert float(db) >= SWAP_EXAMPLE_FLOOR_DB, (rank, name, db)
+
+
+# What torchrun sets; the examples run without it as one process and say so.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID")
+
+
+def _env_without_torchrun() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return dict(env, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+
+
+def test_ep_swap_all_to_all_example_without_torchrun():
+    """`python examples/ep_swap_all_to_all.py`: one process (gloo, world size 1), one line saying so, no traceback."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ep_swap_all_to_all.py")],
+                         env=_env_without_torchrun(), capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         check=False)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "Traceback" not in out, out
+    assert re.search(r"^not launched by torchrun: one process \((gloo|nccl), world size 1\); for 2 ranks: "
+                     r"torchrun --nproc-per-node 2 examples/ep_swap_all_to_all.py$", run.stdout, re.MULTILINE), out
+    assert re.search(r"^1 rank on (cpu|cuda): ", run.stdout, re.MULTILINE), out
+    found = re.findall(r"rank 0 +([a-z ]+): SQNR +([\d.]+) dB", run.stdout)
+    assert len(found) == 3, run.stdout
+    for name, db in found:
+        assert float(db) >= SWAP_EXAMPLE_FLOOR_DB, (name, db)
 
 
 # examples/hf_register_hooks.py at its default size on CPU (qwen3_moe, hidden 128, 2 layers, 4 experts top-2,
@@ -65,11 +93,16 @@ def test_hf_register_hooks_example():
 
 
 def test_throughput_vs_fp8_example():
-    """examples/throughput_vs_fp8.py at its CPU size: both modes train, fp4 keeps less for backward."""
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "throughput_vs_fp8.py")], env=env,
-                         capture_output=True, text=True, timeout=180, cwd=ROOT, check=False)
+    """examples/throughput_vs_fp8.py at its CPU size without torchrun: one process, one line saying so, both
+    modes train, fp4 keeps less for backward."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "throughput_vs_fp8.py")],
+                         env=_env_without_torchrun(), capture_output=True, text=True, timeout=180, cwd=ROOT,
+                         check=False)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr, run.stdout + run.stderr
+    assert re.search(r"^not launched by torchrun: one process on (cpu|cuda) \(world size 1, no expert parallelism\); "
+                     r"for EP over 2 ranks: torchrun --nproc-per-node 2 examples/throughput_vs_fp8.py$",
+                     run.stdout, re.MULTILINE), run.stdout
     m = re.search(r"fp4 vs fp8: tokens/s ([\d.]+)x, activation memory (-?[\d.]+)% lower, "
                   r"held-out loss ([\d.]+) vs ([\d.]+)", run.stdout)
     assert m, run.stdout

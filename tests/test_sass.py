@@ -1,4 +1,4 @@
-"""bench/sass.py compiles the conversion kernels for sm_90a on a CPU-only machine (Triton's bundled
+"""bench/tools/sass.py compiles the conversion kernels for sm_90a on a CPU-only machine (Triton's bundled
 cuobjdump) and counts their SASS per path. Also a structural check the count makes possible: the
 four-codes-per-word FP8 -> MXFP4 path keeps its data in registers (no layout conversion of a data
 tile), the property whose loss made the first SWAR decoders 4-6x slower (bench/RESULTS.md, issue 11)."""
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_converts_no_data_tile():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "fp8_to_mxfp4"], env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "tools" / "sass.py"), "fp8_to_mxfp4"], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {}
@@ -40,7 +40,7 @@ def test_the_column_kernel_at_the_launcher_defaults_does_not_spill(tmp_path):
     # against the dump's own instruction lines.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     dump = tmp_path / "colwise.sass"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "mxfp4_to_fp8_colwise", "--path", "both",
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "tools" / "sass.py"), "mxfp4_to_fp8_colwise", "--path", "both",
                           "--dump", str(dump)], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("mxfp4_to_fp8_colwise")]

@@ -1,7 +1,7 @@
 """Tile-size sweep for every Triton kernel on one shape, each timed next to a copy of the same bytes.
 
-    python bench/tune.py --tokens 32768 --hidden 7168 --json tune.json
-    ncu --section SpeedOfLight python bench/tune.py --once   # each kernel once, defaults, for a profiler
+    python bench/tools/tune.py --tokens 32768 --hidden 7168 --json tune.json
+    ncu --section SpeedOfLight python bench/tools/tune.py --once   # each kernel once, defaults, for a profiler
 
 Prints, per kernel, every configuration's time and %copy (bytes read + written, data and scales,
 against a device-to-device copy of the same byte count measured in the same run), best first. Use

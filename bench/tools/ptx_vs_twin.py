@@ -1,7 +1,7 @@
 """Kernels whose E4M3 rounding has a PTX form, timed with it and with its integer twin in one run.
 
-    python bench/ptx_vs_twin.py                              # M 4096 16384 32768, CUDA only
-    python bench/ptx_vs_twin.py --tokens 8192 --json ptx.json
+    python bench/tools/ptx_vs_twin.py                              # M 4096 16384 32768, CUDA only
+    python bench/tools/ptx_vs_twin.py --tokens 8192 --json ptx.json
 
 Each kernel runs with ``asm=True`` (the PTX ``cvt.rn.satfinite.e4m3x2.f32``) and ``asm=False`` (the
 integer e4m3_rne it replaced, the previous kernels' arithmetic): ``triton.testing.do_bench`` medians,
@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/ptx_vs_twin.py needs a CUDA GPU")
+        sys.exit("bench/tools/ptx_vs_twin.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     rows = []
     for m in a.tokens:

@@ -1,11 +1,11 @@
 """What a kernel's general path costs its fast path: each conversion kernel with a per-program fast
-path, compiled as is and compiled without its general path (bench/sass.py's module copy with the path
+path, compiled as is and compiled without its general path (bench/tools/sass.py's module copy with the path
 test replaced by True), timed side by side against a device copy of the same bytes, on data that
 always takes the fast path (outputs checked bit for bit). The general path raises the kernel's
 register count (MXFP4 -> FP8 rows: 112 registers with it, 33 without, Triton 3.6), which caps how many
 programs an SM holds; this measures whether that matters.
 
-    python bench/fast_only.py            # 65536 x 7168 and 32768 x 4096, CUDA only
+    python bench/tools/fast_only.py            # 65536 x 7168 and 32768 x 4096, CUDA only
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _bytes(tensors) -> int:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        sys.exit("bench/fast_only.py needs a CUDA GPU")
+        sys.exit("bench/tools/fast_only.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}: % of copy, each pair timed twice, alternating", flush=True)
     for tokens, hidden in SHAPES:
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")

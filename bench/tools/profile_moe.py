@@ -1,17 +1,22 @@
-"""Where a MoE layer step spends GPU time: torch.profiler over fwd+bwd, top kernels per precision.
+"""Where a MoE layer step spends GPU time: torch.profiler over fwd+bwd, top kernels per precision,
+and how many CUDA kernels one step launches.
 
-    python bench/profile_moe.py --config dsv3 --precisions fp8 fp4 [--top 25]
+    python bench/tools/profile_moe.py --config dsv3 --precisions fp8 fp4 [--top 25]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for moe_layer
 
-from moe_layer import CONFIGS  # the benchmark's shapes (this directory is on sys.path when run as a script)
-from moe_fp4.nn import MoE, MoEConfig
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
+from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +41,10 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"\n=== {a.config} {prec} ===", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=70))
+        gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        copies = sum(n.startswith(("Memcpy", "Memset")) for n in gpu)
+        print(f"{a.config} {prec}: one step (forward + backward, {tokens} tokens) is {len(gpu) - copies} CUDA kernels "
+              f"and {copies} memcpy / memset", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ median, buffers rotating over >= 4x L2):
 If the library kernel is close to the transpose at its own G and warps, the access pattern (16 G
 bytes per token row per program, 128-byte output rows) is its limit, not its arithmetic.
 
-    python bench/transpose_ceiling.py                          # 65536 x 7168 and 32768 x 4096
-    python bench/transpose_ceiling.py --tokens 32768 --hidden 7168 --json ceiling.json
+    python bench/tools/transpose_ceiling.py                          # 65536 x 7168 and 32768 x 4096
+    python bench/tools/transpose_ceiling.py --tokens 32768 --hidden 7168 --json ceiling.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# bench/, for bench/kernels.py (imported as "kernels"); this directory is sys.path[0] when run as a script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    cfg, record = KB.cuda_run("bench/transpose_ceiling.py", a.iters)
+    cfg, record = KB.cuda_run("bench/tools/transpose_ceiling.py", a.iters)
     rows = []
     for tokens, hidden in zip(a.tokens, a.hidden):
         rows.append(bench_shape(tokens, hidden, cfg))

@@ -21,8 +21,8 @@ Every figure is GB/s of its own bytes and % of the copy's GB/s; "op / stream" is
 the stream kernel's. Timing: bench/kernels.py's ``measure`` (CUDA events, median, inputs and outputs
 rotating over >= 4x L2). CUDA only.
 
-    python bench/ceiling.py                                   # 65536 x 7168 and 32768 x 4096, every row op
-    python bench/ceiling.py --ops mxfp4_to_fp8 --tokens 32768 --hidden 7168 --json ceiling.json
+    python bench/tools/ceiling.py                                   # 65536 x 7168 and 32768 x 4096, every row op
+    python bench/tools/ceiling.py --ops mxfp4_to_fp8 --tokens 32768 --hidden 7168 --json ceiling.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# bench/, for bench/kernels.py (imported as "kernels"); this directory is sys.path[0] when run as a script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -186,7 +187,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    cfg, record = KB.cuda_run("bench/ceiling.py", a.iters)
+    cfg, record = KB.cuda_run("bench/tools/ceiling.py", a.iters)
     result = {**record, "rows": []}
     ops = [op for op in KB.OPS if op.name in a.ops]
     for tokens, hidden in zip(a.tokens, a.hidden):

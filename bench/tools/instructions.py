@@ -1,9 +1,9 @@
 """SASS instructions per element of every conversion kernel, read from the hardware counters.
 
-    python bench/instructions.py                          # 32768 x 7168, every kernel, a table
-    python bench/instructions.py --ops mxfp4_to_fp8 --json inst.json
+    python bench/tools/instructions.py                          # 32768 x 7168, every kernel, a table
+    python bench/tools/instructions.py --ops mxfp4_to_fp8 --json inst.json
 
-Runs ``bench/tune.py --once`` (each kernel once with its launcher's defaults, in tune.py's order)
+Runs ``bench/tools/tune.py --once`` (each kernel once with its launcher's defaults, in tune.py's order)
 under Nsight Compute and reads, per kernel launch: thread-level instructions executed
 (``smsp__thread_inst_executed.sum``), warp-level instructions, the integer (ALU) and FMA pipes'
 share of issue, and DRAM bytes. Instructions per element = thread instructions / (tokens x hidden):

@@ -1,7 +1,7 @@
 """Static SASS instructions per element of the conversion kernels, compiled for sm_90a on any machine.
 
-    python bench/sass.py                                  # every kernel below, both paths and each alone
-    python bench/sass.py fp8_to_mxfp4 --path fast --dump out.sass
+    python bench/tools/sass.py                                  # every kernel below, both paths and each alone
+    python bench/tools/sass.py fp8_to_mxfp4 --path fast --dump out.sass
 
 No GPU needed: Triton compiles for GPUTarget("cuda", 90, 32) with the divisibility a real launch
 specializes on (pointers and strides divisible by 16) and disassembles with its bundled cuobjdump.
@@ -10,7 +10,7 @@ configuration, with the integer arguments marked divisible by 16 where they are 
 a launch of that shape specializes them). For a kernel with a per-program fast path and a general path, ``--path fast`` /
 ``general`` compiles a copy of its module with the branch condition replaced by True / False, so the
 count is the one path's straight-line code (the kernels have no loops). Static counts are a proxy:
-the executed count (``bench/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
+the executed count (``bench/tools/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
 the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
 H100: MXFP4 -> FP8 6.3 vs 9.5, MXFP4 -> BF16 10.7 vs 11.2). Also reported: the TTGIR's layout
 conversions, the elements of the largest tensor one of them moves (a data tile there is a round trip
@@ -80,7 +80,7 @@ KERNELS = {
                            {"fast": [("    if (not ok) or bad", "False")],
                             "general": [("    if ok", "False"), ("    if (not ok) or bad", "True")]}),
 }
-# Integer arguments at the shape bench/instructions.py profiles (32768 x 7168). A launch specializes
+# Integer arguments at the shape bench/tools/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
 # kernels' rows of M bytes), so these are marked divisible exactly when their value is.
 ARG_VALUES = {"M": 32768, "M4": 32768 // 4, "K": 7168, "K4": 7168 // 4, "KB": 7168 // 32, "NT": 7168 // 128}
