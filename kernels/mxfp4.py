@@ -403,7 +403,7 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
                             block_m: int = 4, block_k: int = 1024, num_warps: int = 4, asm: bool | None = None):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
-    Defaults from bench/tune.py on the H200 (73% of copy at 32768 x 7168; one-warp programs stop at
+    Defaults from bench/tools/tune.py on the H200 (73% of copy at 32768 x 7168; one-warp programs stop at
     32 resident programs, half the SM's warps). asm: None = the PTX lane maximum and byte gather on
     sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins."""
     m, k = data.shape
