@@ -11,6 +11,8 @@ kernels run under the Triton interpreter; the `gpu` tests compare with one cuBLA
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -318,16 +320,19 @@ def _cuobjdump(cubin: bytes, flag: str, tmp_path) -> str:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path):
+@pytest.mark.parametrize("split", [True, False])
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(split, tmp_path):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
     # makes the consumers spill (a branch around the second wave did: 156 spill instructions).
     import re
 
-    kernel = GL.compile_sm90(k=1024)
+    kernel = GL.compile_sm90(k=1024, config=GL.GluonConfig(split=split))
     ptx = kernel.asm["ptx"]
-    # Per K block: 2 waves x 2 column halves, each 4 k32 steps, all m64n64k32 E4M3 -> F32.
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx)) == 16
+    # Per K block and consumer partition: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32 (one
+    # partition per warpgroup when split, one for both otherwise).
+    wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
+    assert wgmmas == (32 if split else 16)
     assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
     usage = _cuobjdump(kernel.asm["cubin"], "-res-usage", tmp_path)
     assert re.search(r"STACK:0\b", usage), usage
@@ -380,8 +385,9 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
     w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
     w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
     xq, xmx = moe_fp4.quantize_fp8_and_mxfp4(x)
-    for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
-        got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    for (a, b), split in itertools.product(((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)), (True, False)):
+        cfg = GL.GluonConfig(split=split)
+        got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32, config=cfg)
         twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         mag = _abs_nt(a, b, counts)
         ref64 = _ref64_nt(a, b, counts)
@@ -390,7 +396,8 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
         _close(got, twin, mag)
         _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
         # bf16 output: the same float32 accumulator rounded once.
-        assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
+        assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, config=cfg),
+                           got.to(torch.bfloat16))
     with use_grouped_backend("gluon"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
 
