@@ -11,7 +11,8 @@ tokens per expert are roughly balanced; each step routes its own input.
 
 Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.metrics.sqnr_db) of the output y and
 the input gradient dx vs bf16; fp8 and fp4 outputs must be equal (same FP8 operands). step: y =
-m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each step; CUDA events
+m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each step and the weights'
+versions bumped (as an optimizer step would: the FP8 weight copies are made again every step); CUDA events
 around each step; median and min of --iters after --warmup. Memory: after a step that allocates the
 grads (kept, so weights, weight grads, x, x.grad and g are the baseline), one more step under
 ``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output y, [T, H] bf16, included) -
@@ -106,6 +107,10 @@ def zero(m: MoE, x: torch.Tensor) -> None:
 
 
 def step(m: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
+    # An optimizer would change the weights between two steps: bump their versions (no data touched)
+    # so that the FP8 weight cache (moe_fp4.gemm.FP8_WEIGHTS) quantizes them again, as in training.
+    for p in m.parameters():
+        torch.autograd.graph.increment_version(p)
     m(x).backward(g)
 
 

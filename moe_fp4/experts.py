@@ -44,7 +44,7 @@ from moe_fp4 import _ops
 from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
     quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
-from moe_fp4.gemm import grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, quantize_fp8_weight
+from moe_fp4.gemm import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.hook import current_compression
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
@@ -170,7 +170,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
             return y
 
         fp4 = precision is Precision.FP4
-        w13q, w2q = quantize_fp8_weight(w13), quantize_fp8_weight(w2)
+        # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
+        # operands are forward's, and micro-batches between two optimizer steps share them.
+        (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
+        report_saved("fp8_weights", ctx.w13t)
+        report_saved("fp8_weights", ctx.w2t)
         if isinstance(x_q, MXFP4Tensor):
             xq = x_q if DECODE_MXFP4_IN_GEMM else mxfp4_to_fp8(x_q)
             ctx.x_kept = x_q
@@ -224,7 +228,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         else:
             w13, w2, h = ctx.saved_tensors
         dyq, dyt = _rows_and_cols(dy, rows=True)
-        da = grouped_fp8_mm_nt(dyq, quantize_fp8_weight(w2, transposed=True), counts, dy.dtype)
+        da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, dy.dtype)
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(ctx.a_kept), counts, w2.dtype) if need_dw2 else None
         del dyt
@@ -232,7 +236,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del h, da
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
-        dx = grouped_fp8_mm_nt(dhq, quantize_fp8_weight(w13, transposed=True), counts, dy.dtype) if need_dx else None
+        dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(ctx.x_kept), counts, w13.dtype) if need_dw13 else None
         return dx, dw13, dw2, d_row, None, None, None
 

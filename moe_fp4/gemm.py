@@ -100,6 +100,22 @@ class FP8WeightTensor:
         return (self.data.float() * s).to(dtype)
 
 
+def _quantize_weight(w: torch.Tensor, write_q: bool, write_t: bool, fn: str):
+    """-> (data, data^T, scale) of quantize_fp8_weight_128x128 for w [N, K] / [E, N, K], after the checks."""
+    from moe_fp4.api import _use_triton
+
+    if not isinstance(w, torch.Tensor) or w.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{fn}: expected a bf16/fp16/fp32 tensor, got {getattr(w, 'dtype', type(w))}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{fn}: expected [N, K] or [E, N, K], got {tuple(w.shape)}")
+    n, k = w.shape[-2:]
+    if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK:
+        raise ValueError(f"{fn}: N = {n} and K = {k} must be multiples of {WEIGHT_BLOCK}")
+    w3 = w.detach().reshape(-1, n, k).contiguous()
+    kernel = fp8_kernels.quantize_fp8_weight_128x128 if _use_triton(w3) else fp8_kernels.quantize_fp8_weight_128x128_ref
+    return kernel(w3, write_q=write_q, write_t=write_t)
+
+
 def quantize_fp8_weight(w: torch.Tensor, transposed: bool = False) -> FP8WeightTensor:
     """w: bf16/fp16/fp32 [N, K] or [E, N, K] (N, K multiples of 128) -> FP8WeightTensor in 128x128 blocks
     of W, or with ``transposed=True`` of W^T ([K, N] / [E, K, N]: the dgrad operand, the same codes
@@ -109,23 +125,76 @@ def quantize_fp8_weight(w: torch.Tensor, transposed: bool = False) -> FP8WeightT
     activation tiles), codes = E4M3 RNE of w / 2^S. One Triton pass on CUDA (or under
     TRITON_INTERPRET=1), the pure-torch twin elsewhere; bit-identical.
     """
-    from moe_fp4.api import _use_triton
-
-    if not isinstance(w, torch.Tensor) or w.dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"quantize_fp8_weight: expected a bf16/fp16/fp32 tensor, got {getattr(w, 'dtype', type(w))}")
-    if w.dim() not in (2, 3):
-        raise ValueError(f"quantize_fp8_weight: expected [N, K] or [E, N, K], got {tuple(w.shape)}")
-    n, k = w.shape[-2:]
-    if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK:
-        raise ValueError(f"quantize_fp8_weight: N = {n} and K = {k} must be multiples of {WEIGHT_BLOCK}")
-    w3 = w.detach().reshape(-1, n, k).contiguous()
-    fn = fp8_kernels.quantize_fp8_weight_128x128 if _use_triton(w3) else fp8_kernels.quantize_fp8_weight_128x128_ref
-    q, qt, scale = fn(w3, write_q=not transposed, write_t=transposed)
+    q, qt, scale = _quantize_weight(w, not transposed, transposed, "quantize_fp8_weight")
+    lead = w.shape[:-2]
     if transposed:
         data, scale = qt, scale.transpose(1, 2).contiguous()
     else:
         data = q
-    return FP8WeightTensor(data.reshape(*w.shape[:-2], *data.shape[1:]), scale.reshape(*w.shape[:-2], *scale.shape[1:]))
+    return FP8WeightTensor(data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]))
+
+
+def quantize_fp8_weight_pair(w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+    """w: bf16/fp16/fp32 [N, K] or [E, N, K] -> (W, W^T) as FP8WeightTensors, from ONE pass over w: the
+    fprop and the dgrad operand. Equal to (quantize_fp8_weight(w), quantize_fp8_weight(w, True)): a
+    128x128 block's scale is the same for W and W^T, so the transposed scales are exact."""
+    q, qt, scale = _quantize_weight(w, True, True, "quantize_fp8_weight_pair")
+    lead = w.shape[:-2]
+    return (FP8WeightTensor(q.reshape(*lead, *q.shape[1:]), scale.reshape(*lead, *scale.shape[1:])),
+            FP8WeightTensor(qt.reshape(*lead, *qt.shape[1:]),
+                            scale.transpose(1, 2).contiguous().reshape(*lead, *scale.shape[1:][::-1])))
+
+
+class FP8WeightCache:
+    """FP8 copies of weights, made once per weight version: (W, W^T) of :func:`quantize_fp8_weight_pair`
+    per weight tensor, reused until the weight changes.
+
+    A weight changes when an optimizer (or anything) writes it in place, which bumps its ``_version``,
+    or when its storage moves; either makes the next :meth:`get` quantize again (one pass for both
+    operands) and drop the old pair. So with gradient accumulation the weights are quantized once per
+    optimizer step, not per micro-batch, and backward reuses forward's W^T instead of quantizing
+    again. The cache holds weights weakly (an entry dies with its weight) and costs, per weight,
+    two FP8 copies and their scales: 0.5x the bytes of a float32 weight (``nbytes``).
+    """
+
+    def __init__(self):
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._entries = WeakIdKeyDictionary()
+        self.enabled = True
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+        """w: [N, K] or [E, N, K] -> (W, W^T), quantized now or at the same version of w before."""
+        try:
+            key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on
+            key = None
+        if not self.enabled or key is None:
+            return quantize_fp8_weight_pair(w)
+        entry = self._entries.get(w)
+        if entry is not None and entry[0] == key:
+            self.hits += 1
+            return entry[1]
+        self._entries.pop(w, None)   # the stale pair goes before the new one is made
+        pair = quantize_fp8_weight_pair(w)
+        self._entries[w] = (key, pair)
+        self.misses += 1
+        return pair
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached FP8 copies now."""
+        return sum(q.nbytes + qt.nbytes for _, (q, qt) in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+# The process's cache, used by the expert layer (moe_fp4.experts). ``FP8_WEIGHTS.enabled = False``
+# quantizes on every call instead (the memory of the copies then lives only from forward to backward).
+FP8_WEIGHTS = FP8WeightCache()
 
 
 def quantize_fp8_colwise(x: torch.Tensor) -> FP8BlockTensor:
@@ -328,6 +397,8 @@ def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
 
 
 __all__ = [
+    "FP8_WEIGHTS",
+    "FP8WeightCache",
     "FP8WeightTensor",
     "GemmBackend",
     "fp8_mm_nt",
@@ -338,4 +409,5 @@ __all__ = [
     "use_grouped_backend",
     "quantize_fp8_colwise",
     "quantize_fp8_weight",
+    "quantize_fp8_weight_pair",
 ]

@@ -106,6 +106,8 @@ def report_saved(label: str, obj) -> None:
         fmt, shape = "mxfp4", obj.shape
     elif isinstance(obj, FP8BlockTensor):
         fmt, shape = "fp8_1x128", obj.shape
+    elif getattr(obj, "data", None) is not None and getattr(obj, "scale", None) is not None:
+        fmt, shape = "fp8_128x128", obj.data.shape   # gemm.FP8WeightTensor (gemm sits beside this module)
     else:
         fmt, shape = str(obj.dtype).replace("torch.", ""), obj.shape
     acc.records.append(SavedRecord(label, fmt, tuple(shape), obj.nbytes, False))

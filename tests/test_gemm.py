@@ -176,3 +176,76 @@ def test_one_tile_scales_have_literal_m_major_strides(rows):
         assert t.rows(0, rows).scale.stride() == (1, rows)
     half = moe_fp4.quantize_fp8(torch.randn(2 * rows, 128).to(torch.bfloat16)).rows(rows, 2 * rows)
     assert half.scale.stride() == (1, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# W and W^T from one pass, once per weight version.
+
+from moe_fp4.gemm import FP8WeightCache, quantize_fp8_weight_pair  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(128, 256), (3, 256, 128), (2, 384, 384)])
+def test_weight_pair_equals_the_two_separate_quantizations(shape):
+    w = torch.randn(*shape) * torch.exp2(torch.randint(-8, 9, shape).float())
+    w[..., 0, :7] = 0.0                                     # a partly zero block
+    q, qt = quantize_fp8_weight_pair(w)
+    for got, want in ((q, quantize_fp8_weight(w)), (qt, quantize_fp8_weight(w, transposed=True))):
+        assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+
+
+def test_weight_cache_quantizes_once_per_version_and_again_after_a_change():
+    cache = FP8WeightCache()
+    w = torch.nn.Parameter(torch.randn(2, 128, 256))
+    first = cache.get(w)
+    assert cache.get(w) is first and (cache.hits, cache.misses) == (1, 1)   # micro-batches share it
+    assert cache.nbytes == first[0].nbytes + first[1].nbytes
+    with torch.no_grad():
+        w.mul_(2.0)                                         # an optimizer step: in place, _version bumps
+    second = cache.get(w)
+    assert second is not first and cache.misses == 2
+    assert torch.equal(second[0].scale, first[0].scale * 2)  # powers of two: codes equal, scales doubled
+    fresh = quantize_fp8_weight_pair(w)
+    assert torch.equal(second[1].data.view(torch.uint8), fresh[1].data.view(torch.uint8))
+    cache.enabled = False
+    assert cache.get(w) is not cache.get(w)                  # disabled: a new pair on every call
+    del w, first, second, fresh
+    import gc
+    gc.collect()
+    assert cache.nbytes == 0                                 # an entry dies with its weight
+
+
+def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monkeypatch):
+    # fp8 only: fp4 takes the same weight path (the precisions differ in the activations).
+    precision = "fp8"
+    from moe_fp4 import experts, gemm
+
+    cache = FP8WeightCache()
+    monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)
+    torch.manual_seed(3)
+    w13 = torch.nn.Parameter(torch.randn(2, 256, 128) * 128 ** -0.5)
+    w2 = torch.nn.Parameter(torch.randn(2, 128, 128) * 128 ** -0.5)
+    x = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        w13.grad = w2.grad = x.grad = None
+        y = experts.grouped_swiglu_experts(x, w13, w2, [128, 128], precision)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad, w13.grad, w2.grad
+
+    first = step()
+    assert (cache.hits, cache.misses) == (0, 2)              # W13 and W2: one pass each, backward reuses
+    second = step()                                          # the next micro-batch: no quantization
+    assert (cache.hits, cache.misses) == (2, 2)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    cache.enabled = False                                    # the same numbers without the cache
+    for a, b in zip(first, step()):
+        assert torch.equal(a, b)
+    cache.enabled = True
+    with torch.no_grad():
+        w2.add_(1e-2)                                        # an optimizer step changes W2 only
+    step()
+    assert (cache.hits, cache.misses) == (3, 3)
+    assert gemm.FP8_WEIGHTS is not cache                     # the process's cache was left alone
