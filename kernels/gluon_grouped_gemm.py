@@ -14,11 +14,11 @@ Schedule (why each piece: docs/DESIGN.md, "The Gluon GEMM engine"):
   are computed for padding and no tile straddles two experts. Tiles are ordered in groups of GROUP_M
   M tiles per N tile: consecutive programs share B[e]'s N tile while it is in L2.
 - warp-specialized: a 1-warp TMA producer (40 registers) fills a NUM_STAGES-deep mbarrier ring with
-  A (256 x 128) and B (BLOCK_N x 128); the default partition (8 warps, two warpgroups of 64 rows per
-  wave) issues wgmma, promotes, and stores each wave through shared memory with TMA while the next
+  A (256 x 128) and B (BLOCK_N x 128); two consumer warpgroups, each its own partition, take one wave
+  each: they issue wgmma, promote, and store their wave through shared memory with TMA while the next
   tile's loads are already in flight.
 - scales: A's come from global memory (coalesced along M) and B's is one scalar per K block, both
-  loaded before the wgmma they scale is waited on, so their latency hides under the MMA.
+  loaded one K block before the wgmma they scale is waited on, so their latency hides under the MMA.
 """
 
 from __future__ import annotations
@@ -124,94 +124,21 @@ if AVAILABLE:
         return n_store + 1
 
     @gluon.jit
-    def _consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                  tiles_m, tiles_n,
-                  KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                  D_BUFS: gl.constexpr, num_warps: gl.constexpr):
-        # A tile is 2 waves x 2 column halves = four [128, BLOCK_N/2] quarters, each a float32
-        # accumulator of 32 registers per thread. Per K block the four quarter products run through
-        # two raw accumulators in turn: while one quarter is promoted (acc += raw * s_a * s_b on the
-        # CUDA cores) the next quarter's wgmma runs, so only the last promotion of a block leaves the
-        # tensor cores idle. 4 x 32 + 2 x 32 registers: within the consumers' budget without spills.
-        WAVE: gl.constexpr = d_desc.block_type.shape[0]    # rows per wave
-        HALF: gl.constexpr = d_desc.block_type.shape[1]    # columns per quarter (BLOCK_N / 2)
-        layout: gl.constexpr = _acc_layout(HALF, num_warps)
-        rows = gl.arange(0, WAVE, layout=gl.SliceLayout(1, layout))
-        it = 0
-        n_store = 0
-        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            row0 = gl.load(tile_row_ptr + mt)
-            two = gl.load(tile_waves_ptr + mt) == 2
-            wave1_rows = gl.where(two, WAVE, 0)   # masks the second wave's scale loads (may lie past R)
-            bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
-                      + (nt * BLOCK_N // 128) * stride_bs_n)
-            as_ptrs = a_scale_ptr + row0 + rows
-            acc00 = gl.zeros((WAVE, HALF), gl.float32, layout)   # acc<wave><half>
-            acc01 = gl.zeros((WAVE, HALF), gl.float32, layout)
-            acc10 = gl.zeros((WAVE, HALF), gl.float32, layout)
-            acc11 = gl.zeros((WAVE, HALF), gl.float32, layout)
-            ra = gl.zeros((WAVE, HALF), gl.float32, layout)
-            rb = gl.zeros((WAVE, HALF), gl.float32, layout)
-            # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
-            # so its latency never stalls a promotion (loaded just in time, it stalled 1/3 of the
-            # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
-            wave1 = rows < wave1_rows
-            sa0 = gl.load(as_ptrs)
-            sa1 = gl.load(as_ptrs + WAVE, mask=wave1, other=0.0)
-            sb = gl.load(bs_ptr)
-            for kb in range(KB):
-                s = it % NUM_STAGES
-                s0 = sa0 * sb
-                s1 = sa1 * sb
-                nk = gl.minimum(kb + 1, KB - 1)
-                sa0 = gl.load(as_ptrs + nk * stride_as_k)
-                sa1 = gl.load(as_ptrs + (nk * stride_as_k + WAVE), mask=wave1, other=0.0)
-                sb = gl.load(bs_ptr + nk)
-                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                a0 = a_smem.index(s).slice(0, WAVE, dim=0)
-                a1 = a_smem.index(s).slice(WAVE, WAVE, dim=0)
-                b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
-                b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
-                # The second wave runs even in a one-wave tile (its rows belong to the next expert
-                # or lie past R and are not stored): a branch here costs each wave its own
-                # accumulators, and the consumer spills.
-                ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc00 += ra * s0[:, None]
-                ra = warpgroup_mma(a1, b0, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
-                acc01 += rb * s0[:, None]
-                rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc10 += ra * s1[:, None]
-                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                # Every wgmma that read stage s has completed: the producer may refill it.
-                mbarrier.arrive(empty.index(s), count=1)
-                acc11 += rb * s1[:, None]
-                it += 1
-            col = nt * BLOCK_N
-            n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS)
-            n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS)
-            if two:
-                n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + WAVE, col, D_BUFS)
-                n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + WAVE, col + HALF, D_BUFS)
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                      tiles_m, tiles_n,
                      KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      D_BUFS: gl.constexpr, WG: gl.constexpr):
-        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile, as
-        # four [64, BLOCK_N/2] quarters (two 64-row halves of the wave x two column halves) through two
-        # raw accumulators, as _consumer does for both waves. Its own partition, because Triton puts
-        # a partition-wide bar.sync before every mbarrier wait and arrive: across 8 warps that barrier
-        # held each warpgroup's wgmma back until the other had promoted (4.6 of 11.2 cycles between
-        # issues, Nsight Compute), where two partitions drift apart and take turns on the tensor cores.
+        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile, as four
+        # [64, BLOCK_N/2] float32 quarters (two 64-row halves x two column halves, 32 registers each).
+        # Per K block the four quarter products run through two raw accumulators in turn: while one
+        # quarter is promoted (acc += raw * s_a * s_b on the CUDA cores) the next one's wgmma runs, so
+        # only the last promotion of a block leaves the tensor cores idle; 4 x 32 + 2 x 32 registers
+        # fit without spills. Its own partition, because Triton puts a partition-wide bar.sync before
+        # every mbarrier wait and arrive: one 8-warp consumer for both waves (9a5e346 and before) was
+        # held in step by that barrier, so neither warpgroup's promotion overlapped the other's wgmma
+        # (4.6 of 11.2 cycles between issues, Nsight Compute); two partitions drift apart and take
+        # turns on the tensor cores.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         HALF: gl.constexpr = d_desc.block_type.shape[1]    # BLOCK_N / 2 columns
         BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
@@ -235,7 +162,10 @@ if AVAILABLE:
             acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
             ra = gl.zeros((SUB, HALF), gl.float32, layout)
             rb = gl.zeros((SUB, HALF), gl.float32, layout)
-            sa0 = gl.load(as_ptrs, mask=live, other=0.0)       # scales one K block ahead, as in _consumer
+            # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
+            # so its latency never stalls a promotion (loaded just in time, it stalled a third of the
+            # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
+            sa0 = gl.load(as_ptrs, mask=live, other=0.0)
             sa1 = gl.load(as_ptrs + SUB, mask=live, other=0.0)
             sb = gl.load(bs_ptr)
             for kb in range(KB):
@@ -279,42 +209,29 @@ if AVAILABLE:
                               b_scale_ptr, stride_bs_e, stride_bs_n,
                               tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N,
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                              GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, SPLIT: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, num_warps: gl.constexpr):
         KB: gl.constexpr = K // 128
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        consumers: gl.constexpr = 2 if SPLIT else 1
+        tiles_n = N // BLOCK_N   # N is a multiple of 128 = BLOCK_N (grouped_gemm._nt_shapes checks it)
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-        d_smem = gl.allocate_shared_memory(d_desc.dtype, [consumers * D_BUFS] + d_desc.block_type.shape,
-                                           d_desc.layout)
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [2 * D_BUFS] + d_desc.block_type.shape, d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=consumers)   # every consumer partition releases a stage
-        if SPLIT:
-            # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1 and the producer are
-            # workers: 232 registers for warpgroup 1, 40 for the producer.
-            gl.warp_specialize(
-                [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 0)),
-                 (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 1)),
-                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
-                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
-                worker_num_warps=[4, 1], worker_num_regs=[232, 40])
-        else:
-            gl.warp_specialize(
-                [(_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                              b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                              tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS,
-                              num_warps)),
-                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
-                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
-                worker_num_warps=[1], worker_num_regs=[40])
+            mbarrier.init(empty.index(s), count=2)   # both consumer warpgroups release a stage
+        # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1 and the producer are
+        # workers: 232 registers for warpgroup 1, 40 for the producer.
+        gl.warp_specialize(
+            [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                             b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                             tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 0)),
+             (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                             b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                             tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 1)),
+             (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
+                          tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
+            worker_num_warps=[4, 1], worker_num_regs=[232, 40])
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -343,36 +260,27 @@ def _num_sms(index: int) -> int:
 
 
 BLOCK_N = 128     # output columns per tile: one 128-wide weight scale block, two 64-column quarters
+NUM_WARPS = 4     # the default partition: consumer warpgroup 0 (warpgroup 1 and the producer are workers)
+QUARTER = [WAVE_M // 2, BLOCK_N // 2]   # [rows, columns] of one output quarter: a staging buffer, a TMA store box
+
+
 @dataclass(frozen=True)
 class GluonConfig:
-    """Pipeline depth, output staging, tile order and consumer layout of one launch.
+    """Pipeline depth, output staging and tile order of one launch.
 
     num_stages: A + B stages in the mbarrier ring (48 KiB each);
-    d_bufs:     output staging buffers per consumer partition, each one quarter of its rows x 64
-                columns; None = 4 for bf16, 2 for float32 (64 KiB in all);
-    group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]);
-    split:      True: each warpgroup is its own consumer partition (wave 0 / wave 1 of every tile);
-                False: one 8-warp partition computes both waves.
+    d_bufs:     output staging buffers per consumer warpgroup, one [64, 64] quarter each; None = 4 for
+                bf16, 2 for float32 (64 KiB in all);
+    group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]).
     Shared memory (227 KiB per CTA on Hopper) must hold num_stages x 48 KiB + the staging buffers."""
 
     num_stages: int = 3
     d_bufs: int | None = None
     group_m: int = 8
-    split: bool = True
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
             raise ValueError(f"GluonConfig: need num_stages >= 2, group_m >= 1, d_bufs >= 1, got {self}")
-
-    @property
-    def num_warps(self) -> int:
-        """Warps of the default partition: one warpgroup when split, both otherwise."""
-        return 4 if self.split else 8
-
-    @property
-    def quarter(self) -> list[int]:
-        """[rows, columns] of one output quarter (the staging buffer, the TMA store box)."""
-        return [WAVE_M // 2 if self.split else WAVE_M, BLOCK_N // 2]
 
     def staging(self, out_dtype: torch.dtype) -> int:
         if self.d_bufs is not None:
@@ -380,8 +288,7 @@ class GluonConfig:
         return 4 if out_dtype == torch.bfloat16 else 2
 
     def smem_bytes(self, out_dtype: torch.dtype) -> int:
-        rows, cols = self.quarter
-        staged = (2 if self.split else 1) * self.staging(out_dtype) * rows * cols * out_dtype.itemsize
+        staged = 2 * self.staging(out_dtype) * QUARTER[0] * QUARTER[1] * out_dtype.itemsize
         return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
 
 
@@ -420,11 +327,11 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_nt_kernel[grid](
         _desc(a, [TILE_M, FP8_TILE]), _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]),
-        _desc(out, cfg.quarter), a_scale, a_scale.stride(1),
+        _desc(out, QUARTER), a_scale, a_scale.stride(1),
         b_scale, b_scale.stride(0), b_scale.stride(1),
         tables[0], tables[1], tables[2], tiles_m, n,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        SPLIT=cfg.split, num_warps=cfg.num_warps)
+        num_warps=NUM_WARPS)
     return out
 
 
@@ -445,12 +352,12 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     scale = torch.empty(k // FP8_TILE, r).t()
     tables = torch.empty(3, 2, dtype=torch.int32)
     args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
-            "d_desc": _desc(out, config.quarter), "a_scale_ptr": scale, "stride_as_k": r,
+            "d_desc": _desc(out, QUARTER), "a_scale_ptr": scale, "stride_as_k": r,
             "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
             "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
     constexprs = {"K": k, "BLOCK_N": BLOCK_N, "NUM_STAGES": config.num_stages, "GROUP_M": config.group_m,
-                  "D_BUFS": config.staging(out_dtype), "SPLIT": config.split, "num_warps": config.num_warps}
+                  "D_BUFS": config.staging(out_dtype), "num_warps": NUM_WARPS}
     names = [p.name for p in _grouped_mm_nt_kernel.params]
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
     src = GluonASTSource(_grouped_mm_nt_kernel, signature, {(names.index(c),): v for c, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -11,8 +11,6 @@ kernels run under the Triton interpreter; the `gpu` tests compare with one cuBLA
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -243,6 +241,17 @@ def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+def _gpu_operands(counts, h, f):
+    """The layer's GEMM operands for these counts on the GPU -> (x, dy bf16 [R, H], W13 FP8 [E, 2F, H],
+    W2^T FP8 [E, F, H], x as FP8 and as MXFP4)."""
+    r, e = sum(counts), len(counts)
+    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+    w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
+    w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
+    return (x, dy, w13, w2t, *moe_fp4.quantize_fp8_and_mxfp4(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="FP8 tensor cores need sm90")
 @pytest.mark.parametrize("h,f,e", [(7168, 2048, 8), (2048, 1408, 16)])
@@ -250,12 +259,7 @@ def test_gpu_grouped_gemms_match_scaled_mm_per_expert(h, f, e):
     torch.manual_seed(14)
     counts = tuple(128 * int(c) for c in torch.randint(0, 9, (e,)))
     counts = (0,) + counts[1:]
-    r = sum(counts)
-    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
-    w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
-    w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
-    xq, xmx = moe_fp4.quantize_fp8_and_mxfp4(x)
+    x, dy, w13, w2t, xq, xmx = _gpu_operands(counts, h, f)
     for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
         with use_grouped_backend("triton"):
             got = grouped_fp8_mm_nt(a, b, counts, torch.float32)
@@ -320,23 +324,32 @@ def _cuobjdump(cubin: bytes, flag: str, tmp_path) -> str:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-@pytest.mark.parametrize("split", [True, False])
-def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(split, tmp_path):
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
-    # makes the consumers spill (a branch around the second wave did: 156 spill instructions).
+    # makes the consumers spill (a branch around the second wave did: 156 spill instructions). In a
+    # process of its own without TRITON_INTERPRET: the interpreter, once it has run a kernel in this
+    # process, leaves Triton's shared jit functions (cdiv) in a state the Gluon frontend rejects.
+    import os
     import re
+    import subprocess
+    import sys
 
-    kernel = GL.compile_sm90(k=1024, config=GL.GluonConfig(split=split))
-    ptx = kernel.asm["ptx"]
-    # Per K block and consumer partition: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32 (one
-    # partition per warpgroup when split, one for both otherwise).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from moe_fp4.kernels import gluon_grouped_gemm as GL; k = GL.compile_sm90(k=1024); "
+            "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
+    cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
+    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path)], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = ptx_path.read_text()
+    # Per K block and consumer warpgroup: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32.
     wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
-    assert wgmmas == (32 if split else 16)
+    assert wgmmas == 2 * 16
     assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
-    usage = _cuobjdump(kernel.asm["cubin"], "-res-usage", tmp_path)
+    usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
     assert re.search(r"STACK:0\b", usage), usage
-    assert "LDL" not in _cuobjdump(kernel.asm["cubin"], "-sass", tmp_path)
+    assert "LDL" not in _cuobjdump(cubin.read_bytes(), "-sass", tmp_path)
 
 
 def _hopper():
@@ -379,15 +392,9 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
     counts = [128 * int(c) for c in torch.randint(0, 9, (e,))]
     counts[0], counts[1] = 0, 128
     counts[-1] = 384
-    r = sum(counts)
-    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
-    w13 = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
-    w2t = quantize_fp8_weight(torch.randn(e, h, f, device="cuda") * f ** -0.5, transposed=True)
-    xq, xmx = moe_fp4.quantize_fp8_and_mxfp4(x)
-    for (a, b), split in itertools.product(((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)), (True, False)):
-        cfg = GL.GluonConfig(split=split)
-        got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32, config=cfg)
+    x, dy, w13, w2t, xq, xmx = _gpu_operands(counts, h, f)
+    for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
+        got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         mag = _abs_nt(a, b, counts)
         ref64 = _ref64_nt(a, b, counts)
@@ -396,8 +403,7 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
         _close(got, twin, mag)
         _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
         # bf16 output: the same float32 accumulator rounded once.
-        assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, config=cfg),
-                           got.to(torch.bfloat16))
+        assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
     with use_grouped_backend("gluon"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
 
