@@ -173,8 +173,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
         # operands are forward's, and micro-batches between two optimizer steps share them.
         (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
-        report_saved("fp8_weights", ctx.w13t)
-        report_saved("fp8_weights", ctx.w2t)
+        report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
+        report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
             xq = x_q if DECODE_MXFP4_IN_GEMM else mxfp4_to_fp8(x_q)
             ctx.x_kept = x_q

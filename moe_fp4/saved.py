@@ -97,8 +97,10 @@ def label_saved(t: torch.Tensor, label: str) -> None:
         acc.labels[id(t)] = label
 
 
-def report_saved(label: str, obj) -> None:
-    """Count a container or tensor a moe_fp4 Function keeps on its ctx (no-op outside saved_bytes)."""
+def report_saved(label: str, obj, parameter: bool = False) -> None:
+    """Count a container or tensor a moe_fp4 Function keeps on its ctx (no-op outside saved_bytes).
+    ``parameter``: a copy derived from the weights (the FP8 weight copies): listed, flagged like a
+    parameter, and left out of the totals, which count activations."""
     acc = _active()
     if acc is None:
         return
@@ -110,7 +112,7 @@ def report_saved(label: str, obj) -> None:
         fmt, shape = "fp8_128x128", obj.data.shape   # gemm.FP8WeightTensor (gemm sits beside this module)
     else:
         fmt, shape = str(obj.dtype).replace("torch.", ""), obj.shape
-    acc.records.append(SavedRecord(label, fmt, tuple(shape), obj.nbytes, False))
+    acc.records.append(SavedRecord(label, fmt, tuple(shape), obj.nbytes, parameter))
 
 
 def saved_bytes(fn, *args, **kwargs):
