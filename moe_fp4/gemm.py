@@ -155,6 +155,10 @@ class FP8WeightCache:
     optimizer step, not per micro-batch, and backward reuses forward's W^T instead of quantizing
     again. The cache holds weights weakly (an entry dies with its weight) and costs, per weight,
     two FP8 copies and their scales: 0.5x the bytes of a float32 weight (``nbytes``).
+
+    torch.optim's optimizers, ``load_state_dict`` and in-place ops on the parameter bump ``_version``.
+    A write through ``w.data`` (``w.data.copy_(...)``) does not: it has a version counter of its own.
+    Code that updates weights that way must call :meth:`clear` after it, or set ``enabled = False``.
     """
 
     def __init__(self):
