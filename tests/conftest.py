@@ -19,3 +19,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def references():
+    """The test runs moe_fp4's pure-torch reference conversions instead of the Triton kernels under the
+    interpreter (helpers.torch_references): for tests of the layer or the hook, not of the kernels."""
+    from helpers import torch_references
+
+    with torch_references():
+        yield

@@ -3,15 +3,34 @@ package's numerics (float64 comparisons, plain torch casts)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 import moe_fp4
+import moe_fp4.reference
 from moe_fp4.metrics import sqnr_db  # noqa: F401  (re-exported for the tests)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 INPUT_KINDS = ("gaussian", "outlier_channels", "tiny", "subnormal", "zero_rows", "mixed_magnitudes")
+
+
+@contextlib.contextmanager
+def torch_references():
+    """Inside the block moe_fp4 runs its pure-torch reference conversions on CPU tensors instead of the
+    Triton kernels under the interpreter, as the ranks spawned by tests/distributed.py do. For tests of what
+    the MoE layer or the saved-tensor hook does with the conversions, not of the kernels: every kernel they
+    call is checked bit for bit against its reference (test_kernels.py, test_swiglu.py, test_cast_transpose.py,
+    test_fp8_colwise.py, test_gemm.py), and the interpreter costs seconds per launch on the 2-core CI machine."""
+    from moe_fp4 import api
+
+    before = api._INTERPRET
+    api._INTERPRET = False
+    try:
+        yield
+    finally:
+        api._INTERPRET = before
 
 
 def make_input(shape, kind: str, dtype=torch.float32, seed: int = 0, device="cpu") -> torch.Tensor:
@@ -71,8 +90,9 @@ def pow2_ceil_exponent(amax: float, bound: float) -> int:
 
 def dequant_transpose_quantize(q: moe_fp4.MXFP4Tensor):
     """The definition of mxfp4_to_fp8_colwise: exact FP32 dequantize -> transpose -> FP8 1x128 along
-    tokens (a short last tile allowed)."""
-    x = moe_fp4.dequantize_mxfp4(q, torch.float32).reshape(q.m, q.k)
+    tokens (a short last tile allowed). Pure torch: the dequantize is the reference twin, not the
+    kernel (under the interpreter on CPU), so the oracle shares no Triton code with what it checks."""
+    x = moe_fp4.reference.dequantize_mxfp4(q, torch.float32).reshape(q.m, q.k)
     return quantize_fp8_rowwise_ref(x.t().contiguous())
 
 

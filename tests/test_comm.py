@@ -2,7 +2,7 @@
 of ``all_to_all`` in every forward/backward/output format, the drop-ins for torch's
 ``all_to_all_single`` functions, ``swap_all_to_all``, and the errors the count exchange raises.
 
-Spawning costs seconds, so each test runs many cases inside ONE rank function, and the three per-world
+Spawning costs seconds, so each test runs many cases inside ONE rank function, and the per-world
 tests share one spawn per world (``comm_results``). The children run with
 ``TRITON_INTERPRET=0`` (tests/distributed.py): moe_fp4 and helpers (which imports moe_fp4) are
 imported inside the rank functions, never at the top of this module, and the pure-torch references
@@ -258,10 +258,12 @@ def _exchange_cases(rank: int, world: int):
 
 
 def _comm_cases(rank: int, world: int):
-    """The three case groups of this module's per-world tests in one spawn: starting the ranks costs
+    """The case groups of this module's per-world tests in one spawn: starting the ranks costs
     about 3, 6 and 13 s at world 2, 4 and 8 on the 2-core CI machine, more than most groups take.
-    The errors go last: each ends in a normal exchange, so they also show nothing was left half-done."""
-    return {"exchange": _exchange_cases(rank, world), "dropins": _dropin_cases(rank, world),
+    The [0, H] and empty-split-list cases go first (torch's own functions, before anything is swapped);
+    the errors go last: each ends in a normal exchange, so they also show nothing was left half-done."""
+    return {"empty_dropin": _empty_dropin_case(rank, world), "empty_splits": _empty_split_lists_case(rank, world),
+            "exchange": _exchange_cases(rank, world), "dropins": _dropin_cases(rank, world),
             "errors": _error_cases(rank, world)}
 
 
@@ -625,8 +627,10 @@ def _empty_dropin_case(rank: int, world: int):
         return torch_shape, (type(e).__name__, str(e)[:200])
 
 
-def test_dropins_accept_a_rank_with_no_rows():
-    for rank, (torch_shape, outcome) in enumerate(run_ranks(_empty_dropin_case, 2)):
+def test_dropins_accept_a_rank_with_no_rows(comm_results):
+    _world, results = comm_results
+    for rank, res in enumerate(results):
+        torch_shape, outcome = res["empty_dropin"]
         assert torch_shape == (0, H)
         assert outcome == ("ok", (0, H)), (rank, outcome)
 
@@ -639,5 +643,6 @@ def _empty_split_lists_case(rank: int, world: int):
     return torch.equal(moe_fp4.all_to_all(x, [], [], forward="bf16"), moe_fp4.all_to_all(x, None, None, forward="bf16"))
 
 
-def test_empty_split_lists_mean_equal_splits():
-    assert run_ranks(_empty_split_lists_case, 2) == [True, True]
+def test_empty_split_lists_mean_equal_splits(comm_results):
+    world, results = comm_results
+    assert [res["empty_splits"] for res in results] == [True] * world

@@ -162,9 +162,13 @@ def test_cli_writes_plots(one_process):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Expert parallelism under torchrun, 2 and 8 CPU ranks on gloo (tiny: 8 experts, one per rank at 8).
+# 2. Expert parallelism under torchrun, 2 CPU ranks on gloo. World 2 only: what the CLI adds (torchrun
+# launch, process group, the EP model, a2a timing and means over ranks, rank 0 printing and writing) does
+# not depend on the world size, and world 8 cost a minute of the 2-core CI machine for nothing specific
+# to the CLI: the EP exchange and layer at world 8 (one expert per rank) are checked in test_comm.py and
+# test_ep.py.
 
-@pytest.mark.parametrize("nproc", [2, 8])
+@pytest.mark.parametrize("nproc", [2])
 def test_cli_ep_torchrun(tmp_path, nproc):
     run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
                 "--no-progress", "--no-plots", "--profile"], nproc=nproc, MOE_FP4_COMMIT="test-commit")

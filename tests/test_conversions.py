@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moe_fp4
+import moe_fp4.reference as REF
 from helpers import (INPUT_KINDS, dequant_transpose_quantize, make_input, pow2_ceil_exponent, same_bits,
                      same_values, sqnr_db)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
@@ -27,10 +28,12 @@ TOKEN_COUNTS = [1, 5, 127, 128, 129, 300]
 @pytest.mark.parametrize("kind", INPUT_KINDS)
 @pytest.mark.parametrize("shape", SHAPES_128)
 def test_direct_fp8_to_mxfp4_equals_quantizing_the_dequantized_values(shape, kind, dtype):
+    # The FP8 input and the other side of the equation come from the pure-torch twins: on CPU only the
+    # conversion under test runs in the interpreter (the twins' kernels are checked in test_kernels.py).
     x = make_input(shape, kind, dtype, seed=hash((shape, kind)) % 2**31)
-    fp8 = moe_fp4.quantize_fp8(x)
+    fp8 = REF.quantize_fp8(x)
     direct = moe_fp4.quantize_mxfp4(fp8)
-    via_fp32 = moe_fp4.quantize_mxfp4(moe_fp4.dequantize_fp8(fp8, torch.float32))
+    via_fp32 = REF.quantize_mxfp4(REF.dequantize_fp8(fp8, torch.float32))
     assert same_bits(direct.data, via_fp32.data)
     assert same_bits(direct.scale, via_fp32.scale)
     assert direct.shape == x.shape and direct.dtype == dtype
@@ -40,13 +43,13 @@ def test_direct_fp8_to_mxfp4_equals_quantizing_the_dequantized_values(shape, kin
 @pytest.mark.parametrize("shape", SHAPES_128)
 def test_mxfp4_to_fp8_is_exact_without_underflow(shape, kind):
     x = make_input(shape, kind, torch.float32, seed=7)
-    q = moe_fp4.quantize_mxfp4(x)
+    q = REF.quantize_mxfp4(x)          # input and exact values from the twins: only mxfp4_to_fp8 interpreted
     f = moe_fp4.mxfp4_to_fp8(q)
     e = q.scale.int().view(q.m, -1, 4)
     # No underflow when every block sits within 14 binades of its tile's largest (DESIGN's bound).
     no_underflow = (e.amax(-1, keepdim=True) - e <= 14).all(-1)
     back = moe_fp4.dequantize_fp8(f, torch.float32).reshape(q.m, -1, 128)
-    exact = moe_fp4.dequantize_mxfp4(q, torch.float32).reshape(q.m, -1, 128)
+    exact = REF.dequantize_mxfp4(q, torch.float32).reshape(q.m, -1, 128)
     assert same_values(back[no_underflow], exact[no_underflow])
     assert f.scale.t().is_contiguous(), "M-major scales, as scaled_mm takes them"
     assert bool(no_underflow.any()), "the input should exercise the exact path"
@@ -80,8 +83,10 @@ def test_mxfp4_to_fp8_underflow_rounds_to_nearest_even_and_keeps_zero_codes():
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 @pytest.mark.parametrize("k", [32, 96, 256])
 def test_colwise_equals_dequantize_transpose_quantize(m, k, kind):
+    # The MXFP4 input from the pure-torch twin, the definition in pure torch (helpers): on CPU only the
+    # column-wise conversion runs in the interpreter.
     x = make_input((m, k), kind, torch.bfloat16, seed=m * 1000 + k)
-    q = moe_fp4.quantize_mxfp4(x)
+    q = REF.quantize_mxfp4(x)
     col = moe_fp4.mxfp4_to_fp8_colwise(q)
     data, scale = dequant_transpose_quantize(q)
     assert same_bits(col.data, data)

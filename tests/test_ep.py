@@ -78,6 +78,20 @@ def _step(layer, x):
     return y.detach(), x.grad
 
 
+def _reference(ref, xs):
+    """The layer without EP on all ranks' tokens -> (output, input gradient, w13, w2 and router gradients).
+    Every rank would compute the same tensors (same seeds and tokens): rank 0 computes them once and
+    broadcasts them, so world 8 does not run the reference 8 times over on the 2-core CI machine."""
+    import torch.distributed as dist
+
+    got = [None]
+    if dist.get_rank() == 0:
+        y, dx = _step(ref, torch.cat(xs))
+        got = [tuple(t.cpu() for t in (y, dx, ref.w13.grad, ref.w2.grad, ref.router.weight.grad))]
+    dist.broadcast_object_list(got, src=0)   # as CPU tensors: a pickled CUDA tensor would land on rank 0's GPU
+    return tuple(t.to(xs[0].device) for t in got[0])
+
+
 def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     import torch.distributed as dist
 
@@ -86,7 +100,7 @@ def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     ref, m, el = _layers(rank, world, precision, ep_kwargs, device)
     xs = _tokens(world, precision, device)
     off, t = sum(TOKENS[world][:rank]), TOKENS[world][rank]
-    y_ref, dx_ref = _step(ref, torch.cat(xs))
+    y_ref, dx_ref, w13_ref, w2_ref, router_ref = _reference(ref, xs)
     y, dx = _step(m, xs[rank])
     router = m.router.weight.grad.clone()
     dist.all_reduce(router)
@@ -96,8 +110,8 @@ def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
         return sqnr_db(a.float(), b.float()) if a.numel() else float("inf")
 
     return {"out": db(y_ref[off:off + t], y), "dx": db(dx_ref[off:off + t], dx),
-            "w13": db(ref.w13.grad[experts], m.w13.grad), "w2": db(ref.w2.grad[experts], m.w2.grad),
-            "router": db(ref.router.weight.grad, router), "shape": tuple(y.shape)}
+            "w13": db(w13_ref[experts], m.w13.grad), "w2": db(w2_ref[experts], m.w2.grad),
+            "router": db(router_ref, router), "shape": tuple(y.shape)}
 
 
 def _quantized_comm(rank, world):
@@ -134,6 +148,7 @@ def _plan(rank, world):
 
 
 def _ep_case(rank, world):
+    torch.set_num_threads(1)   # up to 8 ranks share the CI machine's 2 cores
     out = {p: _compare(rank, world, p) for p in ("bf16", "fp8", "fp4")}
     out["quantized_comm"] = _quantized_comm(rank, world)
     out["plan"] = _plan(rank, world)

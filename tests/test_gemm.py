@@ -216,8 +216,10 @@ def test_weight_cache_quantizes_once_per_version_and_again_after_a_change():
     assert cache.nbytes == 0                                 # an entry dies with its weight
 
 
-def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monkeypatch):
-    # fp8 only: fp4 takes the same weight path (the precisions differ in the activations).
+def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monkeypatch, references):
+    # fp8 only: fp4 takes the same weight path (the precisions differ in the activations). The cache's
+    # bookkeeping, not the kernels: the pure-torch references (conftest's `references`) spare 4 steps of
+    # interpreted conversions.
     precision = "fp8"
     from moe_fp4 import experts, gemm
 

@@ -156,7 +156,7 @@ def test_skip_reasons_pass_through_untouched():
         assert out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), reason
         params = reason in (SkipReason.PARAMETER, SkipReason.LEAF)
         assert s.bytes_skipped == (0 if params else t.numel() * t.element_size()), reason
-    k16 = torch.randn(1024, 16, dtype=torch.bfloat16)
+    k16 = torch.randn(256, 16, dtype=torch.bfloat16)   # 4096 elements, the default min_numel: compressed
     out, s = _pass(k16)
     assert s.compressed == 1 and same_bits(out, mx_roundtrip(k16))
 
@@ -542,7 +542,10 @@ def test_default_selection_finds_experts_not_convs_nor_nested():
         register_activation_compression(lambda x: x)
 
 
-def test_register_stats_remove_and_restore():
+# The Toy model's tests of registration and bookkeeping run the pure-torch reference conversions (the
+# `references` fixture, conftest.py): the kernels through the hook are checked by the tests above.
+
+def test_register_stats_remove_and_restore(references):
     torch.manual_seed(0)
     m = Toy()
     x = toy_input()
@@ -599,7 +602,7 @@ def test_scope_exits_when_forward_raises():
     h.remove()
 
 
-def test_keep_modules_pause_compression():
+def test_keep_modules_pause_compression(references):
     torch.manual_seed(0)
     m = Toy()
     x = toy_input()
@@ -707,6 +710,10 @@ def test_current_compression_is_thread_local_and_innermost():
 # ---------------------------------------------------------------- torch.compile
 
 
+# torch.compile's first use imports torch internals that still call torch.jit.script_method, which
+# torch 2.13 deprecates (14 warnings in the suite's summary): torch's own, from this test's use of
+# torch.compile, so they are ignored here and nowhere else.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_model_warns_once_and_stays_uncompressed(monkeypatch):
     try:
         torch.compile(lambda t: t + 1)(torch.zeros(2))

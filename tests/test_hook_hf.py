@@ -1,6 +1,9 @@
 """The saved-tensor hook on real Hugging Face transformers MoE models (tiny configs, random weights, no
 downloads): Mixtral and Qwen3-MoE, each with the ``eager`` and ``grouped_mm`` experts implementations,
-bf16. One training step with the hook against the same step without it."""
+bf16. One training step with the hook against the same step without it.
+
+The conversions run as the pure-torch references (helpers.torch_references): these tests are about the hook
+on real models, and the Triton kernels under the interpreter made each one 20-50 s on the 2-core CI machine."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import torch_references  # noqa: E402
 from moe_fp4 import hook as H  # noqa: E402
 from moe_fp4.hook import CompressionConfig, register_activation_compression  # noqa: E402
 from moe_fp4.metrics import sqnr_db  # noqa: E402
@@ -23,6 +27,13 @@ PARAM_GRAD_SQNR_DB = 11.0
 STORED_RATIO_MAX = 0.30
 CONFIG = CompressionConfig(min_numel=256)
 LAYERS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _references():
+    with torch_references():
+        yield
+
 
 CASES = [(arch, impl) for arch in ("mixtral", "qwen3_moe") for impl in ("eager", "grouped_mm")]
 

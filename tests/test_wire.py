@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_fp4
-from helpers import INPUT_KINDS, make_input, same_bits
+from helpers import INPUT_KINDS, make_input, same_bits, torch_references
 from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, pack, row_bytes, unpack, views
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,16 +41,24 @@ def _container_bytes(c) -> torch.Tensor:
 
 
 def _wire_bytes(fmt: WireFormat, x: torch.Tensor) -> torch.Tensor:
-    """The wire rows as the DESIGN table defines them, assembled from the API's containers."""
-    if fmt is WireFormat.MXFP4:
-        return _container_bytes(moe_fp4.quantize_mxfp4(x))
-    if fmt is WireFormat.FP8:
-        return _container_bytes(moe_fp4.quantize_fp8(x))
-    return x.contiguous().view(torch.uint8)
+    """The wire rows as the DESIGN table defines them, assembled from the API's containers (its pure-torch
+    twins, helpers.torch_references: on CPU only pack / unpack run the kernels in the interpreter)."""
+    with torch_references():
+        if fmt is WireFormat.MXFP4:
+            return _container_bytes(moe_fp4.quantize_mxfp4(x))
+        if fmt is WireFormat.FP8:
+            return _container_bytes(moe_fp4.quantize_fp8(x))
+        return x.contiguous().view(torch.uint8)
 
 
 def _direct(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
-    """What a receiver of x sent in ``fmt`` should hold as ``output``, by the public API alone."""
+    """What a receiver of x sent in ``fmt`` should hold as ``output``, by the public API alone (its
+    pure-torch twins, as in _wire_bytes)."""
+    with torch_references():
+        return _direct_api(fmt, output, x)
+
+
+def _direct_api(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
     if fmt is WireFormat.MXFP4:
         q = moe_fp4.quantize_mxfp4(x)
         return {OutputFormat.BF16: lambda: q.dequantize(), OutputFormat.FP8: lambda: moe_fp4.mxfp4_to_fp8(q),
