@@ -48,7 +48,7 @@ from moe_fp4.kernels.fp8 import m_major, mxfp4_to_fp8_rowwise
 from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, _check_out_dtype, _nt_shapes, device_ints
 from moe_fp4.kernels.numerics import FP8_TILE
 
-WAVE_M = GROUP_ALIGN  # rows per wgmma wave (two warpgroups of 64): an expert's rows are whole waves
+WAVE_M = GROUP_ALIGN  # rows per wave (one consumer warpgroup's, in two m64 halves): an expert's rows are whole waves
 TILE_M = 2 * WAVE_M   # rows per M tile (two waves of one expert)
 
 
@@ -78,7 +78,7 @@ if AVAILABLE:
 
     @gluon.constexpr_function
     def _acc_layout(block_n, num_warps):
-        # A wave of 128 rows over the partition's warps: 16 rows per warp, each warpgroup one m64 wgmma.
+        # A [64, block_n] quarter over one consumer warpgroup's 4 warps: 16 rows each, one m64 wgmma.
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                          instr_shape=[16, block_n, 32])
 
