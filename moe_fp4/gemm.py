@@ -126,12 +126,9 @@ def quantize_fp8_weight(w: torch.Tensor, transposed: bool = False) -> FP8WeightT
     TRITON_INTERPRET=1), the pure-torch twin elsewhere; bit-identical.
     """
     q, qt, scale = _quantize_weight(w, not transposed, transposed, "quantize_fp8_weight")
-    lead = w.shape[:-2]
     if transposed:
-        data, scale = qt, scale.transpose(1, 2).contiguous()
-    else:
-        data = q
-    return FP8WeightTensor(data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]))
+        return _stacked(qt, scale.transpose(1, 2).contiguous(), w.shape[:-2])
+    return _stacked(q, scale, w.shape[:-2])
 
 
 def quantize_fp8_weight_pair(w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
@@ -139,10 +136,13 @@ def quantize_fp8_weight_pair(w: torch.Tensor) -> tuple[FP8WeightTensor, FP8Weigh
     fprop and the dgrad operand. Equal to (quantize_fp8_weight(w), quantize_fp8_weight(w, True)): a
     128x128 block's scale is the same for W and W^T, so the transposed scales are exact."""
     q, qt, scale = _quantize_weight(w, True, True, "quantize_fp8_weight_pair")
-    lead = w.shape[:-2]
-    return (FP8WeightTensor(q.reshape(*lead, *q.shape[1:]), scale.reshape(*lead, *scale.shape[1:])),
-            FP8WeightTensor(qt.reshape(*lead, *qt.shape[1:]),
-                            scale.transpose(1, 2).contiguous().reshape(*lead, *scale.shape[1:][::-1])))
+    return _stacked(q, scale, w.shape[:-2]), _stacked(qt, scale.transpose(1, 2).contiguous(), w.shape[:-2])
+
+
+def _stacked(data: torch.Tensor, scale: torch.Tensor, lead) -> FP8WeightTensor:
+    """The quantizer's [E', N, K] codes and [E', N/128, K/128] scales -> FP8WeightTensor with the weight's
+    own leading dimensions ``lead`` (none for a single [N, K] matrix)."""
+    return FP8WeightTensor(data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]))
 
 
 class FP8WeightCache:
