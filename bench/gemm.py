@@ -4,8 +4,8 @@ For each GEMM of the expert layer's step at the dsv3 and small shapes of bench/m
 tokens spread evenly over the experts (each group a multiple of 128), or with ``--skew`` one expert
 holding 4x the mean rows:
 
-- ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop and
-               dgrad, Hopper only; the MXFP4-A row includes its conversion to FP8);
+- ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop,
+               dgrad and wgrad, Hopper only; the MXFP4-A row includes its conversion to FP8);
 - ``triton``:  moe_fp4.gemm.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
 - ``rowwise``: torch._scaled_grouped_mm with row-wise scales (CUTLASS), torch's own grouped FP8 -
                a coarser recipe than our 1x128 x 128x128 blocks, so a speed anchor, not a twin;
@@ -89,7 +89,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     dev = "cuda"
     flop = 2 * r * n_dim * k_dim
     res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e}
-    gluon = rowwise = None   # fprop/dgrad only
+    gluon = rowwise = None
+    gluon_default = GL.WGRAD_CONFIG if kind == "wgrad" else GL.NT_CONFIG
     if kind == "wgrad":
         dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
         x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
@@ -102,6 +103,9 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
             loop_ms = timed(lambda: grouped_fp8_mm_wgrad(a, b, counts), args.warmup, max(3, args.iters // 4))
         offs = torch.tensor(counts, device=dev).cumsum(0).int()
         bf16 = lambda: torch._grouped_mm(dy.t(), x, offs=offs)  # noqa: E731
+        if GL.supported(dev):
+            gluon = lambda cfg: lambda: GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts,  # noqa: E731
+                                                            torch.float32, config=cfg)
     else:
         x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, n_dim, k_dim, device=dev) * k_dim ** -0.5
@@ -130,7 +134,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                                                    out_dtype=torch.bfloat16)
     runs = [("rowwise", None, rowwise)] if rowwise else []
     if gluon:
-        runs += [("gluon", cfg, gluon(cfg)) for cfg in (GLUON_CONFIGS if args.sweep_gluon else [GL.NT_CONFIG])]
+        runs += [("gluon", cfg, gluon(cfg)) for cfg in (GLUON_CONFIGS if args.sweep_gluon else [gluon_default])]
     for label, cfg, fn in runs:
         try:
             ms = timed(fn, args.warmup, args.iters)

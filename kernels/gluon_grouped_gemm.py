@@ -1,4 +1,5 @@
-"""Grouped blockwise FP8 GEMM for Hopper in Triton's Gluon dialect: the M-grouped engine (fprop, dgrad).
+"""Grouped blockwise FP8 GEMMs for Hopper in Triton's Gluon dialect: M-grouped (fprop, dgrad) and
+K-grouped (the weight gradients).
 
 ``out[rows of e] = A[rows of e] @ B[e]^T`` with A float8_e4m3fn [R, K] in 1x128 tiles along K (float32
 power-of-two scales, M-major as FP8BlockTensor stores them) and B float8_e4m3fn [E, N, K] in 128x128
@@ -19,6 +20,13 @@ Schedule (why each piece: docs/DESIGN.md, "The Gluon GEMM engine"):
   tile's loads are already in flight.
 - scales: A's come from global memory (coalesced along M) and B's is one scalar per K block, both
   loaded one K block before the wgmma they scale is waited on, so their latency hides under the MMA.
+
+The weight gradients (:func:`grouped_mm_wgrad`, twin grouped_gemm.grouped_mm_wgrad): out[e] [N, K] =
+A[:, tokens of e] @ B[:, tokens of e]^T, both operands in 1x128 tiles along the tokens. Same
+persistent, warp-specialized pipeline over (expert, 256-row tile, 128-column tile), contracting over
+the expert's tokens 128 at a time; both scales are vectors (per row and per column), so the producer
+TMA-loads each token block's scale rows into the ring beside the operands and the consumers read them
+from shared memory.
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ except (ImportError, AttributeError):  # pragma: no cover - a Triton without (th
     AVAILABLE = False
 
 from moe_fp4.kernels.fp8 import m_major, mxfp4_to_fp8_rowwise
-from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, _check_out_dtype, _nt_shapes, device_ints
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, _check_out_dtype, _nt_shapes, _tma_ok, _wgrad_shapes, \
+    device_ints, group_offsets
+from moe_fp4.kernels.grouped_gemm import grouped_mm_wgrad as grouped_wgrad_twin
 from moe_fp4.kernels.numerics import FP8_TILE
 
 WAVE_M = GROUP_ALIGN  # rows per wave (one consumer warpgroup's, in two m64 halves): an expert's rows are whole waves
@@ -237,6 +247,174 @@ if AVAILABLE:
             mbarrier.invalidate(empty.index(s))
 
 
+    # ----------------------------------------------------------------------------------------
+    # K-grouped: the weight gradients. out[e] = A[:, tokens of e] @ B[:, tokens of e]^T with A [N, R]
+    # and B [K, R], both FP8 in 1x128 tiles along R (the tokens), scales M-major [N, R/128] / [K, R/128].
+    # A tile is 256 rows of out[e] (two 128-row waves, one per consumer warpgroup) x 128 columns; its
+    # contraction runs over expert e's tokens, 128 at a time. The pipeline is the M-grouped one's:
+    # the producer streams A [256, 128] and B [128, 128] per token block into the same ring.
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):   # Triton 3.7+
+        @gluon.jit
+        def _as_vector(smem, n: gl.constexpr, layout: gl.constexpr):
+            """A [1, n] float32 shared buffer viewed as [n]."""
+            return smem.reinterpret(gl.float32, [n], layout)
+    else:                                                     # Triton 3.6
+        @gluon.jit
+        def _as_vector(smem, n: gl.constexpr, layout: gl.constexpr):
+            """A [1, n] float32 shared buffer viewed as [n]."""
+            return smem._reinterpret(gl.float32, [n], layout)
+
+    @gluon.jit
+    def _promote_rc(acc, raw, s_row, s_col):
+        """acc + raw * s_row * s_col per element: t = raw * s_row (exact: a power-of-two scale), then one
+        fma, which is what the Triton twin computes (fma(dot, s_a * s_b, acc)). Inline PTX because
+        written as tensor arithmetic the compiler forms all 32 products of a quarter before adding
+        them, while the raw accumulator stays live as the next wgmma's operand: 32 more registers,
+        which made the consumers spill and serialize their wgmmas (Triton 3.6 and 3.9); one
+        mul + fma per element needs one temporary."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.rn.f32 t, $1, $2; fma.rn.f32 $0, t, $3, $4; }", "=f,f,f,f,f",
+            [raw, s_row, s_col, acc], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _wgrad_tile(t, tiles_n, tiles_k, GROUP_M: gl.constexpr):
+        """Tile index t -> (expert, row tile, column tile): experts in order (one expert's A and B
+        columns stay in L2 while its tiles run), GROUP_M row tiles per column tile within an expert."""
+        per_expert = tiles_n * tiles_k
+        nt, kt = _tile(t % per_expert, tiles_n, tiles_k, GROUP_M)
+        return t // per_expert, nt, kt
+
+    @gluon.jit
+    def _wgrad_producer(a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
+                        offsets_ptr, num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        # One warp, as _producer: one stage per 128 tokens of the tile's expert, holding A [256, 128],
+        # B [128, 128] and their scales for that token block: A's 256 row scales and B's 128 column
+        # scales (rows of the M-major scale tensors, TMA-loaded like the operands; rows past N are
+        # zero-filled like A's).
+        TILE_N: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = b_desc.block_type.shape[0]
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + as_desc.block_type.nbytes
+                                + bs_desc.block_type.nbytes)
+        tiles_n = (N + TILE_N - 1) // TILE_N   # (not gl.cdiv: see _grouped_mm_nt_kernel)
+        tiles_k = K // BLOCK_K
+        it = 0
+        for t in range(gl.program_id(0), num_experts * tiles_n * tiles_k, gl.num_programs(0)):
+            e, nt, kt = _wgrad_tile(t, tiles_n, tiles_k, GROUP_M)
+            start = gl.load(offsets_ptr + e)
+            stop = gl.load(offsets_ptr + e + 1)
+            for tok in range(start, stop, 128):
+                s = it % NUM_STAGES
+                mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                _tma_load(a_desc, [nt * TILE_N, tok], ready.index(s), a_smem.index(s))
+                _tma_load(b_desc, [kt * BLOCK_K, tok], ready.index(s), b_smem.index(s))
+                _tma_load(as_desc, [tok // 128, nt * TILE_N], ready.index(s), as_smem.index(s))
+                _tma_load(bs_desc, [tok // 128, kt * BLOCK_K], ready.index(s), bs_smem.index(s))
+                it += 1
+
+    @gluon.jit
+    def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+                        num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
+                        WG: gl.constexpr):
+        # One warpgroup, its own partition: wave WG of every tile as four [64, 64] float32 quarters
+        # through two raw accumulators, as _wg_consumer. What differs is the column scale: B's scale
+        # varies along the output's columns (one per column and token block), so the promotion is
+        # acc += raw * s_a[row] * s_b[col], and in the wgmma layout a thread holds 16 columns of a
+        # quarter. The scales come with the operands through the ring (TMA), so a consumer reads them
+        # from shared memory right after issuing the wgmma they scale: no prefetch registers, no
+        # global-load latency. The quarters go column half by column half (00, 10, 01, 11), so one
+        # half's 16 column scales are live at a time; the promotion is _promote_rc (why: there).
+        SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
+        HALF: gl.constexpr = d_desc.block_type.shape[1]    # 64 columns
+        TILE_N: gl.constexpr = a_smem.type.shape[1]        # 256 rows per tile
+        BLOCK_K: gl.constexpr = b_smem.type.shape[1]       # 128 columns per tile
+        BASE: gl.constexpr = WG * 2 * SUB
+        layout: gl.constexpr = _acc_layout(HALF, 4)
+        row_scale: gl.constexpr = gl.SliceLayout(1, layout)
+        col_scale: gl.constexpr = gl.SliceLayout(0, layout)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])   # a stage's [1, n] scale row as [n]
+        tiles_n = (N + TILE_N - 1) // TILE_N
+        tiles_k = K // BLOCK_K
+        it = 0
+        n_store = 0
+        for t in range(gl.program_id(0), num_experts * tiles_n * tiles_k, gl.num_programs(0)):
+            e, nt, kt = _wgrad_tile(t, tiles_n, tiles_k, GROUP_M)
+            start = gl.load(offsets_ptr + e)
+            blocks = (gl.load(offsets_ptr + e + 1) - start) // 128
+            row0 = nt * TILE_N + BASE
+            acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
+            acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
+            acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
+            acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
+            ra = gl.zeros((SUB, HALF), gl.float32, layout)
+            rb = gl.zeros((SUB, HALF), gl.float32, layout)
+            for kb in range(blocks):
+                s = it % NUM_STAGES
+                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
+                a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
+                b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
+                b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+                ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+                rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
+                sa = _as_vector(as_smem.index(s), TILE_N, flat)
+                sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
+                s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
+                s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
+                col = sb.slice(0, HALF).load(col_scale)[None, :]
+                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                acc00 = _promote_rc(acc00, ra, s0, col)
+                ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
+                rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+                acc10 = _promote_rc(acc10, rb, s1, col)
+                rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+                col = sb.slice(HALF, HALF).load(col_scale)[None, :]
+                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                acc01 = _promote_rc(acc01, ra, s0, col)
+                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+                mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
+                acc11 = _promote_rc(acc11, rb, s1, col)
+                it += 1
+            # The second wave of a tile past N (N an odd multiple of 128) ran on TMA's zero fill; it
+            # is not stored.
+            if row0 < N:
+                row = e * N + row0    # the output viewed as [E N, K]
+                c = kt * BLOCK_K
+                n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
+                n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row, c + HALF, D_BUFS, WG * D_BUFS)
+                n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
+                n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row + SUB, c + HALF, D_BUFS, WG * D_BUFS)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _grouped_mm_wgrad_kernel(a_desc, b_desc, as_desc, bs_desc, d_desc, offsets_ptr, num_experts, N, K,
+                                 NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
+                                 num_warps: gl.constexpr):
+        # offsets_ptr: the E + 1 group offsets (int32) of the tokens; N, K multiples of 128.
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+        as_smem = gl.allocate_shared_memory(as_desc.dtype, [NUM_STAGES] + as_desc.block_type.shape, as_desc.layout)
+        bs_smem = gl.allocate_shared_memory(bs_desc.dtype, [NUM_STAGES] + bs_desc.block_type.shape, bs_desc.layout)
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [2 * D_BUFS] + d_desc.block_type.shape, d_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        gl.warp_specialize(
+            [(_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0)),
+             (_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1)),
+             (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
+                                offsets_ptr, num_experts, N, K, NUM_STAGES, GROUP_M))],
+            worker_num_warps=[4, 1], worker_num_regs=[240, 24])
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+
+
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv"}
 
 
@@ -335,12 +513,70 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     return out
 
 
-def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig = NT_CONFIG):
-    """-> the engine's kernel compiled for sm90 (a triton CompiledKernel: .asm["ptx"], ["cubin"]) at
-    contraction K = k, without a GPU: Triton compiles for GPUTarget("cuda", 90, 32) from small host
-    tensors standing in for the operands (only dtypes, strides and alignment reach the compiler). The
-    CPU tests check with it that the kernel still compiles on the installed Triton, uses wgmma and does
-    not spill."""
+@functools.lru_cache(maxsize=256)
+def _offsets(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [E + 1] group offsets on ``device``, cached per routing (the layer's two wgrads share one)."""
+    return device_ints(group_offsets(counts), torch.int32, device)
+
+
+def _scale_rows(scale: torch.Tensor) -> torch.Tensor:
+    """float32 [M, T] scales (any strides) -> [T, M] row-major with 16-byte aligned rows (a TMA source)."""
+    rows = m_major(scale).t()
+    return rows if _tma_ok(rows) else rows.contiguous()
+
+
+WGRAD_CONFIG = GluonConfig()   # the same ring and staging as fprop: 3 x 48 KiB + 64 KiB
+
+
+def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
+                     out_dtype: torch.dtype = torch.float32, config: GluonConfig | None = None) -> torch.Tensor:
+    """A: float8_e4m3fn [N, R] with a_scale float32 [N, R/128], B: float8_e4m3fn [K, R] with b_scale
+    float32 [K, R/128] (1x128 tiles along R, the tokens; scales any strides); counts: E ints, multiples
+    of 128, summing to R -> out_dtype (bfloat16 or float32) [E, N, K]: out[e] = A[:, tokens of e] @
+    B[:, tokens of e]^T, zeros for an expert without tokens. The signature and result of
+    grouped_gemm.grouped_mm_wgrad, its Triton twin (``config``: a :class:`GluonConfig`; None or another
+    engine's config = WGRAD_CONFIG). N and K that are not multiples of 128 (never in the expert layer,
+    whose dims are FP8 tiles) go to the twin: TMA boxes and the tile table assume whole 128-wide tiles.
+    CUDA tensors on a Hopper GPU (:func:`supported`)."""
+    n, k, counts = _wgrad_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_wgrad")
+    _check_out_dtype(out_dtype, "grouped_mm_wgrad")
+    if not supported(a.device):
+        raise RuntimeError(f"gluon grouped_mm_wgrad: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
+    cfg = config if isinstance(config, GluonConfig) else WGRAD_CONFIG
+    smem = cfg.smem_bytes(out_dtype) + cfg.num_stages * (TILE_M + FP8_TILE) * 4   # + each stage's scale rows
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"gluon grouped_mm_wgrad: {cfg} needs {smem} bytes of shared memory, "
+                         f"more than the {SMEM_LIMIT} a CTA has")
+    if n % FP8_TILE or k % FP8_TILE:
+        return grouped_wgrad_twin(a, a_scale, b, b_scale, counts, out_dtype)
+    n_exp = len(counts)
+    out = torch.empty(n_exp, n, k, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    # TMA needs 16-byte aligned rows; R is a multiple of 128, so a copy makes any layout aligned.
+    a = a if _tma_ok(a) else a.contiguous()
+    b = b if _tma_ok(b) else b.contiguous()
+    # The scales as [R/128, N] and [R/128, K] row-major (M-major [N, R/128] transposed): one token
+    # block's scales of a tile are one TMA box.
+    a_scale_t, b_scale_t = _scale_rows(a_scale), _scale_rows(b_scale)
+    tiles = n_exp * triton.cdiv(n, TILE_M) * (k // FP8_TILE)
+    grid = (min(tiles, _num_sms(a.device.index or 0)),)
+    _grouped_mm_wgrad_kernel[grid](
+        _desc(a, [TILE_M, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, TILE_M]),
+        _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), QUARTER), _offsets(counts, a.device), n_exp, n, k,
+        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype), num_warps=NUM_WARPS)
+    return out
+
+
+def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig = NT_CONFIG,
+                 kind: str = "nt"):
+    """-> one of the engine's kernels compiled for sm90 (a triton CompiledKernel: .asm["ptx"], ["cubin"]),
+    without a GPU: ``kind`` "nt" (fprop/dgrad at contraction K = k) or "wgrad". Triton compiles for
+    GPUTarget("cuda", 90, 32) from small host tensors standing in for the operands (only dtypes, strides
+    and alignment reach the compiler). The CPU tests check with it that each kernel still compiles on
+    the installed Triton, uses wgmma and does not spill."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -351,13 +587,25 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     out = torch.empty(r, n, dtype=out_dtype)
     scale = torch.empty(k // FP8_TILE, r).t()
     tables = torch.empty(3, 2, dtype=torch.int32)
-    args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
-            "d_desc": _desc(out, QUARTER), "a_scale_ptr": scale, "stride_as_k": r,
-            "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
-            "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
-    constexprs = {"K": k, "BLOCK_N": BLOCK_N, "NUM_STAGES": config.num_stages, "GROUP_M": config.group_m,
-                  "D_BUFS": config.staging(out_dtype), "num_warps": NUM_WARPS}
-    names = [p.name for p in _grouped_mm_nt_kernel.params]
+    common = {"NUM_STAGES": config.num_stages, "GROUP_M": config.group_m, "D_BUFS": config.staging(out_dtype),
+              "num_warps": NUM_WARPS}
+    if kind == "nt":
+        kernel = _grouped_mm_nt_kernel
+        args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
+                "d_desc": _desc(out, QUARTER), "a_scale_ptr": scale, "stride_as_k": r,
+                "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
+                "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
+        constexprs = {"K": k, "BLOCK_N": BLOCK_N, **common}
+    elif kind == "wgrad":
+        kernel = _grouped_mm_wgrad_kernel
+        scale_rows = torch.empty(k // FP8_TILE, r)
+        args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(a, [FP8_TILE, FP8_TILE]),
+                "as_desc": _desc(scale_rows, [1, TILE_M]), "bs_desc": _desc(scale_rows, [1, FP8_TILE]),
+                "d_desc": _desc(out, QUARTER), "offsets_ptr": tables, "num_experts": e, "N": n, "K": n}
+        constexprs = common
+    else:
+        raise ValueError(f"compile_sm90: kind must be 'nt' or 'wgrad', got {kind!r}")
+    names = [p.name for p in kernel.params]
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
-    src = GluonASTSource(_grouped_mm_nt_kernel, signature, {(names.index(c),): v for c, v in constexprs.items()})
+    src = GluonASTSource(kernel, signature, {(names.index(c),): v for c, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

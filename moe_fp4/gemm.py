@@ -12,9 +12,9 @@ Operands:
 multiplied in float32, so every code path runs in CI with the same quantized values.
 
 The expert layer uses the grouped forms, all experts in one call: :func:`grouped_fp8_mm_nt` (fprop,
-dgrad) and :func:`grouped_fp8_mm_wgrad` (weight gradients), on the Triton kernels of
-``kernels/grouped_gemm.py`` (sm90+), one cuBLAS ``scaled_mm`` per expert, or the float32 emulation
-(:func:`grouped_gemm_backend` chooses).
+dgrad) and :func:`grouped_fp8_mm_wgrad` (weight gradients), on the Gluon engine of
+``kernels/gluon_grouped_gemm.py`` (Hopper), the Triton kernels of ``kernels/grouped_gemm.py`` (sm90+),
+one cuBLAS ``scaled_mm`` per expert, or the float32 emulation (:func:`grouped_gemm_backend` chooses).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from moe_fp4.kernels.numerics import FP8_TILE
 
 
 class GemmBackend(enum.Enum):
-    GLUON = "gluon"          # grouped only: the persistent warp-specialized Gluon engine (sm90; fprop/dgrad,
-                             # its weight gradients on the Triton kernel)
+    GLUON = "gluon"          # grouped only: the persistent warp-specialized Gluon engine (sm90; fprop, dgrad
+                             # and the weight gradients)
     TRITON = "triton"        # grouped only: moe_fp4's Triton kernels, one launch for all experts (sm90+)
     SCALED_MM = "scaled_mm"  # cuBLAS blockwise FP8 through torch.nn.functional.scaled_mm (sm90+), per expert
     EMULATED = "emulated"    # exact dequantization to float32, float32 matmul
@@ -325,8 +325,8 @@ def use_grouped_backend(backend: GemmBackend | str):
 
 def _grouped_impl(name: str, device: torch.device):
     """-> (backend, the function with grouped_gemm.<name>'s signature that runs it): the one place where
-    an engine is chosen. The Gluon engine has the M-grouped GEMM only; its weight gradients run on
-    the Triton kernel."""
+    an engine is chosen. The Gluon engine has both (grouped_mm_nt: fprop and dgrad; grouped_mm_wgrad:
+    the weight gradients)."""
     backend = grouped_gemm_backend(device)
     if backend is GemmBackend.GLUON and hasattr(gluon_kernels, name):
         return backend, getattr(gluon_kernels, name)

@@ -323,8 +323,33 @@ def _cuobjdump(cubin: bytes, flag: str, tmp_path) -> str:
     return subprocess.run([tool, flag, str(path)], capture_output=True, text=True, check=True, timeout=120).stdout
 
 
+def _sass_lines(sass: str) -> list[tuple[int, str]]:
+    """cuobjdump -sass text -> [(address, instruction)]."""
+    import re
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
+    """-> the innermost loop (start, end address: a backward branch and its target) around each
+    instruction whose opcode starts with ``opcode``."""
+    import re
+    loops = []
+    for addr, ins in lines:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    found = set()
+    for addr, ins in lines:
+        if ins.split(" ")[-1].startswith(opcode) or re.match(r"(@!?U?P\w+ )?" + re.escape(opcode), ins):
+            around = [lp for lp in loops if lp[0] <= addr <= lp[1]]
+            if around:
+                found.add(min(around, key=lambda lp: lp[1] - lp[0]))
+    return sorted(found)
+
+
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path):
+@pytest.mark.parametrize("kind,out_dtype", [("nt", "bfloat16"), ("wgrad", "bfloat16"), ("wgrad", "float32")])
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
     # makes the consumers spill (a branch around the second wave did: 156 spill instructions). In a
@@ -336,20 +361,32 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; from moe_fp4.kernels import gluon_grouped_gemm as GL; k = GL.compile_sm90(k=1024); "
+    code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3], out_dtype=getattr(torch, sys.argv[4])); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
-    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path)], env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
+    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path), kind, out_dtype], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
     # Per K block and consumer warpgroup: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32.
     wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
     assert wgmmas == 2 * 16
     assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
-    usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
-    assert re.search(r"STACK:0\b", usage), usage
-    assert "LDL" not in _cuobjdump(cubin.read_bytes(), "-sass", tmp_path)
+    sass = _cuobjdump(cubin.read_bytes(), "-sass", tmp_path)
+    # Two raw accumulators per consumer: only the last wgmma of a K block is waited for to zero
+    # outstanding (ptxas serializes every wgmma, a wait to zero after each, when it runs out of
+    # registers: the first wgrad kernel did, 32 waits).
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 2
+    lines = _sass_lines(sass)
+    loops = _inner_loops_of(lines, "QGMMA")
+    assert len(loops) == 2, loops   # each consumer's K loop
+    in_loops = [ins for addr, ins in lines if any(a <= addr <= b for a, b in loops)]
+    assert not [ins for ins in in_loops if re.search(r"\b(LDL|STL)\b", ins)], "spills inside a K loop"
+    if kind == "nt":
+        usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
+        assert re.search(r"STACK:0\b", usage), usage
+        assert "LDL" not in sass
 
 
 def _hopper():
@@ -422,3 +459,67 @@ def test_gpu_gluon_rows_of_empty_and_absent_experts():
     twin = G.grouped_mm_nt(data, a.scale, b.data, b.scale, counts, torch.float32)
     rest = torch.arange(384, device="cuda") != 3
     _close(got[rest], twin[rest], _abs_nt(a, b, counts)[rest])
+
+
+def _wgrad_magnitude(a, b, counts):
+    """sum over each expert's tokens of |a_nt b_kt|, float64 [E, N, K]."""
+    af, bf = a.dequantize(torch.float32).double().abs(), b.dequantize(torch.float32).double().abs()
+    offs = G.group_offsets(counts)
+    return torch.stack([af[:, offs[i]:offs[i + 1]] @ bf[:, offs[i]:offs[i + 1]].t() for i in range(len(counts))])
+
+
+def _wgrad_ref64(a, b, counts):
+    af, bf = a.dequantize(torch.float32).double(), b.dequantize(torch.float32).double()
+    offs = G.group_offsets(counts)
+    return torch.stack([af[:, offs[i]:offs[i + 1]] @ bf[:, offs[i]:offs[i + 1]].t() for i in range(len(counts))])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+@pytest.mark.parametrize("n,k,e", [(7168, 2048, 6), (1408, 2048, 9), (384, 640, 5)])
+def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e):
+    # Ragged reality for the K-grouped GEMM: experts without tokens (their dW is zeros, written), one
+    # token block, the last expert empty (its offset is R), and N an odd multiple of 128 (a last row
+    # tile with one wave: the second runs on TMA's zero fill and must not be stored).
+    torch.manual_seed(31 + e)
+    counts = [128 * int(c) for c in torch.randint(0, 9, (e,))]
+    counts[0], counts[1], counts[-1] = 0, 128, 0
+    r = sum(counts)
+    dy = torch.randn(r, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
+    a, b = _colwise(dy), _colwise(x)
+    got = GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    twin = G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32)
+    mag = _wgrad_magnitude(a, b, counts)
+    ref64 = _wgrad_ref64(a, b, counts)
+    print(f"max |err| / sum|ab| vs float64: gluon {((got.double() - ref64).abs() / (mag + 1e-300)).max().item():.3g}, "
+          f"triton twin {((twin.double() - ref64).abs() / (mag + 1e-300)).max().item():.3g}")
+    _close(got, twin, mag)
+    _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
+    for i, c in enumerate(counts):
+        if c == 0:
+            assert torch.count_nonzero(got[i]) == 0
+    # bf16 output: the same float32 accumulator rounded once.
+    assert torch.equal(GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.bfloat16),
+                       got.to(torch.bfloat16))
+    with use_grouped_backend("gluon"):
+        assert torch.equal(grouped_fp8_mm_wgrad(a, b, counts), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+def test_gpu_gluon_wgrad_nan_stays_in_its_expert_and_row():
+    # A NaN in dY^T at (row 5, a token of expert 1) poisons dW[1][5, :] and nothing else; an N that is
+    # not a multiple of 128 goes to the Triton twin, which gives the same values.
+    counts = [256, 128, 0, 384]
+    a = _colwise(torch.randn(768, 384, device="cuda"))
+    b = _colwise(torch.randn(768, 256, device="cuda"))
+    data = a.data.clone()
+    data[5, 300] = float("nan")
+    got = GL.grouped_mm_wgrad(data, a.scale, b.data, b.scale, counts, torch.float32)
+    poisoned = torch.zeros_like(got, dtype=torch.bool)
+    poisoned[1, 5] = True
+    assert got[poisoned].isnan().all() and not got[~poisoned].isnan().any()
+    odd = _colwise(torch.randn(768, 200, device="cuda"))
+    assert torch.equal(GL.grouped_mm_wgrad(odd.data, odd.scale, b.data, b.scale, counts),
+                       G.grouped_mm_wgrad(odd.data, odd.scale, b.data, b.scale, counts))
