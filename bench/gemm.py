@@ -50,6 +50,8 @@ CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_t
 
 GLUON_CONFIGS = [GL.GluonConfig(num_stages=st, d_bufs=d, group_m=g)
                  for st, d, g in [(3, None, 8), (3, None, 16), (3, 2, 8), (4, 1, 8)]]
+GLUON_WGRAD_CONFIGS = [GL.GluonConfig(num_stages=st, group_m=g, split=sp)
+                       for st, g, sp in [(3, 8, False), (3, 16, False), (4, 8, True), (3, 8, True), (4, 16, True)]]
 
 
 def timed(fn, warmup: int, iters: int) -> float:
@@ -95,17 +97,19 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
         x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
         a, b = moe_fp4.quantize_fp8(dy.t().contiguous()), moe_fp4.quantize_fp8(x.t().contiguous())
+        out = getattr(torch, args.wgrad_out)
+        res["out_dtype"] = args.wgrad_out
         run_triton = lambda cfg: lambda: G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts,  # noqa: E731
-                                                            torch.float32, config=cfg)
+                                                            out, config=cfg)
         configs = CONFIGS if args.sweep else [G.WGRAD_CONFIG]
-        cublas = lambda: fp8_mm_nt(a, b, torch.float32)  # noqa: E731
+        cublas = lambda: fp8_mm_nt(a, b, out)  # noqa: E731
         with use_grouped_backend("scaled_mm"):
             loop_ms = timed(lambda: grouped_fp8_mm_wgrad(a, b, counts), args.warmup, max(3, args.iters // 4))
         offs = torch.tensor(counts, device=dev).cumsum(0).int()
         bf16 = lambda: torch._grouped_mm(dy.t(), x, offs=offs)  # noqa: E731
         if GL.supported(dev):
             gluon = lambda cfg: lambda: GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts,  # noqa: E731
-                                                            torch.float32, config=cfg)
+                                                            out, config=cfg)
     else:
         x = torch.randn(r, k_dim, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, n_dim, k_dim, device=dev) * k_dim ** -0.5
@@ -134,7 +138,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                                                    out_dtype=torch.bfloat16)
     runs = [("rowwise", None, rowwise)] if rowwise else []
     if gluon:
-        runs += [("gluon", cfg, gluon(cfg)) for cfg in (GLUON_CONFIGS if args.sweep_gluon else [gluon_default])]
+        sweep = GLUON_WGRAD_CONFIGS if kind == "wgrad" else GLUON_CONFIGS
+        runs += [("gluon", cfg, gluon(cfg)) for cfg in (sweep if args.sweep_gluon else [gluon_default])]
     for label, cfg, fn in runs:
         try:
             ms = timed(fn, args.warmup, args.iters)
@@ -145,7 +150,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         if cfg is not None:
             res.setdefault("gluon_sweep", []).append({"config": cfg.__dict__, "ms": ms})
             if args.sweep_gluon:
-                log(f"  {name}: gluon stages {cfg.num_stages} d_bufs {cfg.d_bufs} group_m {cfg.group_m}: "
+                log(f"  {name}: gluon stages {cfg.num_stages} d_bufs {cfg.d_bufs} group_m {cfg.group_m} "
+                    f"split {cfg.split}: "
                     f"{flop / ms / 1e9:.0f} TFLOP/s")
         if f"{label}_ms" not in res or ms < res[f"{label}_ms"]:
             res[f"{label}_ms"], res[f"{label}_tflops"] = ms, flop / ms / 1e9
@@ -207,6 +213,10 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
     p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
     p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
+    p.add_argument("--gemm", nargs="+", help="only these GEMMs (names as in the table, e.g. 'fc1 wgrad')")
+    p.add_argument("--wgrad-out", default="float32", choices=["float32", "bfloat16"],
+                   help="output dtype of the wgrad rows (Gluon, Triton and cuBLAS; bf16 grouped is bf16): "
+                        "float32 for fp32 master weights, bfloat16 as the layer writes dW for bf16 weights")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--asm", action="store_true",
                    help="after the run, print each compiled grouped-GEMM kernel's registers, spills and MMA kind")
@@ -226,6 +236,8 @@ def main() -> None:
             "| torch row-wise grouped TFLOP/s | bf16 grouped TFLOP/s | per-expert loop ms | triton config |")
         log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, kind, k_dim, n_dim in table:
+            if args.gemm and name not in args.gemm:
+                continue
             r = bench_one(name, kind, k_dim, n_dim, rows, e, args, log)
             r["shape"] = shape
             results.append(r)

@@ -316,7 +316,7 @@ if AVAILABLE:
     @gluon.jit
     def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
                         num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
-                        WG: gl.constexpr):
+                        WG: gl.constexpr, SPLIT: gl.constexpr):
         # One warpgroup, its own partition: wave WG of every tile as four [64, 64] float32 quarters
         # through two raw accumulators, as _wg_consumer. What differs is the column scale: B's scale
         # varies along the output's columns (one per column and token block), so the promotion is
@@ -327,9 +327,9 @@ if AVAILABLE:
         # half's 16 column scales are live at a time; the promotion is _promote_rc (why: there).
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         HALF: gl.constexpr = d_desc.block_type.shape[1]    # 64 columns
-        TILE_N: gl.constexpr = a_smem.type.shape[1]        # 256 rows per tile
+        TILE_N: gl.constexpr = a_smem.type.shape[1]        # rows per tile: 256 (2 waves), or 128 with SPLIT
         BLOCK_K: gl.constexpr = b_smem.type.shape[1]       # 128 columns per tile
-        BASE: gl.constexpr = WG * 2 * SUB
+        BASE: gl.constexpr = 0 if SPLIT else WG * 2 * SUB
         layout: gl.constexpr = _acc_layout(HALF, 4)
         row_scale: gl.constexpr = gl.SliceLayout(1, layout)
         col_scale: gl.constexpr = gl.SliceLayout(0, layout)
@@ -338,59 +338,68 @@ if AVAILABLE:
         tiles_k = K // BLOCK_K
         it = 0
         n_store = 0
+        mine = WG    # SPLIT: this warpgroup takes every second of the program's tiles, the first at WG
         for t in range(gl.program_id(0), num_experts * tiles_n * tiles_k, gl.num_programs(0)):
             e, nt, kt = _wgrad_tile(t, tiles_n, tiles_k, GROUP_M)
             start = gl.load(offsets_ptr + e)
             blocks = (gl.load(offsets_ptr + e + 1) - start) // 128
             row0 = nt * TILE_N + BASE
-            acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
-            acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
-            acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
-            acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
-            ra = gl.zeros((SUB, HALF), gl.float32, layout)
-            rb = gl.zeros((SUB, HALF), gl.float32, layout)
-            for kb in range(blocks):
-                s = it % NUM_STAGES
-                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
-                a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
-                b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
-                b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
-                ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
-                sa = _as_vector(as_smem.index(s), TILE_N, flat)
-                sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
-                s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
-                s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
-                col = sb.slice(0, HALF).load(col_scale)[None, :]
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc00 = _promote_rc(acc00, ra, s0, col)
-                ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
-                acc10 = _promote_rc(acc10, rb, s1, col)
-                rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
-                col = sb.slice(HALF, HALF).load(col_scale)[None, :]
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc01 = _promote_rc(acc01, ra, s0, col)
-                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
-                acc11 = _promote_rc(acc11, rb, s1, col)
-                it += 1
-            # The second wave of a tile past N (N an odd multiple of 128) ran on TMA's zero fill; it
-            # is not stored.
-            if row0 < N:
-                row = e * N + row0    # the output viewed as [E N, K]
-                c = kt * BLOCK_K
-                n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row, c + HALF, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row + SUB, c + HALF, D_BUFS, WG * D_BUFS)
+            if SPLIT:
+                take = mine % 2 == 0
+            else:
+                take = mine >= 0
+            mine += 1
+            if take:
+                acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
+                acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
+                acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
+                acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
+                ra = gl.zeros((SUB, HALF), gl.float32, layout)
+                rb = gl.zeros((SUB, HALF), gl.float32, layout)
+                for kb in range(blocks):
+                    s = it % NUM_STAGES
+                    mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                    a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
+                    a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
+                    b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
+                    b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+                    ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+                    rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
+                    sa = _as_vector(as_smem.index(s), TILE_N, flat)
+                    sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
+                    s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
+                    s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
+                    col = sb.slice(0, HALF).load(col_scale)[None, :]
+                    ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                    acc00 = _promote_rc(acc00, ra, s0, col)
+                    ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
+                    rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+                    acc10 = _promote_rc(acc10, rb, s1, col)
+                    rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+                    col = sb.slice(HALF, HALF).load(col_scale)[None, :]
+                    ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                    acc01 = _promote_rc(acc01, ra, s0, col)
+                    rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+                    mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
+                    acc11 = _promote_rc(acc11, rb, s1, col)
+                    it += 1
+                # The second wave of a tile past N (N an odd multiple of 128) ran on TMA's zero fill; it
+                # is not stored.
+                if row0 < N:
+                    row = e * N + row0    # the output viewed as [E N, K]
+                    c = kt * BLOCK_K
+                    n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row, c + HALF, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row + SUB, c + HALF, D_BUFS, WG * D_BUFS)
+            else:
+                it += blocks   # the other warpgroup's tile (SPLIT): its stages pass by
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _grouped_mm_wgrad_kernel(a_desc, b_desc, as_desc, bs_desc, d_desc, offsets_ptr, num_experts, N, K,
                                  NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 SPLIT: gl.constexpr, num_warps: gl.constexpr):
         # offsets_ptr: the E + 1 group offsets (int32) of the tokens; N, K multiples of 128.
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -401,12 +410,12 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+            mbarrier.init(empty.index(s), count=1 if SPLIT else 2)   # SPLIT: one consumer per stage
         gl.warp_specialize(
             [(_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
-                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0)),
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0, SPLIT)),
              (_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
-                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1)),
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1, SPLIT)),
              (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
                                 offsets_ptr, num_experts, N, K, NUM_STAGES, GROUP_M))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])
@@ -449,12 +458,17 @@ class GluonConfig:
     num_stages: A + B stages in the mbarrier ring (48 KiB each);
     d_bufs:     output staging buffers per consumer warpgroup, one [64, 64] quarter each; None = 4 for
                 bf16, 2 for float32 (64 KiB in all);
-    group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]).
-    Shared memory (227 KiB per CTA on Hopper) must hold num_stages x 48 KiB + the staging buffers."""
+    group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]);
+    split:      wgrad only: each consumer warpgroup takes whole 128-row tiles of its own (every second
+                tile of the program), so one's epilogue runs beside the other's wgmmas; False: both take
+                one 128-row wave of a 256-row tile.
+    Shared memory (227 KiB per CTA on Hopper) must hold num_stages x 48 KiB (wgrad: + 1.5 KiB of scales;
+    split: 33 KiB) + the staging buffers."""
 
     num_stages: int = 3
     d_bufs: int | None = None
     group_m: int = 8
+    split: bool = False
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
@@ -465,9 +479,16 @@ class GluonConfig:
             return self.d_bufs
         return 4 if out_dtype == torch.bfloat16 else 2
 
-    def smem_bytes(self, out_dtype: torch.dtype) -> int:
+    def smem_bytes(self, out_dtype: torch.dtype, wgrad: bool = False) -> int:
         staged = 2 * self.staging(out_dtype) * QUARTER[0] * QUARTER[1] * out_dtype.itemsize
-        return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
+        if not wgrad:
+            return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
+        rows = self.wgrad_rows()   # A rows and B rows of a stage, FP8, and a float32 scale for each
+        return self.num_stages * (rows + BLOCK_N) * (FP8_TILE + 4) + staged
+
+    def wgrad_rows(self) -> int:
+        """Rows of the weight gradient per tile: two waves, or one with ``split``."""
+        return WAVE_M if self.split else TILE_M
 
 
 # 3 stages and four bf16 quarters: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
@@ -543,7 +564,7 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if not supported(a.device):
         raise RuntimeError(f"gluon grouped_mm_wgrad: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
     cfg = config if isinstance(config, GluonConfig) else WGRAD_CONFIG
-    smem = cfg.smem_bytes(out_dtype) + cfg.num_stages * (TILE_M + FP8_TILE) * 4   # + each stage's scale rows
+    smem = cfg.smem_bytes(out_dtype, wgrad=True)
     if smem > SMEM_LIMIT:
         raise ValueError(f"gluon grouped_mm_wgrad: {cfg} needs {smem} bytes of shared memory, "
                          f"more than the {SMEM_LIMIT} a CTA has")
@@ -561,12 +582,14 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     # The scales as [R/128, N] and [R/128, K] row-major (M-major [N, R/128] transposed): one token
     # block's scales of a tile are one TMA box.
     a_scale_t, b_scale_t = _scale_rows(a_scale), _scale_rows(b_scale)
-    tiles = n_exp * triton.cdiv(n, TILE_M) * (k // FP8_TILE)
+    rows = cfg.wgrad_rows()
+    tiles = n_exp * triton.cdiv(n, rows) * (k // FP8_TILE)
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_wgrad_kernel[grid](
-        _desc(a, [TILE_M, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, TILE_M]),
+        _desc(a, [rows, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, rows]),
         _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), QUARTER), _offsets(counts, a.device), n_exp, n, k,
-        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype), num_warps=NUM_WARPS)
+        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype), SPLIT=cfg.split,
+        num_warps=NUM_WARPS)
     return out
 
 
@@ -599,10 +622,11 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)
-        args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(a, [FP8_TILE, FP8_TILE]),
-                "as_desc": _desc(scale_rows, [1, TILE_M]), "bs_desc": _desc(scale_rows, [1, FP8_TILE]),
+        rows = config.wgrad_rows()
+        args = {"a_desc": _desc(a, [rows, FP8_TILE]), "b_desc": _desc(a, [FP8_TILE, FP8_TILE]),
+                "as_desc": _desc(scale_rows, [1, rows]), "bs_desc": _desc(scale_rows, [1, FP8_TILE]),
                 "d_desc": _desc(out, QUARTER), "offsets_ptr": tables, "num_experts": e, "N": n, "K": n}
-        constexprs = common
+        constexprs = {"SPLIT": config.split, **common}
     else:
         raise ValueError(f"compile_sm90: kind must be 'nt' or 'wgrad', got {kind!r}")
     names = [p.name for p in kernel.params]
