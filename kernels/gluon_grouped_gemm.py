@@ -314,7 +314,7 @@ if AVAILABLE:
                 it += 1
 
     @gluon.jit
-    def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+    def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                         num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
                         WG: gl.constexpr, SPLIT: gl.constexpr):
         # One warpgroup, its own partition: wave WG of every tile as four [64, 64] float32 quarters
@@ -338,7 +338,13 @@ if AVAILABLE:
         tiles_k = K // BLOCK_K
         it = 0
         n_store = 0
-        mine = WG    # SPLIT: this warpgroup takes every second of the program's tiles, the first at WG
+        # SPLIT: this warpgroup takes every second of the program's tiles, the first at WG, and the two
+        # take turns: one enters its tile's K loop only when the other has finished its own (turn[WG],
+        # arrived by the other). That orders their waits on the shared ring: a consumer that waited on a
+        # stage's barrier two phases ahead of it would take the older phase for its own (a parity wait
+        # cannot tell them apart). It is the ping-pong schedule: one's epilogue beside the other's wgmmas.
+        mine = WG
+        own = 0
         for t in range(gl.program_id(0), num_experts * tiles_n * tiles_k, gl.num_programs(0)):
             e, nt, kt = _wgrad_tile(t, tiles_n, tiles_k, GROUP_M)
             start = gl.load(offsets_ptr + e)
@@ -350,6 +356,9 @@ if AVAILABLE:
                 take = mine >= 0
             mine += 1
             if take:
+                if SPLIT:
+                    if (WG == 1) or (own > 0):
+                        mbarrier.wait(turn.index(WG), (own - 1 + WG) & 1)
                 acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
                 acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
                 acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
@@ -383,6 +392,9 @@ if AVAILABLE:
                     mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
                     acc11 = _promote_rc(acc11, rb, s1, col)
                     it += 1
+                if SPLIT:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)   # the other warpgroup's turn
+                    own += 1
                 # The second wave of a tile past N (N an odd multiple of 128) ran on TMA's zero fill; it
                 # is not stored.
                 if row0 < N:
@@ -408,13 +420,16 @@ if AVAILABLE:
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [2 * D_BUFS] + d_desc.block_type.shape, d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # SPLIT's turns
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1 if SPLIT else 2)   # SPLIT: one consumer per stage
+        for w in gl.static_range(2):
+            mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize(
-            [(_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+            [(_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                                 num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0, SPLIT)),
-             (_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, offsets_ptr,
+             (_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                                 num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1, SPLIT)),
              (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
                                 offsets_ptr, num_experts, N, K, NUM_STAGES, GROUP_M))],
@@ -422,6 +437,8 @@ if AVAILABLE:
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
+        for w in gl.static_range(2):
+            mbarrier.invalidate(turn.index(w))
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv"}

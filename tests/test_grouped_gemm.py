@@ -348,8 +348,9 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-@pytest.mark.parametrize("kind,out_dtype", [("nt", "bfloat16"), ("wgrad", "bfloat16"), ("wgrad", "float32")])
-def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype):
+@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("wgrad", "bfloat16", False),
+                                                  ("wgrad", "float32", False), ("wgrad", "bfloat16", True)])
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
     # makes the consumers spill (a branch around the second wave did: 156 spill instructions). In a
@@ -362,10 +363,11 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
-            "k = GL.compile_sm90(k=1024, kind=sys.argv[3], out_dtype=getattr(torch, sys.argv[4])); "
+            "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else GL.GluonConfig(); "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3], out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
-    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path), kind, out_dtype], env=env,
+    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path), kind, out_dtype, str(split)], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
