@@ -1,0 +1,152 @@
+"""Experts only, forward + backward: moe_fp4's grouped SwiGLU experts against BF16 and torchao FP8 experts.
+
+At the dsv3 (32 experts x 1024 rows, H 7168, F 2048) and small (64 x 768, H 2048, F 1408) shapes, one
+run, the same bf16 input, weights and output gradient for every variant:
+
+- ``torch bf16``: gate_up = torch._grouped_mm(x, W13^T), silu(gate) * up, torch._grouped_mm(a, W2^T)
+  (the BF16 baseline; autograd through torch's grouped GEMM);
+- ``torchao fp8``: the same function with W13 and W2 wrapped by torchao's
+  ``quantize_(experts, Float8TrainingOpConfig())``, so every torch._grouped_mm runs row-wise FP8
+  (torchao's MoE training recipe; skipped with a line when torchao does not import);
+- ``moe_fp4 bf16 / fp8 / fp4``: :func:`moe_fp4.experts.grouped_swiglu_experts` (fp8: the DeepSeek-V3
+  blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations).
+
+Before every step the weights' versions are bumped, as an optimizer step would (the FP8 weight cache
+quantizes them again). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
+to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
+
+    python bench/experts.py --json experts.json     # GPU (sm90)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import moe_fp4
+from moe_fp4.compare import commit
+from moe_fp4.experts import grouped_swiglu_experts
+from moe_fp4.gemm import grouped_gemm_backend
+
+SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
+
+
+def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x bf16 [R, H] grouped by expert, w13 [E, 2F, H], w2 [E, H, F], offs int32 [E] group ends -> [R, H]."""
+    gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w13 = torch.nn.Parameter(w13.clone())
+        self.w2 = torch.nn.Parameter(w2.clone())
+
+
+def torchao_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """-> an Experts module whose weights torchao wrapped for FP8 grouped GEMMs, or the reason it cannot."""
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+    except Exception as exc:  # noqa: BLE001 - torchao is optional: the row says why it is missing
+        return f"torchao does not import: {str(exc).splitlines()[0][:120]}"
+    m = Experts(w13, w2)
+    quantize_(m, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: isinstance(mod, Experts))
+    return m
+
+
+def timed_step(fn, params, x, g, warmup: int, iters: int) -> tuple[float, float]:
+    """-> (median ms, peak MiB above what was allocated before) of fn() forward + backward."""
+    def step():
+        for p in params:
+            torch.autograd.graph.increment_version(p)   # as an optimizer step would
+            p.grad = None
+        x.grad = None
+        fn().backward(g)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def run_shape(shape: str, args, log) -> list[dict]:
+    e, rows, h, f = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = [rows] * e
+    r = sum(counts)
+    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    g = torch.randn(r, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = (torch.randn(e, 2 * f, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, f, device="cuda", generator=gen) * f ** -0.5).to(torch.bfloat16)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    ours = Experts(w13, w2)
+    variants = [("torch bf16", lambda: torch_experts(x, ours.w13, ours.w2, offs), list(ours.parameters()))]
+    ao = torchao_experts(w13, w2)
+    if isinstance(ao, str):
+        log(f"  torchao fp8: skipped ({ao})")
+    else:
+        variants.append(("torchao fp8", lambda: torch_experts(x, ao.w13, ao.w2, offs), list(ao.parameters())))
+    for p in ("bf16", "fp8", "fp4"):
+        variants.append((f"moe_fp4 {p}", lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
+                         list(ours.parameters())))
+    log(f"\n{shape}: {e} experts x {rows} rows, H {h}, F {f} (grouped GEMM engine: "
+        f"{grouped_gemm_backend(x.device).value})")
+    log("| variant | fwd+bwd ms | / torch bf16 | peak MiB |")
+    log("| --- | ---: | ---: | ---: |")
+    out, base_ms = [], None
+    for name, fn, params in variants:
+        try:
+            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters)
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+            log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
+            out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
+            continue
+        base_ms = base_ms or ms
+        log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mib:.0f} |")
+        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mib})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        sys.exit("bench/experts.py: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "moe_fp4": moe_fp4.__version__,
+            "commit": commit(), "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
+    results = []
+    for shape in args.shape:
+        results += run_shape(shape, args, log)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"header": head, "results": results}, fh, indent=1)
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
