@@ -8,6 +8,8 @@ run, the same bf16 input, weights and output gradient for every variant:
 - ``torchao fp8``: the same function with W13 and W2 wrapped by torchao's
   ``quantize_(experts, Float8TrainingOpConfig())``, so every torch._grouped_mm runs row-wise FP8
   (torchao's MoE training recipe; skipped with a line when torchao does not import);
+- ``... + moe_fp4 hook``: the same module with ``register_activation_compression`` (what it saves for
+  backward stored in MXFP4);
 - ``moe_fp4 bf16 / fp8 / fp4``: :func:`moe_fp4.experts.grouped_swiglu_experts` (fp8: the DeepSeek-V3
   blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations).
 
@@ -33,6 +35,7 @@ import moe_fp4
 from moe_fp4.compare import commit
 from moe_fp4.experts import grouped_swiglu_experts
 from moe_fp4.gemm import grouped_gemm_backend
+from moe_fp4.hook import register_activation_compression
 
 SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
 
@@ -44,10 +47,16 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: to
 
 
 class Experts(torch.nn.Module):
+    """W13 [E, 2F, H] and W2 [E, H, F] as parameters; forward = :func:`torch_experts` (an expert module the
+    saved-activation hook selects by default: two 3-D parameters sharing the expert count)."""
+
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         super().__init__()
         self.w13 = torch.nn.Parameter(w13.clone())
         self.w2 = torch.nn.Parameter(w2.clone())
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch_experts(x, self.w13, self.w2, offs)
 
 
 def torchao_experts(w13: torch.Tensor, w2: torch.Tensor):
@@ -98,12 +107,17 @@ def run_shape(shape: str, args, log) -> list[dict]:
     w2 = (torch.randn(e, h, f, device="cuda", generator=gen) * f ** -0.5).to(torch.bfloat16)
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     ours = Experts(w13, w2)
-    variants = [("torch bf16", lambda: torch_experts(x, ours.w13, ours.w2, offs), list(ours.parameters()))]
-    ao = torchao_experts(w13, w2)
+    hooked = Experts(w13, w2)
+    register_activation_compression(hooked)   # the saved activations in MXFP4 (moe_fp4's hook)
+    variants = [("torch bf16", lambda: ours(x, offs), list(ours.parameters())),
+                ("torch bf16 + moe_fp4 hook", lambda: hooked(x, offs), list(hooked.parameters()))]
+    ao, ao_hooked = torchao_experts(w13, w2), torchao_experts(w13, w2)
     if isinstance(ao, str):
         log(f"  torchao fp8: skipped ({ao})")
     else:
-        variants.append(("torchao fp8", lambda: torch_experts(x, ao.w13, ao.w2, offs), list(ao.parameters())))
+        register_activation_compression(ao_hooked)
+        variants += [("torchao fp8", lambda: ao(x, offs), list(ao.parameters())),
+                     ("torchao fp8 + moe_fp4 hook", lambda: ao_hooked(x, offs), list(ao_hooked.parameters()))]
     for p in ("bf16", "fp8", "fp4"):
         variants.append((f"moe_fp4 {p}", lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
                          list(ours.parameters())))

@@ -362,22 +362,34 @@ class _Passthrough:
         return self.t
 
 
-def _storage_ptr(p: torch.Tensor) -> int:
-    """The data pointer of a parameter's storage; for a DTensor parameter, of its local shard (what a
-    module computes with after ``to_local()``, e.g. transformers' expert-parallel experts)."""
-    local = getattr(p, "_local_tensor", None)
-    return (p if local is None else local).untyped_storage().data_ptr()
+def _storage_ptrs(p: torch.Tensor) -> set[int]:
+    """The data pointers of the storages behind a parameter: its own for a plain tensor; for a tensor
+    subclass, those of the inner tensors ``__tensor_flatten__`` names, recursively: a DTensor's local
+    shard (what a module computes with after ``to_local()``, e.g. transformers' expert-parallel experts,
+    FSDP2's sharded parameters) or the weight inside torchao's FP8 training wrapper. A wrapper subclass
+    has no storage of its own (asking for one raises), and one that does not flatten contributes none."""
+    if type(p) in (torch.Tensor, nn.Parameter):
+        return {p.untyped_storage().data_ptr()}
+    flatten = getattr(p, "__tensor_flatten__", None)
+    if flatten is None:
+        try:
+            return {p.untyped_storage().data_ptr()}
+        except RuntimeError:   # a wrapper without storage that says nothing of its contents
+            return set()
+    names, _ = flatten()
+    return set().union(*(_storage_ptrs(getattr(p, n)) for n in names))
 
 
 def _skip_reason(t: torch.Tensor, config: CompressionConfig, param_ptrs=frozenset()) -> SkipReason | None:
     base = t._base if t._is_view() else None
     if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
         return SkipReason.PARAMETER
-    # Not a Parameter but its storage: a DTensor parameter's local shard, reached through to_local().
+    if type(t) is not torch.Tensor:   # (before any storage access: a wrapper subclass has none)
+        return SkipReason.SUBCLASS
+    # Not a Parameter but its storage: a tensor-subclass parameter's inner tensor (a DTensor's local
+    # shard reached through to_local(), the weight inside torchao's wrapper).
     if param_ptrs and t.untyped_storage().data_ptr() in param_ptrs:
         return SkipReason.PARAMETER
-    if type(t) is not torch.Tensor:
-        return SkipReason.SUBCLASS
     if (t.is_leaf and t.requires_grad) or (base is not None and base.is_leaf and base.requires_grad):
         return SkipReason.LEAF
     if t.dtype in _FLOAT8_DTYPES:
@@ -498,7 +510,7 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
         s = _stack()
         if self._param_ptrs is None:
             params = self._params() if self._params is not None else ()
-            self._param_ptrs = frozenset(ptr for p in params if (ptr := _storage_ptr(p)))
+            self._param_ptrs = frozenset(ptr for p in params for ptr in _storage_ptrs(p) if ptr)
         reason = SkipReason.KEPT if s and s[-1] is _PAUSED else _skip_reason(t, self.config, self._param_ptrs)
         if reason is not None:
             stats.skipped[reason.value] = stats.skipped.get(reason.value, 0) + 1
