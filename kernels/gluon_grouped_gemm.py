@@ -527,6 +527,8 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     if not supported(a.device):
         raise RuntimeError(f"gluon grouped_mm_nt: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
     cfg = config if isinstance(config, GluonConfig) else NT_CONFIG
+    if cfg.split:
+        raise ValueError("gluon grouped_mm_nt: GluonConfig.split is a weight-gradient layout (grouped_mm_wgrad)")
     if cfg.smem_bytes(out_dtype) > SMEM_LIMIT:
         raise ValueError(f"gluon grouped_mm_nt: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory, "
                          f"more than the {SMEM_LIMIT} a CTA has")

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -275,15 +276,35 @@ def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None, *
 @dataclass(frozen=True)
 class SwapConfig:
     """Formats the drop-ins use. Tensors that cannot travel in ``forward`` (integer dtypes, 1-D
-    tensors, rows not a multiple of 32 for mxfp4 / 128 for fp8) go through torch's own function."""
+    tensors, rows not a multiple of 32 for mxfp4 / 128 for fp8) go through torch's own function.
+
+    ``calls`` counts what the drop-ins did while this config was active: ``calls[(function, outcome)]``
+    with outcome ``"compressed"`` or the reason a call went through torch's function unchanged
+    (:data:`PASS_REASONS`)."""
 
     forward: WireFormat = WireFormat.MXFP4
     backward: WireFormat = WireFormat.BF16
     check: bool = True
+    calls: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "forward", WireFormat(self.forward))
         object.__setattr__(self, "backward", WireFormat(self.backward))
+
+    def count(self, function: str, outcome: str) -> None:
+        key = (function, outcome)
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def uncompressed_floats(self) -> dict:
+        """{(function, reason): calls} of floating-point payloads that went through uncompressed."""
+        return {k: n for k, n in self.calls.items() if k[1] in FLOAT_PASS_REASONS}
+
+
+# Why a drop-in handed a call to torch's function. Integer tensors and 1-D vectors are the count
+# exchanges an EP loop makes (expected); the others are floating-point payloads that did not travel
+# in the wire format, which swap_all_to_all(report=True) warns about.
+PASS_REASONS = ("integer or 1-D", "row size", "async_op", "mixed shapes or dtypes")
+FLOAT_PASS_REASONS = PASS_REASONS[1:]
 
 
 _ACTIVE: list[SwapConfig] = []
@@ -293,11 +314,21 @@ def _config() -> SwapConfig:
     return _ACTIVE[-1] if _ACTIVE else SwapConfig()
 
 
-def _quantizable(t: torch.Tensor, cfg: SwapConfig) -> bool:
+def _pass_reason(t: torch.Tensor, cfg: SwapConfig) -> str | None:
+    """None when t can travel in cfg's formats, else why not (one of PASS_REASONS)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in HIGH_PRECISION_DTYPES or t.dim() < 2:
-        return False
+        return PASS_REASONS[0]
     row = math.prod(t.shape[1:])
-    return row > 0 and row % max(HIDDEN_MULTIPLE[cfg.forward], HIDDEN_MULTIPLE[cfg.backward]) == 0
+    if row == 0 or row % max(HIDDEN_MULTIPLE[cfg.forward], HIDDEN_MULTIPLE[cfg.backward]):
+        return PASS_REASONS[1]
+    return None
+
+
+def _quantizable(t: torch.Tensor, cfg: SwapConfig, function: str) -> bool:
+    """Whether t travels in cfg's formats; counts the call either way."""
+    reason = _pass_reason(t, cfg)
+    cfg.count(function, reason or "compressed")
+    return reason is None
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -312,6 +343,8 @@ def _dropin(t, output_split_sizes, input_split_sizes, group, cfg: SwapConfig) ->
 
 _TORCH_FUNCOL = "torch.distributed._functional_collectives"
 _TORCH_NN = "torch.distributed.nn.functional"
+_TORCH_C10D = "torch.distributed.distributed_c10d"
+_TORCH_DIST = "torch.distributed"
 _originals: dict[tuple[str, str], object] = {}
 
 
@@ -328,7 +361,7 @@ def functional_all_to_all_single(self, output_split_sizes, input_split_sizes, gr
     (its ``all_to_all_single_autograd`` calls this very name, so a swapped-in function without
     autograd would drop the gradient there too)."""
     cfg = _config()
-    if not _quantizable(self, cfg):
+    if not _quantizable(self, cfg, "all_to_all_single"):
         return _original(_TORCH_FUNCOL, "all_to_all_single")(self, output_split_sizes, input_split_sizes, group, tag)
     return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
 
@@ -337,7 +370,7 @@ def functional_all_to_all_single_autograd(self, output_split_sizes, input_split_
     """Drop-in for ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what
     torchtitan's token dispatcher calls): same signature, gradients back in ``backward`` format."""
     cfg = _config()
-    if not _quantizable(self, cfg):
+    if not _quantizable(self, cfg, "all_to_all_single_autograd"):
         return _original(_TORCH_FUNCOL, "all_to_all_single_autograd")(
             self, output_split_sizes, input_split_sizes, group, tag)
     return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
@@ -347,7 +380,7 @@ def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
     """Drop-in for ``torch.distributed.nn.functional.all_to_all_single``: fills ``output`` [M, ...]
     and returns it, differentiable with respect to ``input``."""
     cfg = _config()
-    if not _quantizable(input, cfg):
+    if not _quantizable(input, cfg, "nn.all_to_all_single"):
         return _original(_TORCH_NN, "all_to_all_single")(output, input, output_split_sizes, input_split_sizes,
                                                          dist.group.WORLD if group is None else group)
     if output_split_sizes is None:
@@ -363,24 +396,64 @@ def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
     return out
 
 
-# (module, attribute, replacement) that swap_all_to_all touches.
+def c10d_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
+    """Drop-in for ``torch.distributed.all_to_all``, the list form: ``input_tensor_list[d]`` goes to rank
+    d, ``output_tensor_list[s]`` is filled with what rank s sent. The rows of all inputs travel as one
+    exchange in the active :class:`SwapConfig`'s forward format (any row counts, also on gloo, whose
+    own list all-to-all needs equal sizes) and are written into the outputs in their dtype. Like
+    torch's, it is not differentiable and returns None. Passed to torch's function unchanged (and
+    counted): ``async_op=True`` (no work handle to give back), tensors that cannot travel quantized,
+    and lists whose tensors differ in dtype or row shape."""
+    cfg = _config()
+    tensors = list(input_tensor_list) + list(output_tensor_list)
+    reason = PASS_REASONS[2] if async_op else None
+    for t in tensors:
+        reason = reason or _pass_reason(t, cfg)
+    if reason is None and len({(t.dtype, tuple(t.shape[1:])) for t in tensors}) != 1:
+        reason = PASS_REASONS[3]
+    cfg.count("all_to_all", reason or "compressed")
+    if reason is not None:
+        return _original(_TORCH_C10D, "all_to_all")(output_tensor_list, input_tensor_list, group=group,
+                                                    async_op=async_op)
+    sends = [t.shape[0] for t in input_tensor_list]
+    recvs = [t.shape[0] for t in output_tensor_list]
+    with torch.no_grad():
+        x = torch.cat([_as_rows(t) for t in input_tensor_list])
+        out = all_to_all(x, recvs, sends, group, forward=cfg.forward, backward=cfg.backward, output="bf16",
+                         check=cfg.check)
+        for o, part in zip(output_tensor_list, out.split(recvs)):
+            o.copy_(part.view(o.shape))
+    return None
+
+
+# (module, attribute, replacement) that swap_all_to_all touches. torch.distributed re-exports
+# distributed_c10d's all_to_all: both names are replaced.
 SWAPPED = (
     (_TORCH_FUNCOL, "all_to_all_single", functional_all_to_all_single),
     (_TORCH_FUNCOL, "all_to_all_single_autograd", functional_all_to_all_single_autograd),
     (_TORCH_NN, "all_to_all_single", nn_all_to_all_single),
+    (_TORCH_C10D, "all_to_all", c10d_all_to_all),
+    (_TORCH_DIST, "all_to_all", c10d_all_to_all),
 )
 
 
 @contextlib.contextmanager
-def swap_all_to_all(forward="mxfp4", backward="bf16", check: bool = True, modules=()):
+def swap_all_to_all(forward="mxfp4", backward="bf16", check: bool = True, modules=(), report: bool = True):
     """Inside the scope, torch's all-to-all functions send MXFP4 (or ``forward``) payloads.
 
     Replaces the attributes listed in :data:`SWAPPED` (``torch.distributed._functional_collectives.
     all_to_all_single`` and ``all_to_all_single_autograd``, ``torch.distributed.nn.functional.
-    all_to_all_single``) and, for code that imported one of those names into its own namespace,
-    the same-named attributes of each module in ``modules`` (module objects or dotted names) that
-    currently hold torch's function. Everything is restored on exit, also on error. Nesting works
-    (the innermost formats apply). Not thread-safe: it changes module attributes process-wide.
+    all_to_all_single``, ``torch.distributed.all_to_all``, the list form) and, for code that imported
+    one of those names into its own namespace, the same-named attributes of each module in ``modules``
+    (module objects or dotted names) that currently hold torch's function. Everything is restored on
+    exit, also on error. Nesting works (the innermost formats apply). Not thread-safe: it changes
+    module attributes process-wide.
+
+    Yields the :class:`SwapConfig`, whose ``calls`` count each drop-in call by outcome. With ``report``
+    (the default), leaving the scope warns once if any floating-point payload went through
+    uncompressed (row size, ``async_op``, mixed lists), so a wire believed to be MXFP4 that was not
+    is said. Calls made through a name the swap does not reach are not seen at all: count them with
+    ``calls`` (no ``"compressed"`` entry means nothing went through the drop-ins).
     """
     cfg = SwapConfig(forward, backward, check)
     patches = []
@@ -402,6 +475,10 @@ def swap_all_to_all(forward="mxfp4", backward="bf16", check: bool = True, module
             _ACTIVE.pop()
         for mod, attr, old in reversed(patches):
             setattr(mod, attr, old)
+    if report and (missed := cfg.uncompressed_floats()):
+        said = ", ".join(f"{fn} ({why}): {n}" for (fn, why), n in sorted(missed.items()))
+        warnings.warn(f"swap_all_to_all: floating-point all-to-all calls went through torch's function "
+                      f"uncompressed, not in {cfg.forward.value}: {said}", RuntimeWarning, stacklevel=3)
 
 
 __all__ = [
@@ -409,7 +486,10 @@ __all__ = [
     "Received",
     "SWAPPED",
     "SwapConfig",
+    "FLOAT_PASS_REASONS",
+    "PASS_REASONS",
     "all_to_all",
+    "c10d_all_to_all",
     "exchange_rows",
     "functional_all_to_all_single",
     "functional_all_to_all_single_autograd",

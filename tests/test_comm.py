@@ -289,6 +289,7 @@ def test_all_to_all_routing_values_and_gradients(comm_results):
 
 _FUNCOL = "torch.distributed._functional_collectives"
 _NN = "torch.distributed.nn.functional"
+_C10D = "torch.distributed.distributed_c10d"
 # An "existing EP loop" whose module imported torch's names (swap_all_to_all(modules=[...]) reaches it).
 _IMPORTED_LOOP_SOURCE = f"""
 from {_FUNCOL} import all_to_all_single_autograd
@@ -333,7 +334,8 @@ def _dropin_cases(rank: int, world: int):
     group = dist.group.WORLD
     torch_a2a, torch_a2a_ag, torch_nn_a2a = funcol.all_to_all_single, funcol.all_to_all_single_autograd, dnn.all_to_all_single
     assert {(m, a) for m, a, _ in comm.SWAPPED} == {(_FUNCOL, "all_to_all_single"), (_FUNCOL, "all_to_all_single_autograd"),
-                                                   (_NN, "all_to_all_single")}
+                                                   (_NN, "all_to_all_single"), (_C10D, "all_to_all"),
+                                                   ("torch.distributed", "all_to_all")}
     originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _ in comm.SWAPPED}
 
     S = DROPIN_SPLITS[world]
@@ -388,6 +390,26 @@ def _dropin_cases(rank: int, world: int):
     with pytest.raises(ValueError, match=r"output has shape \(%d, %d\)" % (m + 1, H)):
         comm.nn_all_to_all_single(torch.empty(m + 1, H, dtype=bf16), x, recvs, sends, group)
 
+    # c10d_all_to_all, the list form (torch.distributed.all_to_all): one tensor per peer, uneven row
+    # counts (gloo's own list all-to-all needs equal ones), the rows in MXFP4 on the wire, written into
+    # the outputs in their dtype; not differentiable, returns None like torch's.
+    ins = list(x.split(sends))
+    outs = [torch.full((r, H), float("nan"), dtype=bf16) for r in recvs]
+    assert comm.c10d_all_to_all(outs, ins, group) is None
+    _assert_same(torch.cat(outs), _rt(want), "list drop-in")
+    outs32 = [torch.empty(r, 2, H // 2) for r in recvs]     # float32, [r, 2, H/2] rows
+    comm.c10d_all_to_all(outs32, [t.float().view(-1, 2, H // 2) for t in ins], group)
+    _assert_same(torch.cat(outs32).view(m, H), _rt(want.float()), "list drop-in, float32 [r, 2, H/2]")
+    # async_op=True goes through torch's function unchanged (it returns a work handle; equal sizes
+    # here, as gloo's needs): the exact float32 rows, and the call counted with its reason.
+    xq = _rows(rank, 2 * world, torch.float32)
+    want_eq = _route([[2] * world] * world, [_rows(r, 2 * world, torch.float32) for r in range(world)], rank)
+    with comm.swap_all_to_all(report=False) as cfg_default:
+        eq_outs = [torch.empty(2, H) for _ in range(world)]
+        comm.c10d_all_to_all(eq_outs, list(xq.split(2)), group, async_op=True).wait()
+        _assert_same(torch.cat(eq_outs), want_eq, "list drop-in, async_op: torch's, exact")
+    assert cfg_default.calls == {("all_to_all", "async_op"): 1}
+
     # What cannot travel quantized goes through torch's own function, unchanged.
     counts = torch.tensor(sends, dtype=torch.int64)
     for fn, orig in ((comm.functional_all_to_all_single, torch_a2a), (comm.functional_all_to_all_single_autograd, torch_a2a_ag)):
@@ -403,8 +425,10 @@ def _dropin_cases(rank: int, world: int):
         got = _wait(comm.functional_all_to_all_single(ts[rank], recvs, sends, group))
         _assert_same(got, _route(S, ts, rank), name)
 
-    # The active SwapConfig picks the formats; rows that do not fit the format go through torch's.
-    with comm.swap_all_to_all(forward="fp8", backward="mxfp4"):
+    # The active SwapConfig picks the formats; rows that do not fit the format go through torch's, and
+    # leaving the scope says so (report=True, the default).
+    with pytest.warns(RuntimeWarning, match=r"uncompressed, not in fp8: all_to_all_single \(row size\): 1"), \
+            comm.swap_all_to_all(forward="fp8", backward="mxfp4") as cfg:
         _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "fp8 config")
         x64 = [t[:, :64].contiguous() for t in xs]              # a multiple of 32, not of 128
         _assert_same(_wait(funcol.all_to_all_single(x64[rank], recvs, sends, group)), _route(S, x64, rank),
@@ -412,6 +436,8 @@ def _dropin_cases(rank: int, world: int):
         xg = x.clone().requires_grad_()
         (funcol.all_to_all_single_autograd(xg, recvs, sends, group) * w).sum().backward()
         _assert_same(xg.grad, _route(_transpose(S), [_rt(t, "mxfp4") for t in ws], rank), "mxfp4 backward config")
+    assert cfg.calls == {("all_to_all_single", "compressed"): 1, ("all_to_all_single", "row size"): 1,
+                         ("all_to_all_single_autograd", "compressed"): 1}
 
     # swap_all_to_all replaces the SWAPPED attributes in the scope and restores them after.
     assert not _swapped(comm)
@@ -426,6 +452,9 @@ def _dropin_cases(rank: int, world: int):
         _assert_same(funcol.all_to_all_single(x, recvs, sends, group), _rt(want), "back to mxfp4 after the inner scope")
         buf = torch.empty(m, H, dtype=bf16)
         _assert_same(dnn.all_to_all_single(buf, x, recvs, sends, group), _rt(want), "swapped nn")
+        outs = [torch.empty(r, H, dtype=bf16) for r in recvs]
+        dist.all_to_all(outs, list(x.split(sends)), group=group)      # the list form, by torch's public name
+        _assert_same(torch.cat(outs), _rt(want), "swapped torch.distributed.all_to_all")
         # Gradients flow through the swapped functions, also through an alias of torch's
         # all_to_all_single_autograd that the scope did not replace: torch 2.13's calls
         # all_to_all_single by its module-global name, so it sends MXFP4 too.

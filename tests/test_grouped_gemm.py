@@ -300,6 +300,20 @@ def test_gluon_tile_list_covers_each_expert_once(counts):
     assert sum(w == 1 for w in waves) == sum((c // 128) % 2 for c in counts)
 
 
+def test_gluon_config_shared_memory_per_layout():
+    # The launchers refuse a config whose ring and staging do not fit a CTA's shared memory; the
+    # weight-gradient stages also carry each token block's float32 row and column scales.
+    c = GL.GluonConfig()
+    assert c.smem_bytes(torch.bfloat16) == 3 * (256 + 128) * 128 + 64 * 1024
+    assert c.smem_bytes(torch.bfloat16, wgrad=True) == 3 * (256 + 128) * (128 + 4) + 64 * 1024 <= GL.SMEM_LIMIT
+    split = GL.GluonConfig(num_stages=4, split=True)
+    assert split.wgrad_rows() == 128 and c.wgrad_rows() == 256
+    assert split.smem_bytes(torch.float32, wgrad=True) == 4 * (128 + 128) * 132 + 64 * 1024 <= GL.SMEM_LIMIT
+    assert GL.GluonConfig(num_stages=4).smem_bytes(torch.bfloat16, wgrad=True) > GL.SMEM_LIMIT
+    with pytest.raises(ValueError, match="num_stages"):
+        GL.GluonConfig(num_stages=1)
+
+
 def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
     monkeypatch.delenv("MOE_FP4_GROUPED_GEMM", raising=False)
     assert not GL.supported(torch.device("cpu"))
