@@ -23,19 +23,16 @@ to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
-import moe_fp4
-from moe_fp4.compare import commit
 from moe_fp4.experts import grouped_swiglu_experts
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.hook import register_activation_compression
+
+# bench/gemm.py (this script's folder is on sys.path): CUDA-event timing, the run's record, the JSON
+from gemm import log, sm90_run, timed, write_results
 
 SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
 
@@ -85,18 +82,11 @@ def timed_step(fn, params, x, g, warmup: int, iters: int) -> tuple[float, float]
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    ms = timed(step, 0, iters)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def run_shape(shape: str, args, log) -> list[dict]:
+def run_shape(shape: str, args) -> list[dict]:
     e, rows, h, f = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     counts = [rows] * e
@@ -146,20 +136,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        sys.exit("bench/experts.py: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
-    log = lambda *a: print(*a, flush=True)  # noqa: E731
-    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "moe_fp4": moe_fp4.__version__,
-            "commit": commit(), "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
+    head = sm90_run("bench/experts.py")
     results = []
     for shape in args.shape:
-        results += run_shape(shape, args, log)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"header": head, "results": results}, fh, indent=1)
-        log(f"wrote {args.json}")
+        results += run_shape(shape, args)
+    write_results(args.json, head, results)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,30 @@ GLUON_WGRAD_CONFIGS = [GL.GluonConfig(num_stages=st, group_m=g, split=sp)
                        for st, g, sp in [(3, 8, False), (3, 16, False), (4, 8, True), (3, 8, True), (4, 16, True)]]
 
 
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def sm90_run(script: str) -> dict:
+    """For a GEMM benchmark (exits without an sm90+ GPU): -> the run's record {device, torch, triton,
+    moe_fp4, commit, argv, date}, after logging it in one line."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        sys.exit(f"{script}: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "moe_fp4": moe_fp4.__version__, "commit": commit(),
+            "argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
+    return head
+
+
+def write_results(path: str | None, head: dict, results: list) -> None:
+    """{"header": head, "results": results} as JSON at ``path`` (nothing when None)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"header": head, "results": results}, fh, indent=1)
+        log(f"wrote {path}")
+
+
 def timed(fn, warmup: int, iters: int) -> float:
     """-> median milliseconds of fn() over iters runs (CUDA events)."""
     for _ in range(warmup):
@@ -221,13 +245,7 @@ def main() -> None:
     p.add_argument("--asm", action="store_true",
                    help="after the run, print each compiled grouped-GEMM kernel's registers, spills and MMA kind")
     args = p.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        sys.exit("bench/gemm.py: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
-    log = lambda *a: print(*a, flush=True)  # noqa: E731
-    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "commit": commit(), "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
+    head = sm90_run("bench/gemm.py")
     results = []
     for shape in args.shape:
         table, rows, e = gemms(shape)
@@ -255,10 +273,7 @@ def main() -> None:
     if args.asm:
         for info in compiled_kernels():
             log(info)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"header": head, "results": results}, fh, indent=1)
-        log(f"wrote {args.json}")
+    write_results(args.json, head, results)
 
 
 if __name__ == "__main__":

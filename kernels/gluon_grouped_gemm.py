@@ -134,6 +134,22 @@ if AVAILABLE:
         return n_store + 1
 
     @gluon.jit
+    def _zero_quarters(SUB: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
+        """-> six float32 [SUB, HALF] zeros: a wave's four quarter accumulators and the two raw ones."""
+        z = gl.zeros((SUB, HALF), gl.float32, layout)
+        return z, z, z, z, z, z
+
+    @gluon.jit
+    def _stage_operands(a_smem, b_smem, s, BASE: gl.constexpr, SUB: gl.constexpr, HALF: gl.constexpr):
+        """Stage s of the ring -> (a0, a1, b0, b1): a consumer's two 64-row halves of A (rows BASE ...)
+        and B's two column halves, transposed for wgmma."""
+        a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
+        a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
+        b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
+        b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+        return a0, a1, b0, b1
+
+    @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                      tiles_m, tiles_n,
@@ -166,12 +182,7 @@ if AVAILABLE:
             bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
                       + (nt * BLOCK_N // 128) * stride_bs_n)
             as_ptrs = a_scale_ptr + row0 + rows
-            acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
-            acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
-            acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
-            acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
-            ra = gl.zeros((SUB, HALF), gl.float32, layout)
-            rb = gl.zeros((SUB, HALF), gl.float32, layout)
+            acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)   # acc<row half><column half>
             # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
             # so its latency never stalls a promotion (loaded just in time, it stalled a third of the
             # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
@@ -187,10 +198,7 @@ if AVAILABLE:
                 sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB), mask=live, other=0.0)
                 sb = gl.load(bs_ptr + nk)
                 mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
-                a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
-                b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
-                b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+                a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
                 ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
                 rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
                 ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
@@ -359,19 +367,11 @@ if AVAILABLE:
                 if SPLIT:
                     if (WG == 1) or (own > 0):
                         mbarrier.wait(turn.index(WG), (own - 1 + WG) & 1)
-                acc00 = gl.zeros((SUB, HALF), gl.float32, layout)   # acc<64-row half><column half>
-                acc01 = gl.zeros((SUB, HALF), gl.float32, layout)
-                acc10 = gl.zeros((SUB, HALF), gl.float32, layout)
-                acc11 = gl.zeros((SUB, HALF), gl.float32, layout)
-                ra = gl.zeros((SUB, HALF), gl.float32, layout)
-                rb = gl.zeros((SUB, HALF), gl.float32, layout)
+                acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
                 for kb in range(blocks):
                     s = it % NUM_STAGES
                     mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                    a0 = a_smem.index(s).slice(BASE, SUB, dim=0)
-                    a1 = a_smem.index(s).slice(BASE + SUB, SUB, dim=0)
-                    b0 = b_smem.index(s).slice(0, HALF, dim=0).permute((1, 0))
-                    b1 = b_smem.index(s).slice(HALF, HALF, dim=0).permute((1, 0))
+                    a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
                     ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
                     rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
                     sa = _as_vector(as_smem.index(s), TILE_N, flat)

@@ -434,6 +434,15 @@ def _close_to(got, ref, magnitude, rtol):
     assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g} (rtol {rtol:.3g})"
 
 
+def _check_engine(got, twin, ref64, mag):
+    """The Gluon engine's float32 result: within float32 reordering of its Triton twin (ORDER_RTOL) and
+    within Hopper's FP8 accumulator bound of the float64 product; both errors printed."""
+    rel = lambda t: ((t.double() - ref64).abs() / (mag + 1e-300)).max().item()  # noqa: E731
+    print(f"max |err| / sum|ab| vs float64: gluon {rel(got):.3g}, triton twin {rel(twin):.3g}")
+    _close(got, twin, mag)
+    _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
 @pytest.mark.parametrize("h,f,e", [(7168, 2048, 8), (2048, 1408, 16), (512, 384, 5)])
@@ -449,12 +458,7 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
     for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
         got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
-        mag = _abs_nt(a, b, counts)
-        ref64 = _ref64_nt(a, b, counts)
-        print(f"max |err| / sum|ab| vs float64: gluon {((got.double() - ref64).abs() / mag).max().item():.3g}, "
-              f"triton twin {((twin.double() - ref64).abs() / mag).max().item():.3g}")
-        _close(got, twin, mag)
-        _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
+        _check_engine(got, twin, _ref64_nt(a, b, counts), _abs_nt(a, b, counts))
         # bf16 output: the same float32 accumulator rounded once.
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
     with use_grouped_backend("gluon"):
@@ -508,12 +512,7 @@ def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     a, b = _colwise(dy), _colwise(x)
     got = GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32, config=config)
     twin = G.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32)
-    mag = _wgrad_magnitude(a, b, counts)
-    ref64 = _wgrad_ref64(a, b, counts)
-    print(f"max |err| / sum|ab| vs float64: gluon {((got.double() - ref64).abs() / (mag + 1e-300)).max().item():.3g}, "
-          f"triton twin {((twin.double() - ref64).abs() / (mag + 1e-300)).max().item():.3g}")
-    _close(got, twin, mag)
-    _close_to(got, ref64, mag, HOPPER_FP8_ACC_RTOL)
+    _check_engine(got, twin, _wgrad_ref64(a, b, counts), _wgrad_magnitude(a, b, counts))
     for i, c in enumerate(counts):
         if c == 0:
             assert torch.count_nonzero(got[i]) == 0
