@@ -258,9 +258,10 @@ if AVAILABLE:
     # ----------------------------------------------------------------------------------------
     # K-grouped: the weight gradients. out[e] = A[:, tokens of e] @ B[:, tokens of e]^T with A [N, R]
     # and B [K, R], both FP8 in 1x128 tiles along R (the tokens), scales M-major [N, R/128] / [K, R/128].
-    # A tile is 256 rows of out[e] (two 128-row waves, one per consumer warpgroup) x 128 columns; its
-    # contraction runs over expert e's tokens, 128 at a time. The pipeline is the M-grouped one's:
-    # the producer streams A [256, 128] and B [128, 128] per token block into the same ring.
+    # A tile is 256 rows of out[e] (two 128-row waves, one per consumer warpgroup; with
+    # GluonConfig.split 128 rows, one warpgroup's) x 128 columns; its contraction runs over expert e's
+    # tokens, 128 at a time. The pipeline is the M-grouped one's: the producer streams A [rows, 128],
+    # B [128, 128] and their scales per token block into the same kind of ring.
 
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):   # Triton 3.7+
         @gluon.jit
@@ -296,8 +297,8 @@ if AVAILABLE:
     @gluon.jit
     def _wgrad_producer(a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
                         offsets_ptr, num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-        # One warp, as _producer: one stage per 128 tokens of the tile's expert, holding A [256, 128],
-        # B [128, 128] and their scales for that token block: A's 256 row scales and B's 128 column
+        # One warp, as _producer: one stage per 128 tokens of the tile's expert, holding A [TILE_N, 128],
+        # B [128, 128] and their scales for that token block: A's TILE_N row scales and B's 128 column
         # scales (rows of the M-major scale tensors, TMA-loaded like the operands; rows past N are
         # zero-filled like A's).
         TILE_N: gl.constexpr = a_desc.block_type.shape[0]
