@@ -774,6 +774,11 @@ class WrappedWeight(torch.Tensor):
         return WrappedWeight(out) if keep and isinstance(out, torch.Tensor) else out
 
 
+# Gradient SQNR floor of the Experts3D model with compressed activations against the same model without
+# the hook: measured 15.9 dB (gate_up_proj) and 17.2 dB (down_proj), CPU, seed 0; the floor is about 4 dB under.
+WRAPPED_GRAD_SQNR_FLOOR_DB = 12.0
+
+
 def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(references):
     # torchao 0.18's FP8 MoE training wraps expert weights in a storage-less tensor subclass; the hook
     # asked each parameter for its storage pointer and crashed in the first forward ("Attempted to access
@@ -796,7 +801,7 @@ def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(r
     assert stats.skipped.get(SkipReason.SUBCLASS.value, 0) + stats.skipped.get(SkipReason.PARAMETER.value, 0) > 0
     for r, g in zip(ref, got):
         g = g._inner if isinstance(g, WrappedWeight) else g
-        assert moe_fp4.metrics.sqnr_db(r.float(), g.float()) > 12
+        assert moe_fp4.metrics.sqnr_db(r.float(), g.float()) > WRAPPED_GRAD_SQNR_FLOOR_DB
     # A parameter's storages are those of what it wraps; a plain parameter's, its own.
     assert H._storage_ptrs(wrapped.down_proj) == {wrapped.down_proj._inner.untyped_storage().data_ptr()}
     assert H._storage_ptrs(plain.down_proj) == {plain.down_proj.untyped_storage().data_ptr()}
