@@ -156,7 +156,7 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
     try:
         forward, backward, output = WireFormat(forward), WireFormat(backward), OutputFormat(output)
     except ValueError as e:
-        problem = f"{e} (wire formats: mxfp4, fp8, bf16)"
+        problem = f"{e} (wire formats: {', '.join(f.value for f in WireFormat)})"
         forward, backward, output = WireFormat.BF16, WireFormat.BF16, OutputFormat.BF16
     n, hidden, dtype = 0, 0, None
     if isinstance(x, (MXFP4Tensor, FP8BlockTensor)):

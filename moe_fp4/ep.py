@@ -34,7 +34,7 @@ from moe_fp4.comm import exchange_rows, grad_carrier, resolve_group
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN
-from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, pack, row_bytes, unpack, views
+from moe_fp4.wire import HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, unpack, views
 
 TOKEN_ALIGN = 128
 
@@ -194,8 +194,8 @@ class _Dispatch(torch.autograd.Function):
             return unpack(recv[:r], fmt, hidden, OutputFormat.BF16, x.dtype), recv_w, local, None
 
         src = route.src_row                                                   # row r: the zero padding row
-        if fmt is WireFormat.BF16:
-            return views(recv, fmt, hidden, x.dtype)[0].index_select(0, src), recv_w, None, route
+        if fmt in UNQUANTIZED:
+            return views(recv, fmt, hidden, x.dtype)[0].index_select(0, src).to(x.dtype), recv_w, None, route
         if fmt is WireFormat.MXFP4:
             d, s = views(recv, fmt, hidden)
             xq = MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (plan.rows, hidden), x.dtype)

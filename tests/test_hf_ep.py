@@ -13,15 +13,16 @@ the same model without EP (same seed, same weights) and runs the same batch, so:
 
 The implementations, all in ONE run (spawning and importing transformers dominate the time):
 
-- ``"all_to_all"`` (transformers' own) and a :class:`moe_fp4.hf.MoeFp4EP` with an unquantized
-  dispatch (wire format "bf16": the tensors' own dtype, float32 here), registered under a test
+- ``"all_to_all"`` (transformers' own) and a :class:`moe_fp4.hf.MoeFp4EP` with every exchange
+  unquantized (wire format "native": the tensors' own dtype, float32 here), registered under a test
   name: controls that agree with the reference to float32 rounding;
 - ``"moe_fp4"`` (MXFP4 dispatch) and ``"moe_fp4_fp8"`` (FP8 dispatch): by SQNR, against floors.
 
 Each rank spies on what runs: ``MoeFp4EP.__call__`` is wrapped to count calls per registered class,
 the implementation installed in each experts module is read back, and ``moe_fp4.ep.pack`` (with
 which every moe_fp4 exchange packs its rows) records the wire format of each exchange, so the
-dispatch is seen to travel in MXFP4 (resp. FP8) and everything else unquantized. Last, the
+dispatch is seen to travel in MXFP4 (resp. FP8) and everything else in bfloat16 (the "bf16" wire: the
+float32 values rounded to bfloat16). Last, the
 ``"moe_fp4"`` model runs again under :func:`moe_fp4.register_activation_compression`: identical
 logits, gradients above a floor against the uncompressed EP step, compressed tensors in
 ``handle.stats``, and (as the hook promises for weights) the expert weights not among them.
@@ -55,11 +56,13 @@ MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=128, moe_interme
              num_experts=NUM_EXPERTS, num_experts_per_tok=2, num_hidden_layers=LAYERS, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
 
-BF16_CONTROL = "moe_fp4_test_bf16"       # a MoeFp4EP with every exchange unquantized, registered in the ranks
-CONTROLS = ("all_to_all", BF16_CONTROL)
+NATIVE_CONTROL = "moe_fp4_test_native"   # a MoeFp4EP with every exchange unquantized, registered in the ranks
+CONTROLS = ("all_to_all", NATIVE_CONTROL)
 QUANTIZED = ("moe_fp4", "moe_fp4_fp8")
 IMPLS = CONTROLS + QUANTIZED
-DISPATCH_WIRE = {BF16_CONTROL: "bf16", "moe_fp4": "mxfp4", "moe_fp4_fp8": "fp8"}
+DISPATCH_WIRE = {NATIVE_CONTROL: "native", "moe_fp4": "mxfp4", "moe_fp4_fp8": "fp8"}
+# The combine's wire, and both gradients': the control's "native", the registered implementations' "bf16".
+OTHER_WIRE = {NATIVE_CONTROL: "native", "moe_fp4": "bf16", "moe_fp4_fp8": "bf16"}
 
 # The controls against the reference: max |difference| / max |reference| of the logits, the loss,
 # every parameter's gradient and the local expert shards. Measured (both ranks, both controls):
@@ -199,7 +202,7 @@ def _ep_worker(rank, world):
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    hf.register(BF16_CONTROL, dispatch="bf16")
+    hf.register(NATIVE_CONTROL, dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
     registry = EPImplementationInterface()
 
     calls: dict[str, int] = {}
@@ -318,8 +321,8 @@ def _backward_ok(r, impl, rank):
 
 def test_implementations_installed_called_and_on_the_wire(ranks):
     """The registered class is the one installed in every experts module and called once per layer
-    and step; moe_fp4's dispatch packs its rows in its format (MXFP4 / FP8 / unquantized), the
-    combine and both gradients unquantized; transformers' own all_to_all never reaches moe_fp4."""
+    and step; moe_fp4's dispatch packs its rows in its format (MXFP4 / FP8 / native), the combine in
+    bfloat16 (native for the control); transformers' own all_to_all never reaches moe_fp4."""
     for rank, res in enumerate(ranks):
         for impl, r in res["impl"].items():
             assert r["installed"] == [r["registered"]] * LAYERS, (impl, rank)
@@ -328,7 +331,7 @@ def test_implementations_installed_called_and_on_the_wire(ranks):
                 continue
             assert r["registered"] == f"MoeFp4EP_{impl}"
             assert r["calls"] == {r["registered"]: LAYERS}, (impl, rank)
-            assert r["wire_fwd"] == [DISPATCH_WIRE[impl], "bf16"] * LAYERS, (impl, rank)
+            assert r["wire_fwd"] == [DISPATCH_WIRE[impl], OTHER_WIRE[impl]] * LAYERS, (impl, rank)
 
 
 def test_controls_match_reference_forward(ranks):
@@ -353,8 +356,8 @@ def test_controls_match_reference_gradients(ranks):
             for n, (idx, _, rel) in r["local_experts"].items():
                 assert idx == list(range(rank * el, (rank + 1) * el)), (impl, rank, n, idx)
                 assert rel <= FP32_MATCH_RTOL, (impl, rank, n, rel)
-            if impl == BF16_CONTROL:
-                assert r["wire_bwd"] == ["bf16", "bf16"] * LAYERS, (rank, r["wire_bwd"])
+            if impl == NATIVE_CONTROL:
+                assert r["wire_bwd"] == ["native", "native"] * LAYERS, (rank, r["wire_bwd"])
 
 
 def test_quantized_dispatch_forward(ranks):

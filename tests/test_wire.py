@@ -48,7 +48,9 @@ def _wire_bytes(fmt: WireFormat, x: torch.Tensor) -> torch.Tensor:
             return _container_bytes(moe_fp4.quantize_mxfp4(x))
         if fmt is WireFormat.FP8:
             return _container_bytes(moe_fp4.quantize_fp8(x))
-        return x.contiguous().view(torch.uint8)
+        if fmt is WireFormat.BF16:
+            return x.to(torch.bfloat16).contiguous().view(torch.uint8)   # the values rounded to bfloat16
+        return x.contiguous().view(torch.uint8)                           # native: the tensor's own bytes
 
 
 def _direct(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
@@ -67,6 +69,8 @@ def _direct_api(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
         f = moe_fp4.quantize_fp8(x)
         return {OutputFormat.BF16: lambda: f.dequantize(), OutputFormat.FP8: lambda: f,
                 OutputFormat.MXFP4: lambda: moe_fp4.quantize_mxfp4(f)}[output]()
+    if fmt is WireFormat.BF16:
+        x = x.to(torch.bfloat16).to(x.dtype)   # what arrives: the bfloat16 values in the tensor's dtype
     return {OutputFormat.BF16: lambda: x, OutputFormat.FP8: lambda: moe_fp4.quantize_fp8(x),
             OutputFormat.MXFP4: lambda: moe_fp4.quantize_mxfp4(x)}[output]()
 
@@ -101,13 +105,15 @@ def test_row_bytes_match_design():
     assert row_bytes(WireFormat.FP8, 7168) == 7392
     assert row_bytes(WireFormat.BF16, 7168) == 14336
     for dtype in DTYPES:
-        assert row_bytes("bf16", 7168, dtype) == 7168 * dtype.itemsize
+        # bf16 means bfloat16 on the wire whatever the dtype; native sends the dtype's own bytes
+        assert row_bytes("bf16", 7168, dtype) == 7168 * 2
+        assert row_bytes("native", 7168, dtype) == 7168 * dtype.itemsize
         # mxfp4 / fp8 rows do not depend on the source dtype
         assert row_bytes("mxfp4", 7168, dtype) == 3808 and row_bytes("fp8", 7168, dtype) == 7392
     for h in (128, 256, 384, 7168):
         q, f = moe_fp4.quantize_mxfp4(torch.ones(1, h)), moe_fp4.quantize_fp8(torch.ones(1, h))
         assert row_bytes("mxfp4", h) == q.nbytes and row_bytes("fp8", h) == f.nbytes
-    assert HIDDEN_MULTIPLE == {WireFormat.MXFP4: 32, WireFormat.FP8: 128, WireFormat.BF16: 1}
+    assert HIDDEN_MULTIPLE == {WireFormat.MXFP4: 32, WireFormat.FP8: 128, WireFormat.BF16: 1, WireFormat.NATIVE: 1}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -124,8 +130,9 @@ def test_packing_a_container_sends_its_bytes(kind, dtype):
     # Another format: the direct conversions (FP8 -> MXFP4 on codes, MXFP4 -> FP8), or the values.
     assert same_bits(pack(f, "mxfp4"), _container_bytes(moe_fp4.quantize_mxfp4(f)))
     assert same_bits(pack(q, "fp8"), _container_bytes(moe_fp4.mxfp4_to_fp8(q)))
-    assert same_bits(pack(q, "bf16"), q.dequantize().view(torch.uint8))
-    assert same_bits(pack(f, "bf16"), f.dequantize().view(torch.uint8))
+    assert same_bits(pack(q, "native"), q.dequantize().view(torch.uint8))
+    assert same_bits(pack(f, "native"), f.dequantize().view(torch.uint8))
+    assert same_bits(pack(q, "bf16"), q.dequantize().to(torch.bfloat16).view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt", list(WireFormat), ids=lambda f: f.value)
@@ -180,3 +187,22 @@ def test_unpack_rejects_an_integer_dtype():
     wire = pack(_input("gaussian", torch.bfloat16), "mxfp4")
     with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32"):
         unpack(wire, "mxfp4", HIDDEN, "bf16", torch.int32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.float32), ids=str)
+def test_bf16_wire_sends_bfloat16_and_native_the_dtype(dtype):
+    # Issue 28: "bf16" on the wire means bfloat16 whatever the tensor's dtype, rounded to nearest even
+    # (1 + 2^-8 is a tie between 1 and 1 + 2^-7: it goes to the even 1.0; 1 + 3 * 2^-9 rounds up), and
+    # the receiver gets its own dtype back; "native" sends the dtype's bytes unchanged.
+    x = _input("gaussian", dtype, seed=6)
+    x[0, :3] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -9, -(1 + 2 ** -8)], dtype=dtype)
+    wire = pack(x, "bf16")
+    assert tuple(wire.shape) == (ROWS, 2 * HIDDEN)
+    values, _ = views(wire, "bf16", HIDDEN, dtype)
+    assert values.dtype == torch.bfloat16
+    assert values[0, :3].tolist() == [1.0, 1 + 2 ** -7, -1.0]
+    back = unpack(wire, "bf16", HIDDEN, "bf16", dtype)
+    assert back.dtype == dtype and same_bits(back, x.to(torch.bfloat16).to(dtype))
+    native = pack(x, "native")
+    assert tuple(native.shape) == (ROWS, HIDDEN * dtype.itemsize)
+    assert same_bits(unpack(native, "native", HIDDEN, "bf16", dtype), x)
