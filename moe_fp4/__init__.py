@@ -10,7 +10,7 @@ from moe_fp4.api import (
     quantize_fp8_and_mxfp4,
     quantize_mxfp4,
 )
-from moe_fp4.comm import Received, all_to_all, swap_all_to_all
+from moe_fp4.comm import Received, all_to_all, exchange_role, swap_all_to_all
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.hook import (
     CompressionConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "current_compression",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "exchange_role",
     "fp8_to_fp8_colwise",
     "mxfp4_to_fp8",
     "mxfp4_to_fp8_colwise",

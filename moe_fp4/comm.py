@@ -16,7 +16,10 @@ sync; ``check=False`` skips it for loops that already exchanged their counts (th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import importlib
+import sys
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -69,11 +72,16 @@ def _device_problem(device: torch.device, group) -> str | None:
     return None
 
 
-def exchange_rows(send: torch.Tensor, input_splits, output_splits, group) -> torch.Tensor:
+def exchange_rows(send: torch.Tensor, input_splits, output_splits, group, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """send: uint8 (or any dtype the backend takes) [S, B], rows grouped by destination rank
-    -> [R, B] rows grouped by source rank (R = sum(output_splits)). One collective, no checks."""
-    out = send.new_empty((sum(output_splits), *send.shape[1:]))
-    dist.all_to_all_single(out, send.contiguous(), list(output_splits), list(input_splits), group=group)
+    -> [R, B] rows grouped by source rank (R = sum(output_splits)), written into ``out`` when given.
+    One collective, no checks. It calls torch's own ``all_to_all_single`` even inside
+    :func:`swap_all_to_all` (whose drop-in would only pass the bytes on, and count them)."""
+    if out is None:
+        out = send.new_empty((sum(output_splits), *send.shape[1:]))
+    _original(_TORCH_C10D, "all_to_all_single")(out, send.contiguous(), list(output_splits), list(input_splits),
+                                                group=group)
     return out
 
 
@@ -98,6 +106,10 @@ class ExchangePlan:
     forward: WireFormat
     backward: WireFormat
     output: OutputFormat
+    # "forward" or "gradient", and a callable (direction, format, bytes) told what each exchange of
+    # this plan put on the wire (swap_all_to_all's byte count); neither affects the exchange.
+    direction: str = "forward"
+    ledger: object = field(default=None, compare=False)
 
     def __post_init__(self):
         for name in ("forward", "backward"):
@@ -109,7 +121,7 @@ class ExchangePlan:
     def reversed(self, fmt: WireFormat) -> "ExchangePlan":
         """The gradient's exchange: splits swapped, ``fmt`` on the wire, back to the float dtype."""
         return ExchangePlan(self.group, self.output_splits, self.input_splits, self.hidden, self.dtype, fmt, fmt,
-                            OutputFormat.BF16)
+                            OutputFormat.BF16, "gradient", self.ledger)
 
 
 def _splits(sizes, n: int, world: int, what: str) -> tuple[tuple[int, ...] | None, str | None]:
@@ -208,7 +220,10 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
 
 def run_exchange(x, plan: ExchangePlan):
     """Pack x in plan.forward, exchange, unpack to plan.output (no autograd, no checks)."""
-    wire = exchange_rows(pack(x, plan.forward), plan.input_splits, plan.output_splits, plan.group)
+    send = pack(x, plan.forward)
+    if plan.ledger is not None:
+        plan.ledger(plan.direction, plan.forward, send.numel())
+    wire = exchange_rows(send, plan.input_splits, plan.output_splits, plan.group)
     return unpack(wire, plan.forward, plan.hidden, plan.output, plan.dtype)
 
 
@@ -243,20 +258,25 @@ class Received(NamedTuple):
 
 
 def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None, *, forward="mxfp4",
-               backward="bf16", output="bf16", check: bool = True):
+               backward="bf16", output="bf16", check: bool = True, ledger=None):
     """Expert-parallel all-to-all of rows with quantized transport.
 
     x: bf16/fp16/fp32 [N, H] (autograd flows through), or an FP8BlockTensor / MXFP4Tensor [N, H]
        (sent as is when its format is the wire format; no gradient).
     output_split_sizes / input_split_sizes: rows per rank, as in ``torch.distributed.all_to_all_single``
        (None = equal splits). group: ProcessGroup (default: the world), DeviceMesh or group name.
-    forward / backward: wire format of the values / of their gradients: "mxfp4" | "fp8" | "bf16"
-       (H must be a multiple of 32 for mxfp4, 128 for fp8).
+    forward / backward: wire format of the values / of their gradients: "mxfp4" | "fp8" | "bf16" |
+       "native" (H must be a multiple of 32 for mxfp4, 128 for fp8; bf16 rounds to bfloat16, native
+       sends x's own dtype).
     output: "bf16" -> x's float dtype [M, H]; "fp8" -> :class:`Received` (FP8BlockTensor, carrier);
        "mxfp4" -> :class:`Received` (MXFP4Tensor as received, carrier). M = sum(output_split_sizes).
     check: run the count exchange that validates the splits, sizes and formats on every rank.
+    ledger: optional callable (direction "forward" | "gradient", WireFormat, bytes), called with what
+       each exchange (this one and its gradient's) puts on the wire.
     """
     plan = plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, backward, output, check)
+    if ledger is not None:
+        plan = dataclasses.replace(plan, ledger=ledger)
     if isinstance(x, torch.Tensor):
         x = x.contiguous()
         out = _AllToAll.apply(x, plan)
@@ -270,41 +290,112 @@ def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None, *
 
 
 # ------------------------------------------------------------------------------------------------
-# Drop-ins for torch's all_to_all_single functions, and a context manager that swaps them in.
+# Drop-ins for torch's all-to-all functions, and a context manager that swaps them in.
+
+
+class Role(str, enum.Enum):
+    """Which exchange of an EP layer a call is: each has its own wire formats in :class:`SwapConfig`."""
+
+    DISPATCH = "dispatch"   # tokens to their experts' ranks
+    COMBINE = "combine"     # expert outputs back to their tokens' ranks
+
+
+# The roles of the exchanges running now (innermost last): exchange_role() and the marked methods push.
+_ROLES: list[Role] = []
+
+
+@contextlib.contextmanager
+def exchange_role(role):
+    """Inside this scope (or a function decorated with it), every all-to-all that the swap's drop-ins
+    take is the ``role`` exchange ("dispatch" | "combine") and travels in that role's formats; its
+    gradient (the drop-ins are autograd functions) goes back in the role's gradient format, wherever
+    autograd runs it. Scopes nest; the innermost wins. For a dispatcher the swap does not know::
+
+        with moe_fp4.exchange_role("combine"):
+            y = all_to_all_single(expert_out, input_splits, output_splits, group)
+    """
+    role = Role(role)
+    _ROLES.append(role)
+    try:
+        yield role
+    finally:
+        _ROLES.pop()
 
 
 @dataclass(frozen=True)
 class SwapConfig:
-    """Formats the drop-ins use. Tensors that cannot travel in ``forward`` (integer dtypes, 1-D
-    tensors, rows not a multiple of 32 for mxfp4 / 128 for fp8) go through torch's own function.
+    """Wire formats the drop-ins use, per role and direction (:class:`Role`): the dispatch and the
+    combine, and the gradient of each. A call made outside any role scope (:func:`exchange_role`, or a
+    method in :data:`KNOWN_ROLES` / ``swap_all_to_all(roles=...)``) takes the ``unmarked`` role.
+    Tensors that cannot travel in their format (integer dtypes, 1-D tensors, rows not a multiple of
+    32 for mxfp4 / 128 for fp8) go through torch's own function.
 
-    ``calls`` counts what the drop-ins did while this config was active: ``calls[(function, outcome)]``
-    with outcome ``"compressed"`` or the reason a call went through torch's function unchanged
-    (:data:`PASS_REASONS`)."""
+    ``calls`` counts what the drop-ins did while this config was active: ``calls[(function, role,
+    outcome)]``, role ``"dispatch"``, ``"combine"`` or ``"unmarked"`` (:data:`UNMARKED`, sent in the
+    ``unmarked`` role's formats), outcome ``"compressed"`` (sent in the role's formats, quantized or
+    not) or the reason a call went through torch's function unchanged (:data:`PASS_REASONS`).
+    ``wire`` counts the bytes the drop-ins put on the wire: ``wire[(role, direction, format)]``,
+    direction ``"forward"`` or ``"gradient"`` (the bytes this rank sent: the packed rows handed to the
+    collective)."""
 
-    forward: WireFormat = WireFormat.MXFP4
-    backward: WireFormat = WireFormat.BF16
+    dispatch: WireFormat = WireFormat.MXFP4
+    combine: WireFormat = WireFormat.BF16
+    dispatch_grad: WireFormat = WireFormat.BF16
+    combine_grad: WireFormat = WireFormat.BF16
+    unmarked: Role = Role.DISPATCH
     check: bool = True
     calls: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    wire: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "forward", WireFormat(self.forward))
-        object.__setattr__(self, "backward", WireFormat(self.backward))
+        for name in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
+            object.__setattr__(self, name, WireFormat(getattr(self, name)))
+        object.__setattr__(self, "unmarked", Role(self.unmarked))
 
-    def count(self, function: str, outcome: str) -> None:
-        key = (function, outcome)
+    def formats(self, role: Role) -> tuple[WireFormat, WireFormat]:
+        """(values, gradients) wire formats of a ``role`` exchange."""
+        if Role(role) is Role.DISPATCH:
+            return self.dispatch, self.dispatch_grad
+        return self.combine, self.combine_grad
+
+    def role(self) -> Role | None:
+        """The role of a call made now: the innermost role scope's, None outside every scope."""
+        return _ROLES[-1] if _ROLES else None
+
+    def count(self, function: str, role: Role | None, outcome: str) -> None:
+        key = (function, _label(role), outcome)
         self.calls[key] = self.calls.get(key, 0) + 1
 
-    def uncompressed_floats(self) -> dict:
-        """{(function, reason): calls} of floating-point payloads that went through uncompressed."""
-        return {k: n for k, n in self.calls.items() if k[1] in FLOAT_PASS_REASONS}
+    def ledger(self, role: Role | None):
+        """A callable for :func:`all_to_all`'s ``ledger`` that adds to ``wire`` under ``role``."""
+        def record(direction: str, fmt: WireFormat, nbytes: int) -> None:
+            key = (_label(role), direction, WireFormat(fmt).value)
+            self.wire[key] = self.wire.get(key, 0) + int(nbytes)
+        return record
 
+    def uncompressed_floats(self) -> dict:
+        """{(function, role, reason): calls} of floating-point payloads that went through uncompressed."""
+        return {k: n for k, n in self.calls.items() if k[2] in FLOAT_PASS_REASONS}
+
+    def unmarked_calls(self) -> int:
+        """Floating-point calls sent while no role scope was active (in the ``unmarked`` role's formats)."""
+        return sum(n for (_, role, outcome), n in self.calls.items() if role == UNMARKED and outcome == "compressed")
+
+
+def _label(role: Role | None) -> str:
+    return UNMARKED if role is None else Role(role).value
+
+
+# The role label of a call made outside every role scope (in SwapConfig.calls and .wire).
+UNMARKED = "unmarked"
 
 # Why a drop-in handed a call to torch's function. Integer tensors and 1-D vectors are the count
 # exchanges an EP loop makes (expected); the others are floating-point payloads that did not travel
 # in the wire format, which swap_all_to_all(report=True) warns about.
-PASS_REASONS = ("integer or 1-D", "row size", "async_op", "mixed shapes or dtypes")
-FLOAT_PASS_REASONS = PASS_REASONS[1:]
+# spmd_types' own all_to_all, for arguments the drop-in does not take, ends in torch.distributed.all_to_all,
+# whose drop-in sees (and counts) that call: not an uncompressed payload in itself.
+PASS_REASONS = ("integer or 1-D", "row size", "async_op", "mixed shapes or dtypes", "to spmd_types' own")
+FLOAT_PASS_REASONS = PASS_REASONS[1:4]
 
 
 _ACTIVE: list[SwapConfig] = []
@@ -314,30 +405,36 @@ def _config() -> SwapConfig:
     return _ACTIVE[-1] if _ACTIVE else SwapConfig()
 
 
-def _pass_reason(t: torch.Tensor, cfg: SwapConfig) -> str | None:
-    """None when t can travel in cfg's formats, else why not (one of PASS_REASONS)."""
+def _pass_reason(t: torch.Tensor, fmts) -> str | None:
+    """None when t can travel in the formats ``fmts``, else why not (one of PASS_REASONS)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in HIGH_PRECISION_DTYPES or t.dim() < 2:
         return PASS_REASONS[0]
     row = math.prod(t.shape[1:])
-    if row == 0 or row % max(HIDDEN_MULTIPLE[cfg.forward], HIDDEN_MULTIPLE[cfg.backward]):
+    if row == 0 or row % max(HIDDEN_MULTIPLE[f] for f in fmts):
         return PASS_REASONS[1]
     return None
 
 
-def _quantizable(t: torch.Tensor, cfg: SwapConfig, function: str) -> bool:
-    """Whether t travels in cfg's formats; counts the call either way."""
-    reason = _pass_reason(t, cfg)
-    cfg.count(function, reason or "compressed")
-    return reason is None
+def _take(tensors, function: str, reason: str | None = None):
+    """-> (config, role, formats or None): whether this call travels in its role's formats (None: it
+    goes through torch's function). Counts the call either way."""
+    cfg = _config()
+    role = cfg.role()
+    fmts = cfg.formats(cfg.unmarked if role is None else role)
+    for t in tensors:
+        reason = reason or _pass_reason(t, fmts)
+    cfg.count(function, role, reason or "compressed")
+    return cfg, role, (None if reason else fmts)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))  # not -1: a [0, H] tensor has no -1 to infer
 
 
-def _dropin(t, output_split_sizes, input_split_sizes, group, cfg: SwapConfig) -> torch.Tensor:
-    out = all_to_all(_as_rows(t), output_split_sizes, input_split_sizes, group, forward=cfg.forward,
-                     backward=cfg.backward, output="bf16", check=cfg.check)
+def _dropin(t, output_split_sizes, input_split_sizes, group, cfg: SwapConfig, role: Role | None, fmts
+            ) -> torch.Tensor:
+    out = all_to_all(_as_rows(t), output_split_sizes, input_split_sizes, group, forward=fmts[0], backward=fmts[1],
+                     output="bf16", check=cfg.check, ledger=cfg.ledger(role))
     return out.view(out.shape[0], *t.shape[1:])
 
 
@@ -345,6 +442,7 @@ _TORCH_FUNCOL = "torch.distributed._functional_collectives"
 _TORCH_NN = "torch.distributed.nn.functional"
 _TORCH_C10D = "torch.distributed.distributed_c10d"
 _TORCH_DIST = "torch.distributed"
+_SPMD_TYPES = "spmd_types"
 _originals: dict[tuple[str, str], object] = {}
 
 
@@ -357,36 +455,36 @@ def _original(module: str, name: str):
 
 def functional_all_to_all_single(self, output_split_sizes, input_split_sizes, group, tag: str = ""):
     """Drop-in for ``torch.distributed._functional_collectives.all_to_all_single``: same signature
-    and rows, values sent in the active :class:`SwapConfig`'s format. Differentiable, as torch's is
-    (its ``all_to_all_single_autograd`` calls this very name, so a swapped-in function without
-    autograd would drop the gradient there too)."""
-    cfg = _config()
-    if not _quantizable(self, cfg, "all_to_all_single"):
+    and rows, values sent in the active :class:`SwapConfig`'s formats for the call's role.
+    Differentiable, as torch's is (its ``all_to_all_single_autograd`` calls this very name, so a
+    swapped-in function without autograd would drop the gradient there too)."""
+    cfg, role, fmts = _take([self], "all_to_all_single")
+    if fmts is None:
         return _original(_TORCH_FUNCOL, "all_to_all_single")(self, output_split_sizes, input_split_sizes, group, tag)
-    return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
+    return _dropin(self, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
 
 
 def functional_all_to_all_single_autograd(self, output_split_sizes, input_split_sizes, group, tag: str = ""):
     """Drop-in for ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what
-    torchtitan's token dispatcher calls): same signature, gradients back in ``backward`` format."""
-    cfg = _config()
-    if not _quantizable(self, cfg, "all_to_all_single_autograd"):
+    torchtitan's token dispatcher calls): same signature, gradients back in the role's gradient format."""
+    cfg, role, fmts = _take([self], "all_to_all_single_autograd")
+    if fmts is None:
         return _original(_TORCH_FUNCOL, "all_to_all_single_autograd")(
             self, output_split_sizes, input_split_sizes, group, tag)
-    return _dropin(self, output_split_sizes, input_split_sizes, group, cfg)
+    return _dropin(self, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
 
 
 def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
     """Drop-in for ``torch.distributed.nn.functional.all_to_all_single``: fills ``output`` [M, ...]
     and returns it, differentiable with respect to ``input``."""
-    cfg = _config()
-    if not _quantizable(input, cfg, "nn.all_to_all_single"):
+    cfg, role, fmts = _take([input], "nn.all_to_all_single")
+    if fmts is None:
         return _original(_TORCH_NN, "all_to_all_single")(output, input, output_split_sizes, input_split_sizes,
                                                          dist.group.WORLD if group is None else group)
     if output_split_sizes is None:
         world = dist.get_world_size(resolve_group(group))
         output_split_sizes = [output.shape[0] // world] * world
-    out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg)
+    out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
     if tuple(out.shape) != tuple(output.shape):
         raise ValueError(f"all_to_all_single: output has shape {tuple(output.shape)}, the exchange gives "
                          f"{tuple(out.shape)}")
@@ -396,105 +494,264 @@ def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
     return out
 
 
+def c10d_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                           async_op: bool = False):
+    """Drop-in for ``torch.distributed.all_to_all_single`` (c10d, in place): fills ``output`` [M, ...]
+    with the rows in the role's format and returns None, like torch's (not differentiable).
+    ``async_op=True`` goes through torch's function (no work handle to give back), counted."""
+    cfg, role, fmts = _take([input], "c10d.all_to_all_single", PASS_REASONS[2] if async_op else None)
+    if fmts is None:
+        return _original(_TORCH_C10D, "all_to_all_single")(output, input, output_split_sizes, input_split_sizes,
+                                                           group=group, async_op=async_op)
+    if not output_split_sizes:
+        world = dist.get_world_size(resolve_group(group))
+        output_split_sizes = [output.shape[0] // world] * world
+    with torch.no_grad():
+        out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
+        if tuple(out.shape) != tuple(output.shape):
+            raise ValueError(f"all_to_all_single: output has shape {tuple(output.shape)}, the exchange gives "
+                             f"{tuple(out.shape)}")
+        output.copy_(out)
+    return None
+
+
 def c10d_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
     """Drop-in for ``torch.distributed.all_to_all``, the list form: ``input_tensor_list[d]`` goes to rank
     d, ``output_tensor_list[s]`` is filled with what rank s sent. The rows of all inputs travel as one
-    exchange in the active :class:`SwapConfig`'s forward format (any row counts, also on gloo, whose
-    own list all-to-all needs equal sizes) and are written into the outputs in their dtype. Like
-    torch's, it is not differentiable and returns None. Passed to torch's function unchanged (and
-    counted): ``async_op=True`` (no work handle to give back), tensors that cannot travel quantized,
-    and lists whose tensors differ in dtype or row shape."""
-    cfg = _config()
+    exchange in the role's format (any row counts, also on gloo, whose own list all-to-all needs equal
+    sizes) and are written into the outputs in their dtype. Like torch's, it is not differentiable and
+    returns None. Passed to torch's function unchanged (and counted): ``async_op=True`` (no work handle
+    to give back), tensors that cannot travel quantized, and lists whose tensors differ in dtype or
+    row shape."""
     tensors = list(input_tensor_list) + list(output_tensor_list)
     reason = PASS_REASONS[2] if async_op else None
-    for t in tensors:
-        reason = reason or _pass_reason(t, cfg)
-    if reason is None and len({(t.dtype, tuple(t.shape[1:])) for t in tensors}) != 1:
+    if reason is None and all(isinstance(t, torch.Tensor) for t in tensors) and \
+            len({(t.dtype, tuple(t.shape[1:])) for t in tensors}) > 1:
         reason = PASS_REASONS[3]
-    cfg.count("all_to_all", reason or "compressed")
-    if reason is not None:
+    cfg, role, fmts = _take(tensors, "all_to_all", reason)
+    if fmts is None:
         return _original(_TORCH_C10D, "all_to_all")(output_tensor_list, input_tensor_list, group=group,
                                                     async_op=async_op)
     sends = [t.shape[0] for t in input_tensor_list]
     recvs = [t.shape[0] for t in output_tensor_list]
     with torch.no_grad():
         x = torch.cat([_as_rows(t) for t in input_tensor_list])
-        out = all_to_all(x, recvs, sends, group, forward=cfg.forward, backward=cfg.backward, output="bf16",
-                         check=cfg.check)
+        out = all_to_all(x, recvs, sends, group, forward=fmts[0], backward=fmts[1], output="bf16", check=cfg.check,
+                         ledger=cfg.ledger(role))
         for o, part in zip(output_tensor_list, out.split(recvs)):
             o.copy_(part.view(o.shape))
     return None
 
 
+def _spmd_rows(spmd, src, dst, split_dim, concat_dim) -> bool:
+    """Whether spmd_types.all_to_all(x, ...) splits and concatenates on dim 0, as all_to_all_single
+    moves rows (V -> V with split sizes, the S(i) -> S(j) and mixed forms with i = j = 0, V -> V stack
+    on dim 0)."""
+    def shard_dim(p):
+        return p.dim if isinstance(p, spmd.Shard) else None
+
+    if not all(p is spmd.V or shard_dim(p) is not None for p in (src, dst)):
+        return False
+    split = shard_dim(dst) if shard_dim(dst) is not None else (split_dim or 0)
+    concat = shard_dim(src) if shard_dim(src) is not None else (concat_dim or 0)
+    return split == 0 and concat == 0 and split_dim in (None, 0) and concat_dim in (None, 0)
+
+
+def spmd_all_to_all(x, axis, *, src=None, dst=None, split_dim=None, concat_dim=None, output_split_sizes=None,
+                    input_split_sizes=None, op_dtype=None, out_dtype=None, backward_options=None):
+    """Drop-in for ``spmd_types.all_to_all`` (what torchtitan's default ``spmd_types`` backend calls):
+    an all-to-all of rows (split and concatenated on dim 0: torchtitan's V -> V with split sizes, the
+    S(0) -> S(0) forms, and V -> V "stack" of an x with one entry per rank) travels through
+    :func:`all_to_all` in the role's formats, differentiable, its gradient back in the role's gradient
+    format. Anything else (other dims, dtype options, spmd type checking on) goes to spmd_types' own,
+    counted; that ends in ``torch.distributed.all_to_all``, whose drop-in takes it in the role's
+    forward format (but, not differentiable, cannot tell its gradient's role: it arrives unmarked)."""
+    spmd = sys.modules[_SPMD_TYPES]
+    src = spmd.V if src is None else src
+    dst = spmd.V if dst is None else dst
+    sizes_given = output_split_sizes is not None or input_split_sizes is not None
+    pg = axis
+    plain = (isinstance(x, torch.Tensor) and not torch.overrides.has_torch_function_unary(x)
+             and op_dtype is None and out_dtype is None and not backward_options and not spmd.is_type_checking())
+    if plain and not isinstance(pg, dist.ProcessGroup):
+        from spmd_types._mesh import _pg_for_axis   # a mesh axis name or MeshAxis -> its ProcessGroup
+
+        pg = _pg_for_axis(axis)
+    plain = plain and _spmd_rows(spmd, src, dst, split_dim, concat_dim)
+    if plain and src is spmd.V and dst is spmd.V and not sizes_given:
+        plain = x.dim() >= 2 and x.shape[0] == dist.get_world_size(pg)   # stack: one entry per rank
+    cfg, role, fmts = _take([x], "spmd_types.all_to_all", None if plain else PASS_REASONS[4])
+    if fmts is None:
+        return _original(_SPMD_TYPES, "all_to_all")(
+            x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
+            output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, op_dtype=op_dtype,
+            out_dtype=out_dtype, backward_options=backward_options)
+    return _dropin(x, output_split_sizes, input_split_sizes, pg, cfg, role, fmts)
+
+
 # (module, attribute, replacement) that swap_all_to_all touches. torch.distributed re-exports
-# distributed_c10d's all_to_all: both names are replaced.
+# distributed_c10d's all_to_all and all_to_all_single: both names are replaced. Modules not imported
+# when the swap starts (spmd_types) are left alone.
 SWAPPED = (
     (_TORCH_FUNCOL, "all_to_all_single", functional_all_to_all_single),
     (_TORCH_FUNCOL, "all_to_all_single_autograd", functional_all_to_all_single_autograd),
     (_TORCH_NN, "all_to_all_single", nn_all_to_all_single),
+    (_TORCH_C10D, "all_to_all_single", c10d_all_to_all_single),
+    (_TORCH_DIST, "all_to_all_single", c10d_all_to_all_single),
     (_TORCH_C10D, "all_to_all", c10d_all_to_all),
     (_TORCH_DIST, "all_to_all", c10d_all_to_all),
+    (_SPMD_TYPES, "all_to_all", spmd_all_to_all),
 )
+
+# Methods of EP dispatchers the swap knows, by role: "module:Class.method". Each all-to-all made
+# inside one (and its gradient) travels in that role's formats. torchtitan (0.3): the token
+# dispatcher's exchange methods, which every backend's path goes through (funcol, spmd_types).
+KNOWN_ROLES = {
+    Role.DISPATCH: ("torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._dispatch_token_exchange",),
+    Role.COMBINE: ("torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._combine_token_exchange",),
+}
+
+
+def _resolve_method(spec: str):
+    """"module:Class.method" -> (owner, attribute name); the module is imported."""
+    module, _, qual = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module or not qual:
+        raise ValueError(f"swap_all_to_all roles: {spec!r} is not 'module:Class.method'")
+    owner = importlib.import_module(module)
+    *path, name = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"swap_all_to_all roles: {spec!r} names no function")
+    return owner, name
+
+
+_MISSING = object()
+
+
+def _marked(fn, role: Role):
+    import functools
+
+    @functools.wraps(fn)
+    def in_role(*args, **kwargs):
+        with exchange_role(role):
+            return fn(*args, **kwargs)
+
+    in_role.__moe_fp4_role__ = role
+    return in_role
 
 
 @contextlib.contextmanager
-def swap_all_to_all(forward="mxfp4", backward="bf16", check: bool = True, modules=(), report: bool = True):
-    """Inside the scope, torch's all-to-all functions send MXFP4 (or ``forward``) payloads.
+def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", combine_grad="bf16", *,
+                    unmarked="dispatch", roles=None, modules=(), check: bool = True, report: bool = True,
+                    forward=None, backward=None):
+    """Inside the scope, torch's all-to-all functions send MXFP4 (or the chosen formats) payloads,
+    with the dispatch and the combine told apart.
 
-    Replaces the attributes listed in :data:`SWAPPED` (``torch.distributed._functional_collectives.
-    all_to_all_single`` and ``all_to_all_single_autograd``, ``torch.distributed.nn.functional.
-    all_to_all_single``, ``torch.distributed.all_to_all``, the list form) and, for code that imported
-    one of those names into its own namespace, the same-named attributes of each module in ``modules``
-    (module objects or dotted names) that currently hold torch's function. Everything is restored on
-    exit, also on error. Nesting works (the innermost formats apply). Not thread-safe: it changes
-    module attributes process-wide.
+    Formats ("mxfp4" | "fp8" | "bf16" | "native") per role and direction: ``dispatch`` (tokens to the
+    experts), ``combine`` (expert outputs back), and the gradient of each. ``forward`` / ``backward``,
+    when given, set both roles at once (one format for every exchange, and one for every gradient).
 
-    Yields the :class:`SwapConfig`, whose ``calls`` count each drop-in call by outcome. With ``report``
-    (the default), leaving the scope warns once if any floating-point payload went through
-    uncompressed (row size, ``async_op``, mixed lists), so a wire believed to be MXFP4 that was not
-    is said. Calls made through a name the swap does not reach are not seen at all: count them with
-    ``calls`` (no ``"compressed"`` entry means nothing went through the drop-ins).
+    Which call is which: a call made inside a role scope has that role. The scopes are
+    :func:`exchange_role` in your code, the methods in :data:`KNOWN_ROLES` (torchtitan's token
+    dispatcher), and ``roles={"dispatch": ["module:Class.method", ...], "combine": [...]}`` for another
+    dispatcher's methods; those methods are wrapped for the scope. A call outside every scope takes
+    the ``unmarked`` role. The drop-ins are autograd functions: a gradient travels in its role's
+    gradient format wherever autograd runs it.
+
+    Replaces the attributes listed in :data:`SWAPPED` (the functional ``all_to_all_single`` and
+    ``all_to_all_single_autograd``, ``torch.distributed.nn.functional.all_to_all_single``, c10d's
+    ``all_to_all_single`` and the list form ``all_to_all``, and ``spmd_types.all_to_all`` where that is
+    imported) and, for code that imported one of those names into its own namespace, the same-named
+    attributes of each module in ``modules`` (module objects or dotted names) that currently hold the
+    original. Everything is restored on exit, also on error. Nesting works (the innermost formats
+    apply). Not thread-safe: it changes module attributes process-wide.
+
+    Yields the :class:`SwapConfig`: ``calls`` counts each drop-in call by role and outcome, ``wire``
+    the bytes sent per role, direction and format. With ``report`` (the default), leaving the scope
+    warns once if a floating-point payload went through uncompressed (row size, ``async_op``, mixed
+    lists), and if calls outside every role scope took the ``unmarked`` role
+    while the two roles' formats differ, so a wire believed to be MXFP4 (or BF16) that was not is
+    said. Calls made through a name the swap does not reach are not seen at all: no ``"compressed"``
+    entry in ``calls`` says so.
     """
-    cfg = SwapConfig(forward, backward, check)
-    patches = []
-    targets = [(importlib.import_module(m), a, f, (m, a)) for m, a, f in SWAPPED]
+    if forward is not None:
+        dispatch = combine = forward
+    if backward is not None:
+        dispatch_grad = combine_grad = backward
+    cfg = SwapConfig(dispatch, combine, dispatch_grad, combine_grad, unmarked, check)
+    targets = []
+    for m, a, f in SWAPPED:
+        if m in sys.modules or m.startswith("torch."):
+            targets.append((importlib.import_module(m), a, f, (m, a)))
+    specs = [(role, spec) for role, known in KNOWN_ROLES.items() for spec in known
+             if spec.partition(":")[0] in sys.modules]
+    for role, given in (roles or {}).items():
+        specs.extend((Role(role), spec) for spec in ([given] if isinstance(given, str) else given))
+    marks = [(role, *_resolve_method(spec)) for role, spec in specs]   # every spec checked before any patch
+    # A marked method's module may call an all-to-all it imported by name (torchtitan's dispatcher).
+    modules = list(modules) + [spec.partition(":")[0] for _, spec in specs]
     for mod in modules:
         mod = importlib.import_module(mod) if isinstance(mod, str) else mod
         for m, a, f in SWAPPED:
-            if getattr(mod, a, None) is _original(m, a):
+            if (m in sys.modules and getattr(mod, a, None) is _original(m, a) and mod is not sys.modules[m]
+                    and all(t[0] is not mod or t[1] != a for t in targets)):
                 targets.append((mod, a, f, (m, a)))
+    patches = []   # (object, attribute, what it held; _MISSING: it held nothing of its own)
     try:
         for mod, attr, fn, key in targets:
             _original(*key)
             patches.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, fn)
+        for role, owner, name in marks:
+            current = getattr(owner, name)
+            if getattr(current, "__moe_fp4_role__", None) is role:
+                continue   # already marked (an enclosing swap, or listed twice)
+            patches.append((owner, name, vars(owner).get(name, _MISSING)))
+            setattr(owner, name, _marked(current, role))
         _ACTIVE.append(cfg)
         yield cfg
     finally:
         if _ACTIVE and _ACTIVE[-1] is cfg:
             _ACTIVE.pop()
-        for mod, attr, old in reversed(patches):
-            setattr(mod, attr, old)
-    if report and (missed := cfg.uncompressed_floats()):
-        said = ", ".join(f"{fn} ({why}): {n}" for (fn, why), n in sorted(missed.items()))
+        for obj, attr, old in reversed(patches):
+            if old is _MISSING:
+                delattr(obj, attr)   # the method was inherited: the class gets none of its own back
+            else:
+                setattr(obj, attr, old)
+    if not report:
+        return
+    if missed := cfg.uncompressed_floats():
+        said = ", ".join(f"{fn} [{role}] ({why}): {n}" for (fn, role, why), n in sorted(missed.items()))
         warnings.warn(f"swap_all_to_all: floating-point all-to-all calls went through torch's function "
-                      f"uncompressed, not in {cfg.forward.value}: {said}", RuntimeWarning, stacklevel=3)
+                      f"uncompressed, not in their role's wire format: {said}", RuntimeWarning, stacklevel=3)
+    if (unmarked_n := cfg.unmarked_calls()) and cfg.formats(Role.DISPATCH) != cfg.formats(Role.COMBINE):
+        warnings.warn(f"swap_all_to_all: {unmarked_n} all-to-all call(s) ran outside any dispatch/combine scope and "
+                      f"were sent as the {cfg.unmarked.value} ({'/'.join(f.value for f in cfg.formats(cfg.unmarked))})"
+                      f"; mark the other exchange with moe_fp4.exchange_role(...) or swap_all_to_all(roles=...)",
+                      RuntimeWarning, stacklevel=3)
 
 
 __all__ = [
     "ExchangePlan",
+    "FLOAT_PASS_REASONS",
+    "KNOWN_ROLES",
+    "PASS_REASONS",
     "Received",
+    "Role",
     "SWAPPED",
     "SwapConfig",
-    "FLOAT_PASS_REASONS",
-    "PASS_REASONS",
+    "UNMARKED",
     "all_to_all",
     "c10d_all_to_all",
+    "c10d_all_to_all_single",
+    "exchange_role",
     "exchange_rows",
     "functional_all_to_all_single",
     "functional_all_to_all_single_autograd",
     "nn_all_to_all_single",
     "plan_exchange",
     "resolve_group",
+    "spmd_all_to_all",
     "swap_all_to_all",
 ]

@@ -182,7 +182,7 @@ class _Dispatch(torch.autograd.Function):
         r = plan.received
         recv = torch.empty(r + 1, wire.shape[1], dtype=torch.uint8, device=x.device)
         recv[r].zero_()
-        dist.all_to_all_single(recv[:r], send, list(plan.recv_splits), list(plan.send_splits), group=plan.group)
+        exchange_rows(send, plan.send_splits, plan.recv_splits, plan.group, out=recv[:r])
         rmeta = recv[:r, off:]
         recv_w = rmeta.view(torch.float32)[:, :k].clone()
         ids = rmeta.view(torch.int32)[:, k:]

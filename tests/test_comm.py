@@ -304,23 +304,38 @@ def dispatch(x, output_split_sizes, input_split_sizes, group):
 """
 
 
-def _ep_loop(x, send_counts, group):
+def _ep_loop(x, send_counts, group, marked: bool = False):
     """An existing EP loop written against torch's functional collectives (looked up at call time):
-    exchange the counts, dispatch the rows, combine 2 * rows back."""
+    exchange the counts, dispatch the rows, combine 2 * rows back; ``marked``: the dispatch and the
+    combine inside moe_fp4.exchange_role scopes."""
+    import contextlib
+
     import torch.distributed._functional_collectives as funcol
 
+    from moe_fp4 import exchange_role
+
+    role = exchange_role if marked else (lambda _: contextlib.nullcontext())
     recv_counts = _wait(funcol.all_to_all_single(send_counts, None, None, group))
     recvs, sends = recv_counts.tolist(), send_counts.tolist()
-    y = _wait(funcol.all_to_all_single_autograd(x, recvs, sends, group))
-    z = _wait(funcol.all_to_all_single_autograd(2 * y, sends, recvs, group))
+    with role("dispatch"):
+        y = _wait(funcol.all_to_all_single_autograd(x, recvs, sends, group))
+    with role("combine"):
+        z = _wait(funcol.all_to_all_single_autograd(2 * y, sends, recvs, group))
     return recv_counts, y, z
 
 
+def _swappable(comm):
+    """comm.SWAPPED's entries whose module is imported here (spmd_types only where something imported it)."""
+    import sys
+
+    return [(m, a, f) for m, a, f in comm.SWAPPED if m in sys.modules]
+
+
 def _swapped(comm) -> bool:
-    """Whether every attribute in comm.SWAPPED currently holds moe_fp4's replacement."""
+    """Whether every attribute in comm.SWAPPED (of an imported module) holds moe_fp4's replacement."""
     import importlib
 
-    return all(getattr(importlib.import_module(m), a) is f for m, a, f in comm.SWAPPED)
+    return all(getattr(importlib.import_module(m), a) is f for m, a, f in _swappable(comm))
 
 
 def _dropin_cases(rank: int, world: int):
@@ -333,14 +348,16 @@ def _dropin_cases(rank: int, world: int):
     import torch.distributed.nn.functional as dnn
 
     from moe_fp4 import comm
+    from moe_fp4.wire import row_bytes
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
     torch_a2a, torch_a2a_ag, torch_nn_a2a = funcol.all_to_all_single, funcol.all_to_all_single_autograd, dnn.all_to_all_single
-    assert {(m, a) for m, a, _ in comm.SWAPPED} == {(_FUNCOL, "all_to_all_single"), (_FUNCOL, "all_to_all_single_autograd"),
-                                                   (_NN, "all_to_all_single"), (_C10D, "all_to_all"),
-                                                   ("torch.distributed", "all_to_all")}
-    originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _ in comm.SWAPPED}
+    assert {(m, a) for m, a, _ in comm.SWAPPED} == {
+        (_FUNCOL, "all_to_all_single"), (_FUNCOL, "all_to_all_single_autograd"), (_NN, "all_to_all_single"),
+        (_C10D, "all_to_all"), ("torch.distributed", "all_to_all"), (_C10D, "all_to_all_single"),
+        ("torch.distributed", "all_to_all_single"), ("spmd_types", "all_to_all")}
+    originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _ in _swappable(comm)}
 
     S = DROPIN_SPLITS[world]
     sends, recvs = S[rank], _recv(S, rank)
@@ -412,7 +429,7 @@ def _dropin_cases(rank: int, world: int):
         eq_outs = [torch.empty(2, H) for _ in range(world)]
         comm.c10d_all_to_all(eq_outs, list(xq.split(2)), group, async_op=True).wait()
         _assert_same(torch.cat(eq_outs), want_eq, "list drop-in, async_op: torch's, exact")
-    assert cfg_default.calls == {("all_to_all", "async_op"): 1}
+    assert cfg_default.calls == {("all_to_all", "unmarked", "async_op"): 1}
 
     # What cannot travel quantized goes through torch's own function, unchanged.
     counts = torch.tensor(sends, dtype=torch.int64)
@@ -431,7 +448,8 @@ def _dropin_cases(rank: int, world: int):
 
     # The active SwapConfig picks the formats; rows that do not fit the format go through torch's, and
     # leaving the scope says so (report=True, the default).
-    with pytest.warns(RuntimeWarning, match=r"uncompressed, not in fp8: all_to_all_single \(row size\): 1"), \
+    with pytest.warns(RuntimeWarning, match=r"uncompressed, not in their role's wire format: all_to_all_single "
+                                            r"\[unmarked\] \(row size\): 1"), \
             comm.swap_all_to_all(forward="fp8", backward="mxfp4") as cfg:
         _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "fp8 config")
         x64 = [t[:, :64].contiguous() for t in xs]              # a multiple of 32, not of 128
@@ -440,13 +458,15 @@ def _dropin_cases(rank: int, world: int):
         xg = x.clone().requires_grad_()
         (funcol.all_to_all_single_autograd(xg, recvs, sends, group) * w).sum().backward()
         _assert_same(xg.grad, _route(_transpose(S), [_rt(t, "mxfp4") for t in ws], rank), "mxfp4 backward config")
-    assert cfg.calls == {("all_to_all_single", "compressed"): 1, ("all_to_all_single", "row size"): 1,
-                         ("all_to_all_single_autograd", "compressed"): 1}
+    assert cfg.calls == {("all_to_all_single", "unmarked", "compressed"): 1,
+                         ("all_to_all_single", "unmarked", "row size"): 1,
+                         ("all_to_all_single_autograd", "unmarked", "compressed"): 1}
 
     # swap_all_to_all replaces the SWAPPED attributes in the scope and restores them after.
     assert not _swapped(comm)
-    with comm.swap_all_to_all() as cfg:
-        assert cfg.forward.value == "mxfp4" and cfg.backward.value == "bf16"
+    with comm.swap_all_to_all(report=False) as cfg:
+        assert (cfg.dispatch.value, cfg.dispatch_grad.value, cfg.combine.value, cfg.combine_grad.value) == \
+            ("mxfp4", "bf16", "bf16", "bf16")
         assert _swapped(comm)
         _assert_same(_wait(funcol.all_to_all_single(x, recvs, sends, group)), _rt(want), "swapped functional")
         with comm.swap_all_to_all(forward="fp8"):                 # nesting: the innermost formats apply
@@ -470,12 +490,12 @@ def _dropin_cases(rank: int, world: int):
             _assert_same(yg, _rt(want), name)
             (yg * w).sum().backward()
             _assert_same(xg.grad, want_grad, f"{name}: gradient")
-    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in comm.SWAPPED)
+    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in _swappable(comm))
     with pytest.raises(RuntimeError, match="raised in the body"):
         with comm.swap_all_to_all(forward="fp8"):
             assert _swapped(comm)
             raise RuntimeError("raised in the body")
-    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in comm.SWAPPED)
+    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in _swappable(comm))
     # ... and the fp8 config is gone: the drop-in outside any scope sends MXFP4 again.
     _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want), "config restored")
 
@@ -492,7 +512,7 @@ def _dropin_cases(rank: int, world: int):
         return args
 
     other.all_to_all_single = other.all_to_all_single_autograd = own
-    with comm.swap_all_to_all(modules=[loop.__name__, nn_mod, fc_mod, other]):
+    with comm.swap_all_to_all(modules=[loop.__name__, nn_mod, fc_mod, other], report=False):
         assert loop.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd
         assert nn_mod.all_to_all_single is comm.nn_all_to_all_single
         assert fc_mod.all_to_all_single is comm.functional_all_to_all_single
@@ -508,32 +528,191 @@ def _dropin_cases(rank: int, world: int):
     _assert_same(loop.dispatch(x, recvs, sends, group), want, "imported-name loop is exact bf16 after the scope")
     del sys.modules[loop.__name__]
 
-    # An existing EP loop on torch's functional collectives: exact bf16 outside the scope, MXFP4 inside
-    # (its int64 count exchange still goes through torch's function); gradients identical (bf16 back).
+    # An existing EP loop on torch's functional collectives: exact bf16 outside the scope. Inside, with
+    # the exchanges unmarked, both take the dispatch's formats (MXFP4, the combine too) and leaving
+    # the scope says so; marked with exchange_role, the dispatch is MXFP4 and the combine bf16. Its
+    # int64 count exchange goes through torch's function; gradients identical (bf16 back).
     S = EP_LOOP_SPLITS[world]
     sends, recvs = S[rank], _recv(S, rank)
     xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
     x, want, counts = xs[rank], _route(S, xs, rank), torch.tensor(sends, dtype=torch.int64)
     wz = _weights(100 + rank, sum(sends), bf16)
     results = {}
-    for inside in (False, True):
+    for case in ("outside", "unmarked", "marked"):
         xl = x.clone().requires_grad_()
-        if inside:
-            with comm.swap_all_to_all():
-                results[inside] = (*_ep_loop(xl, counts, group), xl)
+        if case == "outside":
+            results[case] = (*_ep_loop(xl, counts, group), xl)
+        elif case == "unmarked":
+            with pytest.warns(RuntimeWarning, match=r"2 all-to-all call\(s\) ran outside any dispatch/combine "
+                                                    r"scope and were sent as the dispatch \(mxfp4/bf16\)"), \
+                    comm.swap_all_to_all() as cfg_unmarked:
+                results[case] = (*_ep_loop(xl, counts, group), xl)
         else:
-            results[inside] = (*_ep_loop(xl, counts, group), xl)
-        (results[inside][2] * wz).sum().backward()
-    (rc_o, y_o, z_o, x_o), (rc_i, y_i, z_i, x_i) = results[False], results[True]
-    assert rc_o.tolist() == recvs and rc_i.tolist() == recvs and rc_i.dtype == torch.int64
+            with comm.swap_all_to_all() as cfg_marked:
+                results[case] = (*_ep_loop(xl, counts, group, marked=True), xl)
+        (results[case][2] * wz).sum().backward()
+    (rc_o, y_o, z_o, x_o), (rc_u, y_u, z_u, x_u), (rc_m, y_m, z_m, x_m) = results.values()
+    for rc in (rc_o, rc_u, rc_m):
+        assert rc.tolist() == recvs and rc.dtype == torch.int64
     _assert_same(y_o, want, "EP loop outside the scope: exact")
     assert _read_tags(y_o) == _tags(S, rank)
     _assert_same(z_o, 2 * x, "EP loop outside: combine returns 2x")
-    _assert_same(y_i, _rt(y_o), "EP loop inside: the MXFP4 round trip of the bf16 result")
-    _assert_same(z_i, _rt(2 * _rt(x)), "EP loop inside: the combine is quantized too")
+    _assert_same(y_u, _rt(y_o), "EP loop, unmarked: the MXFP4 round trip of the bf16 result")
+    _assert_same(z_u, _rt(2 * _rt(x)), "EP loop, unmarked: the combine is quantized too")
+    _assert_same(y_m, _rt(y_o), "EP loop, marked: the dispatch in MXFP4")
+    _assert_same(z_m, 2 * _rt(x), "EP loop, marked: the combine in bf16, exact")
     _assert_same(x_o.grad, 2 * wz, "EP loop gradient outside")
-    _assert_same(x_i.grad, x_o.grad, "EP loop gradient inside (bf16 backward) equals outside")
+    for grad, case in ((x_u.grad, "unmarked"), (x_m.grad, "marked")):
+        _assert_same(grad, x_o.grad, f"EP loop gradient, {case} (bf16 backward), equals outside")
+    # The counts and bytes per role: the int64 count exchange is unmarked and passes through.
+    assert cfg_unmarked.calls == {("all_to_all_single", "unmarked", "integer or 1-D"): 1,
+                                  ("all_to_all_single_autograd", "unmarked", "compressed"): 2}
+    assert cfg_marked.calls == {("all_to_all_single", "unmarked", "integer or 1-D"): 1,
+                                ("all_to_all_single_autograd", "dispatch", "compressed"): 1,
+                                ("all_to_all_single_autograd", "combine", "compressed"): 1}
+    assert cfg_marked.wire == {("dispatch", "forward", "mxfp4"): sum(sends) * row_bytes("mxfp4", H),
+                               ("combine", "forward", "bf16"): sum(recvs) * row_bytes("bf16", H),
+                               ("combine", "gradient", "bf16"): sum(sends) * row_bytes("bf16", H),
+                               ("dispatch", "gradient", "bf16"): sum(recvs) * row_bytes("bf16", H)}
+    _role_cases(rank, world)
     return True
+
+
+_ROLE_DISPATCHER_SOURCE = """
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def _wait(t):
+    return t.wait() if hasattr(t, "wait") else t
+
+
+class Base:
+    def exchange_back(self, y, output_split_sizes, input_split_sizes, group):
+        return _wait(all_to_all_single_autograd(y, output_split_sizes, input_split_sizes, group))
+
+
+class Dispatcher(Base):
+    def exchange(self, x, output_split_sizes, input_split_sizes, group):
+        return _wait(all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group))
+"""
+
+
+def _role_cases(rank: int, world: int):
+    """Dispatch and combine told apart, with four different formats so that every value shows which
+    role (and direction) it travelled in: a dispatcher's methods named in roles= (one inherited), the
+    gradients (run by autograd, outside any scope) in their role's gradient format, the c10d in-place
+    all_to_all_single drop-in, unmarked=, bad role specs, and spmd_types' all_to_all where installed."""
+    import importlib.util
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from moe_fp4 import comm, exchange_role
+    from moe_fp4.wire import row_bytes
+
+    group = dist.group.WORLD
+    S = DROPIN_SPLITS[world]
+    sends, recvs = S[rank], _recv(S, rank)
+    n, m = sum(sends), sum(recvs)
+    bf16 = torch.bfloat16
+    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
+    wzs = [_weights(200 + r, sum(S[r]), bf16) for r in range(world)]     # loss weights of each rank's z
+    x, want = xs[rank], _route(S, xs, rank)
+    fmts = dict(dispatch="fp8", dispatch_grad="mxfp4", combine="mxfp4", combine_grad="fp8")
+
+    mod = types.ModuleType("moe_fp4_test_dispatcher")
+    exec(_ROLE_DISPATCHER_SOURCE, mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    torch_ag = mod.all_to_all_single_autograd
+    exchange, exchange_back = mod.Dispatcher.exchange, mod.Base.exchange_back
+    roles = {"dispatch": f"{mod.__name__}:Dispatcher.exchange", "combine": [f"{mod.__name__}:Dispatcher.exchange_back"]}
+    with pytest.warns(RuntimeWarning, match=r"uncompressed, not in their role's wire format: "
+                                            r"c10d.all_to_all_single \[combine\] \(async_op\): 1"), \
+            comm.swap_all_to_all(**fmts, roles=roles) as cfg:
+        assert mod.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd, "the module's own name"
+        d = mod.Dispatcher()
+        xg = x.clone().requires_grad_()
+        y = d.exchange(xg, recvs, sends, group)
+        _assert_same(y, _rt(want, "fp8"), "roles=: the dispatch in fp8")
+        z = d.exchange_back(y, sends, recvs, group)
+        _assert_same(z, _rt(_rt(x, "fp8"), "mxfp4"), "roles=: the combine (inherited method) in mxfp4")
+        # the c10d in-place drop-in, in a combine scope: fills `output`, returns None; async_op passes
+        out = torch.full((m, H), float("nan"), dtype=bf16)
+        with exchange_role("combine"):
+            assert dist.all_to_all_single(out, x, recvs, sends, group=group) is None
+            eq = torch.empty(2 * world, H, dtype=bf16)
+            xe = _rows(rank, 2 * world, bf16)
+            dist.all_to_all_single(eq, xe, group=group, async_op=True).wait()
+        _assert_same(out, _rt(want, "mxfp4"), "c10d all_to_all_single drop-in, combine: mxfp4")
+        _assert_same(eq, _route([[2] * world] * world, [_rows(r, 2 * world, bf16) for r in range(world)], rank),
+                     "c10d all_to_all_single, async_op: torch's, exact")
+    (z * wzs[rank]).sum().backward()          # autograd runs both gradients after the scope closed
+    g_y = [_route(S, [_rt(wz, "fp8") for wz in wzs], d_) for d_ in range(world)]   # combine gradient: fp8
+    _assert_same(xg.grad, _route(_transpose(S), [_rt(g, "mxfp4") for g in g_y], rank),
+                 "the dispatch gradient in mxfp4 after the combine gradient in fp8")
+    assert cfg.calls == {("all_to_all_single_autograd", "dispatch", "compressed"): 1,
+                         ("all_to_all_single_autograd", "combine", "compressed"): 1,
+                         ("c10d.all_to_all_single", "combine", "compressed"): 1,
+                         ("c10d.all_to_all_single", "combine", "async_op"): 1}, cfg.calls
+    assert cfg.wire == {("dispatch", "forward", "fp8"): n * row_bytes("fp8", H),
+                        ("combine", "forward", "mxfp4"): (m + n) * row_bytes("mxfp4", H),
+                        ("combine", "gradient", "fp8"): n * row_bytes("fp8", H),
+                        ("dispatch", "gradient", "mxfp4"): m * row_bytes("mxfp4", H)}, cfg.wire
+    # Restored: the method back, the inherited one not left on the subclass, the imported name torch's.
+    assert mod.Dispatcher.exchange is exchange and "exchange_back" not in vars(mod.Dispatcher)
+    assert mod.Base.exchange_back is exchange_back and mod.all_to_all_single_autograd is torch_ag
+
+    # unmarked="combine": calls outside every scope take the combine's formats.
+    with pytest.warns(RuntimeWarning, match=r"1 all-to-all call\(s\) ran outside any dispatch/combine scope and "
+                                            r"were sent as the combine \(mxfp4/fp8\)"), \
+            comm.swap_all_to_all(**fmts, unmarked="combine", modules=[mod.__name__]) as cfg_u:
+        _assert_same(mod.Dispatcher().exchange(x, recvs, sends, group), _rt(want, "mxfp4"), "unmarked=combine")
+    assert cfg_u.calls == {("all_to_all_single_autograd", "unmarked", "compressed"): 1}
+
+    # Bad role specs raise before anything runs, and leave nothing swapped.
+    for bad, match in (({"dispatch": "no_colon_here"}, "is not 'module:Class.method'"),
+                       ({"dispatch": f"{mod.__name__}:Dispatcher.missing"}, "names no function|has no attribute"),
+                       ({"merge": f"{mod.__name__}:Dispatcher.exchange"}, "'merge' is not a valid Role")):
+        with pytest.raises((ValueError, AttributeError), match=match):
+            with comm.swap_all_to_all(roles=bad):
+                raise AssertionError("the body must not run")
+        assert not any(getattr(importlib.import_module(m_), a) is f for m_, a, f in _swappable(comm)), bad
+        assert mod.Dispatcher.exchange is exchange
+    del sys.modules[mod.__name__]
+
+    if importlib.util.find_spec("spmd_types") is None:
+        return
+    # spmd_types.all_to_all (torchtitan's default backend): rows (V -> V, uneven splits) in the role's
+    # formats and, differentiable, the gradient in the role's gradient format. Arguments it does not
+    # take (an op_dtype) go to spmd_types' own, whose list all-to-all the list drop-in takes.
+    import spmd_types as spmd
+
+    ws = [_weights(d, sum(_recv(S, d)), bf16) for d in range(world)]
+    with comm.swap_all_to_all(dispatch="mxfp4", dispatch_grad="fp8") as cfg_s:
+        assert spmd.all_to_all is comm.spmd_all_to_all
+        xs_g = x.clone().requires_grad_()
+        with exchange_role("dispatch"):
+            ys = spmd.all_to_all(xs_g, group, src=spmd.V, dst=spmd.V, output_split_sizes=recvs,
+                                 input_split_sizes=sends)
+            # V -> V "stack": x [world, 2, H], x[d] to rank d; taken by the drop-in, and with an
+            # op_dtype by spmd_types' own (its list all-to-all then by the list drop-in)
+            xe = _rows(rank, 2 * world, bf16).view(world, 2, H)
+            ye = spmd.all_to_all(xe, group, src=spmd.V, dst=spmd.V)
+            ye_own = spmd.all_to_all(xe, group, src=spmd.V, dst=spmd.V, op_dtype=bf16)
+        _assert_same(ys, _rt(want, "mxfp4"), "spmd_types all_to_all, dispatch: mxfp4")
+        (ys * ws[rank]).sum().backward()
+        _assert_same(xs_g.grad, _route(_transpose(S), [_rt(w_, "fp8") for w_ in ws], rank),
+                     "spmd_types all_to_all gradient: fp8")
+        want_e = _rt(_route([[2] * world] * world, [_rows(r, 2 * world, bf16) for r in range(world)], rank))
+        assert tuple(ye.shape) == tuple(ye_own.shape) == (world, 2, H)
+        _assert_same(ye.reshape(2 * world, H), want_e, "spmd_types stack all_to_all: mxfp4")
+        _assert_same(ye_own.reshape(2 * world, H), want_e, "spmd_types' own (op_dtype) through the list drop-in")
+    assert spmd.all_to_all is not comm.spmd_all_to_all
+    assert cfg_s.calls == {("spmd_types.all_to_all", "dispatch", "compressed"): 2,
+                           ("spmd_types.all_to_all", "dispatch", "to spmd_types' own"): 1,
+                           ("all_to_all", "dispatch", "compressed"): 1}, cfg_s.calls
+    assert cfg_s.wire[("dispatch", "gradient", "fp8")] == m * row_bytes("fp8", H)
 
 
 def test_dropins_and_swap(comm_results):
