@@ -5,10 +5,13 @@
 
 Each rank holds tokens and one expert (a linear layer); tokens go to the rank of their expert and
 back, exactly as a hand-written EP dispatcher does it with
-``torch.distributed._functional_collectives.all_to_all_single_autograd``. Inside
-``moe_fp4.swap_all_to_all()`` the same code sends MXFP4 rows (forward) and bf16 gradients
-(backward); the example prints how far the output and the gradients move. Without torchrun it runs
-as one process (world size 1): every token stays on its rank, but it still crosses the all-to-all as MXFP4.
+``torch.distributed._functional_collectives.all_to_all_single_autograd``. The dispatch and the combine
+are marked with ``moe_fp4.exchange_role`` (a no-op outside the swap), so inside
+``moe_fp4.swap_all_to_all()`` the same code sends the tokens as MXFP4 rows, the expert outputs back
+in bf16 and both gradients in bf16 (the defaults; each is a keyword of the swap). The example prints
+the bytes each exchange put on the wire and how far the output and the gradients move. Without
+torchrun it runs as one process (world size 1): every token stays on its rank, but it still crosses
+the all-to-all in the wire format.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ def ep_step(x: torch.Tensor, dest: torch.Tensor, expert: torch.nn.Linear, group)
     send_counts = torch.bincount(dest, minlength=world)
     recv_counts = funcol.all_to_all_single(send_counts, None, None, group)   # int64: passes through unchanged
     send, recv = send_counts.tolist(), recv_counts.tolist()
-    tokens = funcol.all_to_all_single_autograd(x[order], recv, send, group)  # MXFP4 inside the swap
+    with moe_fp4.exchange_role("dispatch"):                                  # MXFP4 inside the swap
+        tokens = funcol.all_to_all_single_autograd(x[order], recv, send, group)
     out = expert(tokens)
-    back = funcol.all_to_all_single_autograd(out, send, recv, group)
+    with moe_fp4.exchange_role("combine"):                                   # bf16 inside the swap
+        back = funcol.all_to_all_single_autograd(out, send, recv, group)
     return torch.empty_like(back).index_copy(0, order, back)
 
 
@@ -58,20 +63,22 @@ def main() -> None:
     dest = torch.randint(0, world, (tokens,), device=device)
 
     results = {}
-    for name, scope in (("bf16 (torch)", None), ("mxfp4 (swapped)", moe_fp4.swap_all_to_all)):
+    for name in ("bf16 (torch)", "mxfp4 (swapped)"):
         xi = x.clone().requires_grad_()
         expert.zero_grad()
-        if scope is None:
+        if name == "bf16 (torch)":
             y = ep_step(xi, dest, expert, group)
         else:
-            with scope(forward="mxfp4", backward="bf16"):
+            with moe_fp4.swap_all_to_all(dispatch="mxfp4", combine="bf16") as cfg:
                 y = ep_step(xi, dest, expert, group)
-        y.float().square().sum().backward()
+        y.float().square().sum().backward()           # the gradients' exchanges run here, in their role's format
         results[name] = (y.detach(), xi.grad, expert.weight.grad.clone())
     ref, got = results["bf16 (torch)"], results["mxfp4 (swapped)"]
     if rank == 0:
         print(f"{world} rank{'s' if world > 1 else ''} on {device.type}: "
-              "MXFP4 dispatch and combine vs torch's bf16 all-to-all")
+              "MXFP4 dispatch, bf16 combine vs torch's bf16 all-to-all")
+    sent = ", ".join(f"{role} {direction} {fmt} {n} B" for (role, direction, fmt), n in sorted(cfg.wire.items()))
+    print(f"  rank {rank} sent: {sent}")
     for name, a, b in zip(("output", "input grad", "expert grad"), ref, got):
         print(f"  rank {rank} {name:>11}: SQNR {sqnr_db(a.float(), b.float()):5.1f} dB")
     dist.destroy_process_group()
