@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow --max-batch on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
+    c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
+                   help="with torchrun (expert parallelism): wire formats of the other exchanges, ROLE one of "
+                        "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, native (default: bf16 "
+                        "for all three; the dispatch travels in each mode's format: bf16, fp8, mxfp4)")
     c.add_argument("--hook", action="store_true",
                    help="a Hugging Face MoE model with and without activation compression")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
@@ -181,6 +185,32 @@ def _rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+WIRE_ROLES = ("combine", "dispatch_grad", "combine_grad")
+
+
+def parse_wire(text: str) -> dict[str, str]:
+    """``--wire combine=mxfp4,dispatch_grad=fp8`` -> {"combine": "mxfp4", "dispatch_grad": "fp8"};
+    ValueError (one line) for an unknown role or format, a repeated role, or the dispatch."""
+    from moe_fp4.wire import WireFormat
+
+    formats = [f.value for f in WireFormat]
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        role, eq, fmt = item.partition("=")
+        role, fmt = role.strip(), fmt.strip()
+        if role == "dispatch":
+            raise ValueError("--wire: the dispatch travels in each mode's own format (bf16: bf16, fp8: fp8, fp4: "
+                             "mxfp4); set combine, dispatch_grad or combine_grad")
+        if not eq or role not in WIRE_ROLES:
+            raise ValueError(f"--wire: {item!r} is not ROLE=FMT with ROLE one of {', '.join(WIRE_ROLES)}")
+        if fmt not in formats:
+            raise ValueError(f"--wire: {role}={fmt!r}: the format must be one of {', '.join(formats)}")
+        if role in out:
+            raise ValueError(f"--wire: {role} is given twice")
+        out[role] = fmt
+    return out
+
+
 def _check(a: argparse.Namespace, cuda: bool):
     """Every argument and environment check, before any model is built or process group started ->
     the CompareConfig. Raises ValueError with one line for the first problem."""
@@ -196,6 +226,9 @@ def _check(a: argparse.Namespace, cuda: bool):
                         lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
                         profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    wire = parse_wire(a.wire)
+    if wire and world == 1:
+        raise ValueError("--wire sets the expert-parallel exchanges: run it under torchrun with 2 or more ranks")
     if world > 1:
         if a.hook:
             raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
@@ -227,7 +260,7 @@ def compare(a: argparse.Namespace, err) -> int:
     if a.slow_link and world == 1:
         print("note: --slow-link changes only NCCL between processes; it has no effect on one process", flush=True)
     device, rank, world = _distributed(a.slow_link)
-    env = Env(device, rank, world, EPConfig() if world > 1 else None)
+    env = Env(device, rank, world, EPConfig(**parse_wire(a.wire)) if world > 1 else None)
     try:
         report = run(cfg, env)
     except ValueError as e:

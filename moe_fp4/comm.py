@@ -665,7 +665,9 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
     imported) and, for code that imported one of those names into its own namespace, the same-named
     attributes of each module in ``modules`` (module objects or dotted names) that currently hold the
     original. Everything is restored on exit, also on error. Nesting works (the innermost formats
-    apply). Not thread-safe: it changes module attributes process-wide.
+    apply). Not thread-safe: it changes module attributes process-wide. Import the dispatcher before
+    entering the scope: a module first imported inside it gets its names back on exit, but its
+    methods are marked only if it was imported when the scope began.
 
     Yields the :class:`SwapConfig`: ``calls`` counts each drop-in call by role and outcome, ``wire``
     the bytes sent per role, direction and format. With ``report`` (the default), leaving the scope
@@ -698,6 +700,7 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
                     and all(t[0] is not mod or t[1] != a for t in targets)):
                 targets.append((mod, a, f, (m, a)))
     patches = []   # (object, attribute, what it held; _MISSING: it held nothing of its own)
+    imported_before = set(sys.modules)
     try:
         for mod, attr, fn, key in targets:
             _original(*key)
@@ -719,6 +722,13 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
                 delattr(obj, attr)   # the method was inherited: the class gets none of its own back
             else:
                 setattr(obj, attr, old)
+        # A module first imported inside the scope that imported a swapped name took the drop-in:
+        # give it torch's function, or it would send MXFP4 ever after.
+        for name in set(sys.modules) - imported_before:
+            mod = sys.modules.get(name)
+            for m, a, f in SWAPPED:
+                if mod is not None and getattr(mod, a, None) is f:
+                    setattr(mod, a, _original(m, a))
     if not report:
         return
     if missed := cfg.uncompressed_floats():

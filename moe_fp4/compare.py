@@ -48,6 +48,7 @@ from moe_fp4.ep import EPConfig
 from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
+from moe_fp4.nn import DISPATCH_FORMAT
 from moe_fp4.saved import saved_bytes
 
 GiB = 2**30
@@ -594,6 +595,10 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     t0 = time.perf_counter()
     corpus = stdlib_corpus() if cfg.data == "stdlib" else None
     meta = describe(env)
+    if env.ep is not None:
+        # What each exchange sends: the dispatch in the mode's format, the rest as EPConfig says.
+        meta["wire"] = {"dispatch": {m: DISPATCH_FORMAT[Precision(m)].value for m in cfg.modes if m in MODES},
+                        **{k: getattr(env.ep, k).value for k in ("combine", "dispatch_grad", "combine_grad")}}
     report = {"meta": meta, "config": {**asdict(cfg), "model": asdict(mc)}, "notes": [], "modes": {},
               "max_batch": {}}
     if not env.cuda:

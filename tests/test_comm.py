@@ -663,6 +663,17 @@ def _role_cases(rank: int, world: int):
     assert mod.Dispatcher.exchange is exchange and "exchange_back" not in vars(mod.Dispatcher)
     assert mod.Base.exchange_back is exchange_back and mod.all_to_all_single_autograd is torch_ag
 
+    # A module first imported inside the scope that imported a swapped name keeps the drop-in only
+    # while the scope lasts (else it would send MXFP4 ever after); its methods were not marked.
+    with comm.swap_all_to_all(report=False):
+        late = types.ModuleType("moe_fp4_test_late_import")
+        exec(_ROLE_DISPATCHER_SOURCE, late.__dict__)
+        sys.modules[late.__name__] = late
+        assert late.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd
+        assert not hasattr(late.Dispatcher.exchange, "__moe_fp4_role__")
+    assert late.all_to_all_single_autograd is torch_ag
+    del sys.modules[late.__name__]
+
     # unmarked="combine": calls outside every scope take the combine's formats.
     with pytest.warns(RuntimeWarning, match=r"1 all-to-all call\(s\) ran outside any dispatch/combine scope and "
                                             r"were sent as the combine \(mxfp4/fp8\)"), \

@@ -171,10 +171,13 @@ def test_cli_writes_plots(one_process):
 @pytest.mark.parametrize("nproc", [2])
 def test_cli_ep_torchrun(tmp_path, nproc):
     run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
-                "--no-progress", "--no-plots", "--profile"], nproc=nproc, MOE_FP4_COMMIT="test-commit")
+                "--no-progress", "--no-plots", "--profile", "--wire", "combine=mxfp4,dispatch_grad=fp8"],
+               nproc=nproc, MOE_FP4_COMMIT="test-commit")
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
+    assert report["meta"]["wire"] == {"dispatch": {"fp8": "fp8", "fp4": "mxfp4"}, "combine": "mxfp4",
+                                      "dispatch_grad": "fp8", "combine_grad": "bf16"}
     assert list(report["modes"]) == ["fp8", "fp4"]
     for mode, row in report["modes"].items():
         assert isinstance(row["a2a_ms"], float) and row["a2a_ms"] > 0, row
@@ -186,6 +189,20 @@ def test_cli_ep_torchrun(tmp_path, nproc):
     assert report["modes"]["fp4"]["saved_bytes"] < report["modes"]["fp8"]["saved_bytes"]
     # rank 0 alone prints the table
     assert sum(line.startswith("mode ") and "tokens/s/GPU" in line for line in run.stdout.splitlines()) == 1
+
+
+def test_cli_wire_argument():
+    from moe_fp4.cli import parse_wire
+
+    assert parse_wire("") == {}
+    assert parse_wire(" combine=mxfp4 , combine_grad=native") == {"combine": "mxfp4", "combine_grad": "native"}
+    for bad, match in (("dispatch=fp8", "each mode's own format"), ("combine", "is not ROLE=FMT"),
+                       ("merge=fp8", "is not ROLE=FMT"), ("combine=fp4", "must be one of mxfp4, fp8, bf16, native"),
+                       ("combine=fp8,combine=bf16", "given twice")):
+        with pytest.raises(ValueError, match=match):
+            parse_wire(bad)
+    run = _cli(["compare", "--preset", "tiny", "--steps", 1, "--wire", "combine=fp8", "--no-progress"])
+    assert run.returncode == 2 and "--wire sets the expert-parallel exchanges: run it under torchrun" in run.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

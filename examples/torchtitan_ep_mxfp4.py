@@ -1,0 +1,144 @@
+"""torchtitan's own Qwen3-MoE, expert parallel over 2 ranks, its token dispatch sent as MXFP4 with one line.
+
+    torchrun --nproc-per-node 2 examples/torchtitan_ep_mxfp4.py                  # every SPMD backend
+    torchrun --nproc-per-node 2 examples/torchtitan_ep_mxfp4.py --backend spmd_types --combine mxfp4
+
+Tested with torchtitan 0.3.0 (spmd_types 0.2.3) and torch 2.13 on CPU (gloo): `pip install -e ".[test]"`
+installs them. The model, its parallelization (``parallelize_qwen3``, EP = 2, no FSDP) and the token
+dispatcher are torchtitan's; the only moe_fp4 line is the scope around the step::
+
+    with moe_fp4.swap_all_to_all(dispatch="mxfp4", combine="bf16"):
+        loss = step(model)
+
+The swap knows torchtitan's ``AllToAllTokenDispatcher``: its ``_dispatch_token_exchange`` and
+``_combine_token_exchange`` are the dispatch and the combine, whichever backend runs underneath
+(``spmd_types``, torchtitan's default, reaches ``spmd_types.all_to_all``; ``partial_dtensor`` and
+``full_dtensor`` the functional ``all_to_all_single``). Each exchange and its gradient travels in its
+own format (the gradients bf16 here); the integer count exchange passes through.
+
+For each backend the example runs the same step three times: torch's own exchange (where gloo can
+run it: its list-form all-to-all, which ``spmd_types`` uses, needs equal splits), the swap with every
+wire ``native`` (unquantized, the reference), and the swap with the chosen formats. It prints the
+loss, the expert weight gradients' SQNR against the reference, and the bytes this rank sent per role,
+direction and format. On GPUs (NCCL) the same code applies; only CPU is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import moe_fp4
+from moe_fp4.metrics import sqnr_db
+
+BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+DIM, HEAD_DIM, LAYERS, VOCAB, EXPERTS, TOP_K, BATCH, SEQ = 64, 16, 2, 256, 4, 2, 2, 16
+
+
+def model_config():
+    """A tiny Qwen3-MoE in torchtitan's own config classes. torchtitan 0.3 registers only a large MoE
+    debug model (8 layers of 64 experts), so the layers come from its (private) builder."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+
+    init = {"weight": lambda t: torch.nn.init.normal_(t, std=0.02)}
+    layers = _build_qwen3_moe_layers(
+        n_layers=LAYERS, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, moe_hidden_dim=64,
+        num_experts=EXPERTS, top_k=TOP_K, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1e6))
+    for layer in layers:   # flex attention needs torch.compile; SDPA runs eagerly on CPU
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init))
+
+
+def step(backend: str, rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """Build the model (same weights on every run), parallelize it with torchtitan for ``backend``, run
+    one forward + backward on this rank's tokens -> (global mean loss, {expert parameter: local grad})."""
+    import spmd_types as spmd
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.full_dtensor import parallelize_inputs
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    dist_utils.set_spmd_backend(backend)   # what torchtitan's Trainer does with parallelism.spmd_backend
+    parallelism = ParallelismConfig(expert_parallel_degree=world, spmd_backend=backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    cfg = model_config()
+    cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_weights()
+    model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                              compile_config=CompileConfig(), ac_config=None, dump_folder="", skip_dp=True)
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    kwargs = {"positions": torch.arange(SEQ).repeat(BATCH, 1)}
+    if backend == "full_dtensor":
+        inputs, labels, kwargs = parallelize_inputs(dims, inputs, labels, kwargs)
+    elif backend == "spmd_types":
+        inputs, labels, kwargs = annotate_input_spmd_types(dims, inputs, labels, kwargs)
+    with dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)():
+        loss = cross_entropy_loss(model(inputs, **kwargs), labels) / (world * BATCH * SEQ)
+        with spmd.no_typecheck():
+            loss.backward()
+    loss = (loss.to_local() if hasattr(loss, "to_local") else loss).detach().clone()
+    dist.all_reduce(loss)
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
+             for n, p in model.named_parameters() if "experts" in n and p.grad is not None}
+    return loss.item(), grads
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("all", *BACKENDS), default="all")
+    p.add_argument("--dispatch", default="mxfp4", help="the dispatch's wire format (default: mxfp4)")
+    p.add_argument("--combine", default="bf16", help="the combine's wire format (default: bf16)")
+    a = p.parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit("run it with 2 ranks: torchrun --nproc-per-node 2 examples/torchtitan_ep_mxfp4.py")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.models.qwen3  # noqa: F401  (before the swap: it marks the token dispatcher's methods)
+
+    # torchtitan picks "cuda" for its device mesh when no accelerator is found; these ranks are CPU ones.
+    parallel_dims.device_type = "cpu"
+    torch.autograd.set_multithreading_enabled(False)   # as torchtitan's init_distributed does
+    torch.set_num_threads(1)
+    native = dict(dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
+    for backend in BACKENDS if a.backend == "all" else (a.backend,):
+        with moe_fp4.swap_all_to_all(**native):
+            ref_loss, ref = step(backend, rank, world)
+        with moe_fp4.swap_all_to_all(dispatch=a.dispatch, combine=a.combine) as cfg:
+            loss, got = step(backend, rank, world)
+        own = "not run (gloo's list all-to-all needs equal splits)"
+        if backend != "spmd_types":
+            own_loss, own_grads = step(backend, rank, world)
+            same = own_loss == ref_loss and all(torch.equal(own_grads[n], ref[n]) for n in ref)
+            own = "identical to native" if same else "DIFFERS from native"
+        worst = min(sqnr_db(ref[n].float(), got[n].float()) for n in ref)
+        sent = ", ".join(f"{role} {direction} {fmt} {n} B" for (role, direction, fmt), n in sorted(cfg.wire.items()))
+        lines = [f"[{backend}] rank {rank}: loss native {ref_loss:.6f}, {a.dispatch}/{a.combine} {loss:.6f}; "
+                 f"expert grads SQNR >= {worst:.1f} dB over {len(ref)}; torch's own exchange: {own}",
+                 f"[{backend}] rank {rank} sent: {sent}"]
+        every = [None] * world
+        dist.all_gather_object(every, lines)   # rank 0 prints all ranks' lines, in order
+        if rank == 0:
+            print("\n".join(line for ranks_lines in every for line in ranks_lines), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
