@@ -254,7 +254,8 @@ def test_implementation_installed_called_and_on_the_wire(ranks, family):
             assert r["registered"] == f"MoeFp4EP_{impl}"
             assert r["installed"] == [r["registered"]] * LAYERS, (family, impl, rank, r["installed"])
             assert r["calls"] == {r["registered"]: LAYERS}, (family, impl, rank, r["calls"])
-            assert r["wire_fwd"] == [DISPATCH_WIRE[impl], OTHER_WIRE[impl]] * LAYERS, (family, impl, rank, r["wire_fwd"])
+            assert r["wire_fwd"] == [DISPATCH_WIRE[impl], OTHER_WIRE[impl]] * LAYERS, (family, impl, rank,
+                                                                                        r["wire_fwd"])
             _backward_ok(r, f"{family} {impl}", rank)
             assert r["wire_bwd"] == [OTHER_WIRE[impl]] * 2 * LAYERS, (family, impl, rank, r["wire_bwd"])
 
