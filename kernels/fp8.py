@@ -149,21 +149,21 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          stride_xm, stride_fm, stride_fsm, stride_fst, stride_mm, stride_msm,
                          IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
-    # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded and stored as
-    # [BM, TILES * 8 chunks, 8] (row_chunks), encoded as [BM, TILES, 4 blocks, 16].
-    rows, t, mask_t, mask3, _mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
-    _rb, cb = row_column_program()
-    pair, mask_c = row_chunks(rows, M, cb * (TILES * 64), NT * 64, TILES * 64, 8)
+    # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded, encoded and
+    # stored as [BM, TILES, 4 blocks, 16] pair words. Not the row_chunks layout reshaped to that view:
+    # on sm90 with Triton 3.6 the reshape of a [BM, TILES * 8, 8] load ahead of the tile reduction gave
+    # wrong tile maxima (scales a binade low) for some shapes, output strides and configs, while the
+    # interpreter agreed with the reference (bench/RESULTS.md, issue 28 section; tests/test_kernels.py
+    # test_row_kernels_every_config_and_stride_gpu).
+    rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
+    offs = rows[:, None, None, None] * stride_xm + pair
     if IN_KIND == 0:
-        w = tl.reshape(tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask_c, other=0),
-                       [BLOCK_M, TILES, 4, 16])
+        w = tl.load(x_ptr + offs, mask=mask4, other=0)
         lo, hi = bf16_pair_bits(w)                  # w itself feeds the MXFP4 half below
     else:
-        lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask_c, IN_KIND)
-        lo = tl.reshape(lo, [BLOCK_M, TILES, 4, 16])
-        hi = tl.reshape(hi, [BLOCK_M, TILES, 4, 16])
+        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask4, IN_KIND)
     word, fscale = fp8_encode_tiles(lo, hi, ASM)
-    tl.store(fp8_ptr + rows[:, None, None] * stride_fm + pair, tl.reshape(word, [BLOCK_M, TILES * 8, 8]), mask=mask_c)
+    tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
     if WRITE_MXFP4:
@@ -174,8 +174,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
             sc = sc.to(tl.uint8)
         else:
             packed, sc = mx_encode_tiles(lo, hi)
-        tl.store(mx_ptr + rows[:, None, None] * stride_mm + pair, tl.reshape(packed, [BLOCK_M, TILES * 8, 8]),
-                 mask=mask_c)
+        tl.store(mx_ptr + rows[:, None, None, None] * stride_mm + pair, packed, mask=mask4)
         blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
         tl.store(mscale_ptr + rows[:, None, None] * stride_msm + blk, sc, mask=mask3)
 
@@ -253,16 +252,17 @@ def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int
     stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref. asm: None = the PTX E4M3
     rounding (cvt.rn.satfinite.e4m3x2.f32) on sm_90+ outside the interpreter (use_asm), True / False
     to force it or its integer twin. Defaults (4 rows x 8 tiles on 2 warps) from the H200 sweep in
-    bench/RESULTS.md (row_chunks layout)."""
+    bench/RESULTS.md; the tile-view kernel keeps them (100.0% of copy at 32768 x 7168 on the H100)."""
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 2, tiles: int = 8, num_warps: int = 1,
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 1, tiles: int = 8, num_warps: int = 1,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref. asm as in quantize_fp8_rowwise; for BF16
     input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs). Defaults
-    (2 rows x 8 tiles on 1 warp) from the H200 sweep in bench/RESULTS.md."""
+    (1 row x 8 tiles on 1 warp) from the H100 sweep of the tile-view kernel in bench/RESULTS.md (issue
+    28 section: 93.9% of copy at 32768 x 7168)."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 

@@ -796,3 +796,69 @@ def test_fp8_to_mxfp4_every_block_maximum_with_every_smaller_byte():
     for s in (-126, -20, 0, 119, 124, 127):   # 124, 127: E clamps at 127 and the codes saturate
         scale = torch.full((1, data.shape[0]), 2.0**s).t().to(DEVICE)
         _check(KMX.quantize_mxfp4_from_fp8(data, scale), KMX.quantize_mxfp4_from_fp8_ref(data, scale))
+
+
+# ---- the row kernels over their launch configurations and output strides, on the GPU ---------------
+# The interpreter runs a kernel's semantics; the GPU runs what Triton compiled for one (shape, config,
+# stride) at a time. On sm90 with Triton 3.6 the FP8 row quantizer, reshaping its row-chunk load before
+# the tile reduction, gave tile scales a binade low for some of them (8 x 128 at its default config,
+# all-to-all wire rows at 200 x 256, 4 x 2 tiles on 4 warps at 4096 x 7168; bench/RESULTS.md, issue 28
+# section), while the CPU tests and the default config at 4096 x 7168 were exact. This sweeps every row
+# kernel over small and large shapes, several configs and, where the kernel writes into given views, a
+# padded (wire-like) row stride, bit for bit against its reference.
+
+ROW_SWEEP_SHAPES = [(8, 128), (200, 256), (64, 512), (333, 7168), (4096, 7168)]
+ROW_SWEEP_CONFIGS = [dict(block_m=4, tiles=8, num_warps=2), dict(block_m=1, tiles=1, num_warps=2),
+                     dict(block_m=2, tiles=8, num_warps=1), dict(block_m=4, tiles=2, num_warps=4),
+                     dict(block_m=1, tiles=8, num_warps=1)]
+MX_SWEEP_CONFIGS = [dict(block_m=4, block_k=1024, num_warps=2), dict(block_m=1, block_k=128, num_warps=1),
+                    dict(block_m=4, block_k=256, num_warps=4)]
+
+
+def _strided_views(m: int, cols: list[tuple[int, torch.dtype]], pad: int = 12):
+    """Views of one padded uint8 row buffer [m, sum of column bytes + pad]: (the buffer, one view per
+    (columns, dtype), side by side in each row), as an all-to-all wire row holds data and scales."""
+    width = sum(c * d.itemsize for c, d in cols) + pad
+    buf = torch.zeros(m, width, dtype=torch.uint8, device="cuda")
+    out, off = [], 0
+    for c, d in cols:
+        out.append(buf[:, off:off + c * d.itemsize].view(d))
+        off += c * d.itemsize
+    return buf, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", ROW_SWEEP_SHAPES, ids=str)
+def test_row_kernels_every_config_and_stride_gpu(shape):
+    m, k = shape
+    x = make_input(shape, "mixed_magnitudes", torch.bfloat16, seed=m + k, device="cuda")
+    f8 = K8.quantize_fp8_rowwise_ref(x)
+    both = K8.quantize_fp8_and_mxfp4_ref(x)
+    mx = KMX.quantize_mxfp4_rowwise_ref(x)
+    bad = []
+
+    def check(name, got, want):
+        try:
+            _check(got, want)
+        except AssertionError:
+            bad.append(name)
+
+    for cfg in ROW_SWEEP_CONFIGS:
+        check(f"quantize_fp8_rowwise {cfg}", K8.quantize_fp8_rowwise(x, **cfg), f8)
+        _, (d, s) = _strided_views(m, [(k, torch.float8_e4m3fn), (k // 128, torch.float32)])
+        K8.quantize_fp8_rowwise(x, out=(d, s), **cfg)
+        check(f"quantize_fp8_rowwise into wire rows {cfg}", (d.contiguous(), s.contiguous()),
+              (f8[0], f8[1].contiguous()))
+        check(f"quantize_fp8_and_mxfp4 {cfg}", K8.quantize_fp8_and_mxfp4(x, **cfg), both)
+        check(f"mxfp4_to_fp8_rowwise {cfg}", K8.mxfp4_to_fp8_rowwise(*mx, **cfg), K8.mxfp4_to_fp8_rowwise_ref(*mx))
+    for cfg in MX_SWEEP_CONFIGS:
+        check(f"quantize_mxfp4_rowwise {cfg}", KMX.quantize_mxfp4_rowwise(x, **cfg), mx)
+        _, (d, s) = _strided_views(m, [(k // 2, torch.uint8), (k // 32, torch.uint8)])
+        KMX.quantize_mxfp4_rowwise(x, out=(d, s), **cfg)
+        check(f"quantize_mxfp4_rowwise into wire rows {cfg}", (d.contiguous(), s.contiguous()), mx)
+        check(f"dequantize_mxfp4 {cfg}", KMX.dequantize_mxfp4(*mx, torch.bfloat16, **cfg),
+              KMX.dequantize_mxfp4_ref(*mx, torch.bfloat16))
+        check(f"quantize_mxfp4_from_fp8 {cfg}", KMX.quantize_mxfp4_from_fp8(*f8, **cfg),
+              KMX.quantize_mxfp4_from_fp8_ref(*f8))
+    assert not bad, f"{len(bad)} kernel/config pairs differ from their reference at {shape}: {bad}"
