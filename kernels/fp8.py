@@ -256,13 +256,14 @@ def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
-def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 1, tiles: int = 8, num_warps: int = 1,
+def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 2, tiles: int = 4, num_warps: int = 1,
                            asm: bool | None = None):
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref. asm as in quantize_fp8_rowwise; for BF16
     input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs). Defaults
-    (1 row x 8 tiles on 1 warp) from the H100 sweep of the tile-view kernel in bench/RESULTS.md (issue
-    28 section: 93.9% of copy at 32768 x 7168)."""
+    (2 rows x 4 tiles on 1 warp) from the H100 sweep of the tile-view kernel in bench/RESULTS.md (issue
+    28 section: 93.0% of copy at 32768 x 7168; 1 row x 8 tiles was 93.9% there but 55.8% at 65536 rows,
+    whose 65536 row programs spill onto a second grid axis)."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 

@@ -810,7 +810,7 @@ def test_fp8_to_mxfp4_every_block_maximum_with_every_smaller_byte():
 ROW_SWEEP_SHAPES = [(8, 128), (200, 256), (64, 512), (333, 7168), (4096, 7168)]
 ROW_SWEEP_CONFIGS = [dict(block_m=4, tiles=8, num_warps=2), dict(block_m=1, tiles=1, num_warps=2),
                      dict(block_m=2, tiles=8, num_warps=1), dict(block_m=4, tiles=2, num_warps=4),
-                     dict(block_m=1, tiles=8, num_warps=1)]
+                     dict(block_m=1, tiles=8, num_warps=1), dict(block_m=2, tiles=4, num_warps=1)]
 MX_SWEEP_CONFIGS = [dict(block_m=4, block_k=1024, num_warps=2), dict(block_m=1, block_k=128, num_warps=1),
                     dict(block_m=4, block_k=256, num_warps=4)]
 
