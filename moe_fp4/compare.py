@@ -18,9 +18,10 @@ Expert parallelism: under ``torchrun`` with more than one process every MoE laye
 ranks (:class:`moe_fp4.ep.EPConfig`); the other parameters are replicated and their gradients
 averaged (data parallel over the same ranks), each rank draws its own batches.
 
-``max_batch_gib``: for each mode, the largest batch (sequences per rank) whose step peaks within
-that budget (per device), found from two probe batches (peak memory is affine in the batch) and
-checked by running it; the timed run then uses each mode's own largest batch. On CPU the memory of
+``max_batch_gib``: for each mode, the exact largest batch (sequences per rank) whose step peaks
+within that budget (per device): :func:`search_largest_batch`, every candidate measured by one probe
+step from a freshly built model (two probes give an affine prediction, then bracket and bisect); the
+timed run then uses each mode's own largest batch. On CPU the memory of
 a step is estimated (parameters, gradients, optimizer state and saved activations; there is no
 allocator to ask), so CPU budgets are for tests, not measurements.
 """
@@ -509,11 +510,13 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
     """Memory of one training step at each batch (per device, the largest rank): CUDA's peak
     allocation, or on CPU parameters + gradients + optimizer state + saved activations. Builds its
     own model (the probes train it) and frees it."""
-    model, loss_fn, sharded, handle = build(cfg, mode, env)
-    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
-    data = _batches(cfg, env, corpus)
+    _free(env)   # every probe starts from the same state: nothing cached from the one before
     out = {}
+    model = trainer = handle = None
     try:
+        model, loss_fn, sharded, handle = build(cfg, mode, env)
+        trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
+        data = _batches(cfg, env, corpus)
         trainer.step(*data.next(batches[0]))                 # optimizer state exists from here on
         for b in batches:
             ids, targets = data.next(b)
@@ -533,6 +536,11 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
                 act = activation_bytes(trainer, ids, targets, handle)["saved_bytes"]
                 used = static + sum(p.numel() * p.element_size() for p in model.parameters()) + act
             out[b] = _max_over_ranks(used, env)
+    except torch.OutOfMemoryError:
+        # Out of memory building the model or in its first step: none of the batches fits. (An
+        # exception raised on some ranks only would leave the others in a collective; a probe's
+        # memory is the same on every rank up to routing, which the search's margin does not rely on.)
+        out.update({b: float("inf") for b in batches if b not in out})
     finally:
         if handle is not None:
             handle.remove()
@@ -541,30 +549,75 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
     return out
 
 
+def _quiet(*_a, **_k) -> None:
+    return None
+
+
+MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 after the first three
+
+
+def search_largest_batch(measure, budget: float, first: int, max_probes: int = MAX_SEARCH_PROBES,
+                         log=_quiet) -> dict:
+    """The exact largest batch b >= 0 with measure(b) <= budget, for a measure that does not decrease
+    with the batch. measure(b) -> bytes (inf: does not fit, e.g. out of memory); every candidate is
+    measured, none is predicted.
+
+    Probes ``first`` and ``2 * first``, fits peak = fixed + slope * batch through them and measures the
+    prediction and its neighbour, then brackets (doubling past the largest fit while everything fits)
+    and bisects between the largest batch that fits and the smallest that does not. -> {"batch_max",
+    "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1
+    was measured not to fit (False only when max_probes ran out)}."""
+    probe: dict[int, float] = {}
+
+    def fits(b: int) -> bool:
+        if b not in probe:
+            probe[b] = float(measure(b))
+            log(f"  batch {b} -> {probe[b] / GiB:.2f} GiB (budget {budget / GiB:.2f})"
+                if math.isfinite(probe[b]) else f"  batch {b} -> does not fit (out of memory)", flush=True)
+        return probe[b] <= budget
+
+    first = max(1, int(first))
+    lo, hi = 0, None                                    # lo fits (0 always does), hi does not
+    for b in (first, 2 * first):
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+            break
+    slope = fixed = None
+    p1, p2 = probe.get(first, math.inf), probe.get(2 * first, math.inf)
+    if math.isfinite(p1) and math.isfinite(p2) and p2 > p1:
+        slope = (p2 - p1) / first
+        fixed = p1 - slope * first
+        guess = int((budget - fixed) // slope)
+        for b in (guess, guess + 1):                    # the prediction and its neighbour bracket it when exact
+            if b > lo and (hi is None or b < hi) and len(probe) < max_probes:
+                if fits(b):
+                    lo = b
+                else:
+                    hi = b
+                    break
+    while hi is None and len(probe) < max_probes:       # everything fitted so far: double until it does not
+        b = max(2 * lo, lo + 1)
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+    while hi is not None and hi - lo > 1 and len(probe) < max_probes:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"batch_max": lo, "probe": {str(k): v for k, v in sorted(probe.items())}, "bytes_per_sequence": slope,
+            "fixed_bytes": fixed, "exact": hi == lo + 1}
+
+
 def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
-    """The largest batch whose step fits ``budget`` bytes: fit peak = a + b * batch through two probes,
-    then run the prediction and step down until it fits. -> {"batch_max", "probe": {batch: bytes},
-    "bytes_per_sequence", "fixed_bytes"}."""
-    b1 = max(1, cfg.batch // 2)
-    probe = step_bytes(cfg, mode, env, corpus, [b1, 2 * b1])
-    p1, p2 = probe[b1], probe[2 * b1]
-    if not math.isfinite(p2) or p2 > budget:
-        return {"batch_max": 0 if p1 > budget else b1, "probe": probe, "bytes_per_sequence": None, "fixed_bytes": None}
-    slope = max((p2 - p1) / b1, 1.0)
-    fixed = p1 - slope * b1
-    best, guess = 2 * b1, int((budget - fixed) // slope)
-    for _ in range(4):
-        if guess <= best:
-            break
-        used = step_bytes(cfg, mode, env, corpus, [guess])[guess]
-        probe[guess] = used
-        log(f"  {mode}: batch {guess} -> {used / GiB:.2f} GiB (budget {budget / GiB:.2f})", flush=True)
-        if used <= budget:
-            best = guess
-            break
-        guess = int(guess * min(0.97, budget / used)) if math.isfinite(used) else int(guess * 0.8)
-    return {"batch_max": best, "probe": {str(k): v for k, v in probe.items()}, "bytes_per_sequence": slope,
-            "fixed_bytes": fixed}
+    """The exact largest batch whose training step fits ``budget`` bytes per device
+    (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes)."""
+    return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b])[b], budget,
+                                max(1, cfg.batch // 2), log=lambda *a, **k: log(f"  {mode}:" + a[0][1:], **k))
 
 
 def ratios(rows: dict[str, dict], base: str = "fp8") -> dict:
@@ -653,8 +706,6 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     return report
 
 
-def _quiet(*_a, **_k) -> None:
-    return None
 
 
 def _gib(v) -> str:
@@ -712,5 +763,6 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "check_ep", "largest_batch", "ratios", "run", "table",
+__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "check_ep", "largest_batch", "ratios", "run",
+           "search_largest_batch", "table",
            "train_mode"]

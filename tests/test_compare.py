@@ -225,6 +225,77 @@ def test_cli_hook(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The largest-batch search on known memory functions: the exact answer, every candidate measured.
+
+def _search(fn, budget, first, **kw):
+    from moe_fp4.compare import search_largest_batch
+
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return fn(b)
+
+    found = search_largest_batch(measure, budget, first, **kw)
+    assert len(calls) == len(set(calls)), f"a batch was measured twice: {calls}"
+    assert set(found["probe"]) == {str(b) for b in calls}
+    return found
+
+
+def _brute(fn, budget, limit=10_000):
+    best = 0
+    for b in range(1, limit):
+        if fn(b) > budget:
+            break
+        best = b
+    return best
+
+
+@pytest.mark.parametrize("name, fn, budget, first, want", [
+    ("linear, prediction exact", lambda b: 1000 + 10 * b, 1500, 4, 50),
+    ("a jump the line does not see", lambda b: 100 + 7 * b + (50 if b > 30 else 0), 400, 4, 35),
+    ("out of memory past 20", lambda b: 10 * b if b <= 20 else float("inf"), 1000, 4, 20),
+    ("convex: the line overshoots", lambda b: b * b, 1000, 2, 31),
+    ("concave: the line undershoots", lambda b: 400 * b ** 0.5, 4000, 4, 100),
+    ("the first probe does not fit", lambda b: 100 * b, 500, 16, 5),
+    ("not even one", lambda b: 100 + b, 50, 8, 0),
+    ("out of memory from the start", lambda b: float("inf"), 1e12, 8, 0),
+    ("the issue's case: 2x the probe fits, more does too", lambda b: 2.3e9 + 0.3e9 * b, 18e9, 16, 52),
+])
+def test_largest_batch_search_is_exact(name, fn, budget, first, want):
+    found = _search(fn, budget, first)
+    assert found["batch_max"] == want == _brute(fn, budget), (name, found)
+    assert found["exact"], (name, found)
+    assert str(want + 1) in found["probe"] and found["probe"][str(want + 1)] > budget, (name, found)
+    if want:
+        assert found["probe"][str(want)] <= budget, (name, found)
+
+
+def test_largest_batch_search_on_random_monotone_memory():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        steps = [rng.choice([0, 1, 3, 10, 50]) * rng.random() for _ in range(400)]
+        table = [rng.uniform(0, 500)]
+        for d in steps:
+            table.append(table[-1] + d)
+
+        def fn(b, table=table):
+            return table[b] if b < len(table) else float("inf")
+
+        budget, first = rng.uniform(0, table[-1] * 1.1), rng.randint(1, 64)
+        found = _search(fn, budget, first)
+        assert found["batch_max"] == _brute(fn, budget, len(table) + 1) and found["exact"], (budget, first, found)
+
+
+def test_largest_batch_search_says_when_it_ran_out_of_probes():
+    found = _search(lambda b: 1.0, 10.0, 4, max_probes=6)    # everything fits: it doubles until the cap
+    assert not found["exact"] and len(found["probe"]) == 6
+    assert found["batch_max"] == max(int(b) for b in found["probe"])
+
+
+# ---------------------------------------------------------------------------------------------------
 # 4. --max-batch: each mode's largest batch in a (CPU-estimated) budget, then trained at it.
 
 def test_cli_max_batch(tmp_path):
