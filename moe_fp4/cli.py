@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     c.add_argument("--data", choices=["stdlib", "random"], default="stdlib",
                    help="tokens: the stdlib's Python source as bytes, or random")
+    c.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="sequences per optimizer step over all ranks: each mode takes N / ranks per rank in "
+                        "micro-batches (the largest divisor not above --batch, or with --max-batch its largest "
+                        "batch), gradients accumulated, so the modes train on the same batches")
     c.add_argument("--max-batch", type=float, default=None, metavar="GIB",
                    help="train each mode at its largest batch in GIB GiB per GPU")
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",
@@ -224,8 +228,13 @@ def _check(a: argparse.Namespace, cuda: bool):
                         batch=a.batch if a.batch is not None else PRESET_BATCH[preset],
                         seq=a.seq, experts=a.experts, layers=a.layers,
                         lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
+                        global_batch=a.global_batch,
                         profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.global_batch is not None:
+        from moe_fp4.compare import per_rank_batch
+
+        per_rank_batch(cfg.global_batch, world)
     wire = parse_wire(a.wire)
     if wire and world == 1:
         raise ValueError("--wire sets the expert-parallel exchanges: run it under torchrun with 2 or more ranks")

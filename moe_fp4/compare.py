@@ -71,7 +71,11 @@ class CompareConfig:
     budget_gib: per-device budget the requested batch must fit (None: no check; on CUDA an
     out-of-memory step still ends with a clear error); hook: compare a Hugging Face MoE model with
     and without :func:`moe_fp4.register_activation_compression` instead of the precision modes;
-    profile: keep the profiler's table of the profiled steps in each row ("profile_table")."""
+    profile: keep the profiler's table of the profiled steps in each row ("profile_table");
+    global_batch: sequences per optimizer step over all ranks (None: ``batch`` per rank, one micro-batch):
+    each rank takes global_batch / world of them per step in micro-batches of the largest divisor of
+    that share not above the mode's batch (``batch``, or its largest batch with ``max_batch_gib``), the
+    gradients accumulated over the micro-batches, so every mode trains on the same batches."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -87,6 +91,7 @@ class CompareConfig:
     eval_batches: int = 8
     max_batch_gib: float | None = None
     budget_gib: float | None = None
+    global_batch: int | None = None
     profile_steps: int = 3
     profile: bool = False
     hook: bool = False
@@ -105,6 +110,8 @@ class CompareConfig:
         object.__setattr__(self, "modes", modes)
         if self.data not in DATA:
             raise ValueError(f"unknown data {self.data!r}; choose one of {', '.join(DATA)}")
+        if self.global_batch is not None and self.global_batch <= 0:
+            raise ValueError(f"global_batch must be positive, got {self.global_batch}")
         for name in ("steps", "batch", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -255,8 +262,10 @@ class Trainer:
     """One mode's model, optimizer and step: forward, backward, gradient averaging over the
     replicated parameters, global-norm clipping, AdamW."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn, env: Env, lr: float, steps: int, sharded=()):
+    def __init__(self, model: torch.nn.Module, loss_fn, env: Env, lr: float, steps: int, sharded=(),
+                 micro_batch: int | None = None):
         self.model, self.loss_fn, self.env = model, loss_fn, env
+        self.micro_batch = micro_batch
         sharded_ids = {id(p) for p in sharded}
         params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = [p for p in params if id(p) in sharded_ids]
@@ -268,13 +277,25 @@ class Trainer:
             self.opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(s, steps) / steps)))
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(self.model, ids, targets)
-        loss.backward()
+        """ids, targets int64 [B, S] -> the mean loss over the B sequences (float32 scalar), after one
+        optimizer step. With ``micro_batch`` the B sequences go through forward and backward in
+        micro-batches of that many (B a multiple of it), each loss weighted by its share of B, the
+        gradients accumulated: the same update as one pass over B, up to rounding. The FP8 weight
+        copies are made once per step (moe_fp4.gemm.FP8_WEIGHTS: the weights change only at opt.step)."""
+        n = ids.shape[0]
+        micro = self.micro_batch or n
+        if n % micro:
+            raise ValueError(f"Trainer: {n} sequences do not split into micro-batches of {micro}")
+        loss = None
+        for part_ids, part_targets in zip(ids.split(micro), targets.split(micro)):
+            part = self.loss_fn(self.model, part_ids, part_targets) * (part_ids.shape[0] / n)
+            part.backward()
+            loss = part.detach() if loss is None else loss + part.detach()
         self._sync_and_clip()
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     def _sync_and_clip(self, max_norm: float = 1.0) -> None:
         env = self.env
@@ -433,11 +454,14 @@ def _progress(cfg: CompareConfig, env: Env, desc: str):
     return tqdm(total=cfg.steps, desc=desc, unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
 
 
-def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=print) -> dict:
-    """Train one mode for cfg.steps steps at ``batch`` sequences per rank -> its result row."""
+def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=print,
+               micro_batch: int | None = None) -> dict:
+    """Train one mode for cfg.steps steps at ``batch`` sequences per rank per optimizer step, in
+    micro-batches of ``micro_batch`` (None: one pass) -> its result row."""
     mc = cfg.model
+    micro = micro_batch or batch
     model, loss_fn, sharded, handle = build(cfg, mode, env)
-    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
     data, held = _batches(cfg, env, corpus), _batches(cfg, env, corpus, held_out=True)
     if env.cuda:
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -477,14 +501,15 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
-        ev = torch.stack([loss_fn(model, *held.next(batch)).float() for _ in range(cfg.eval_batches)]).mean()
+        ev = torch.stack([loss_fn(model, *held.next(micro)).float() for _ in range(cfg.eval_batches)]).mean()
     ev = (_all_reduce(ev, env) / env.world).item()
-    act = activation_bytes(trainer, *data.next(batch), handle)
+    act = activation_bytes(trainer, *data.next(micro), handle)   # one micro-batch's: what a pass holds
     # After the eval: the profiled steps train the model further.
     a2a, prof = profile_steps(trainer, data, batch, cfg.profile_steps, 60 if cfg.profile else 0)
     curve = curve.tolist()
     tail = curve[-max(1, min(50, cfg.steps // 10)):]
-    row = {"mode": mode, "batch": batch, "seq": mc.seq, "tokens_per_step_per_rank": batch * mc.seq,
+    row = {"mode": mode, "batch": batch, "micro_batch": micro, "accumulate": batch // micro, "seq": mc.seq,
+           "tokens_per_step_per_rank": batch * mc.seq,
            "step_ms": step_ms, "step_ms_all": times, "tokens_per_s_per_gpu": batch * mc.seq / step_ms * 1e3,
            "peak_bytes": peak, **act, "a2a_ms": a2a,
            "a2a_share": None if a2a is None else a2a / step_ms,
@@ -547,6 +572,22 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
         del model, trainer
         _free(env)
     return out
+
+
+def per_rank_batch(global_batch: int, world: int) -> int:
+    """Sequences per rank per optimizer step of a global batch over ``world`` ranks (ValueError unless
+    it divides evenly)."""
+    if global_batch % world:
+        raise ValueError(f"global batch {global_batch} does not divide over {world} ranks: give a multiple of {world}")
+    return global_batch // world
+
+
+def micro_batch(per_rank: int, cap: int) -> int:
+    """The largest divisor of ``per_rank`` not above ``cap`` (the mode's batch or its largest that fits):
+    the micro-batch, so that per_rank / micro-batch passes make the step."""
+    if cap < 1:
+        raise ValueError("no micro-batch fits: not even one sequence")
+    return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
 
 
 def _quiet(*_a, **_k) -> None:
@@ -645,6 +686,8 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         if cfg.hook:
             raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
         check_ep(mc, env.world)
+    if cfg.global_batch is not None:
+        per_rank_batch(cfg.global_batch, env.world)   # fails now, not after the searches
     t0 = time.perf_counter()
     corpus = stdlib_corpus() if cfg.data == "stdlib" else None
     meta = describe(env)
@@ -691,11 +734,20 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
                 raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "
                                       f"per device (probes: {found['probe']})")
             batch[m] = found["batch_max"]
+    micro = {m: None for m in cfg.modes}
+    if cfg.global_batch is not None:
+        per_rank = per_rank_batch(cfg.global_batch, env.world)
+        for m in cfg.modes:
+            micro[m] = micro_batch(per_rank, batch[m])
+            batch[m] = per_rank
     for m in cfg.modes:
         if env.lead:
-            log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank", flush=True)
+            split = "" if micro[m] in (None, batch[m]) else \
+                f" ({batch[m] // micro[m]} micro-batches of {micro[m]}, gradients accumulated)"
+            log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank{split}", flush=True)
         try:
-            report["modes"][m] = train_mode(cfg, m, env, corpus, batch[m], log if env.lead else _quiet)
+            report["modes"][m] = train_mode(cfg, m, env, corpus, batch[m], log if env.lead else _quiet,
+                                            micro_batch=micro[m])
         except torch.OutOfMemoryError as e:
             raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
                                   f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
@@ -763,6 +815,6 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "check_ep", "largest_batch", "ratios", "run",
-           "search_largest_batch", "table",
+__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "Trainer", "check_ep", "largest_batch", "micro_batch",
+           "per_rank_batch", "ratios", "run", "search_largest_batch", "table",
            "train_mode"]
