@@ -75,9 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--data", choices=["stdlib", "random"], default="stdlib",
                    help="tokens: the stdlib's Python source as bytes, or random")
     c.add_argument("--global-batch", type=int, default=None, metavar="N",
-                   help="sequences per optimizer step over all ranks: each mode takes N / ranks per rank in "
-                        "micro-batches (the largest divisor not above --batch, or with --max-batch its largest "
-                        "batch), gradients accumulated, so the modes train on the same batches")
+                   help="sequences per optimizer step over all ranks: each mode takes N / ranks per rank in the "
+                        "fewest near-equal micro-batches of at most --batch (with --max-batch: its largest that "
+                        "fits an accumulated step), gradients accumulated, so the modes train on the same batches")
     c.add_argument("--max-batch", type=float, default=None, metavar="GIB",
                    help="train each mode at its largest batch in GIB GiB per GPU")
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",

@@ -73,9 +73,9 @@ class CompareConfig:
     and without :func:`moe_fp4.register_activation_compression` instead of the precision modes;
     profile: keep the profiler's table of the profiled steps in each row ("profile_table");
     global_batch: sequences per optimizer step over all ranks (None: ``batch`` per rank, one micro-batch):
-    each rank takes global_batch / world of them per step in micro-batches of the largest divisor of
-    that share not above the mode's batch (``batch``, or its largest batch with ``max_batch_gib``), the
-    gradients accumulated over the micro-batches, so every mode trains on the same batches."""
+    each rank takes global_batch / world of them per step in the fewest near-equal micro-batches of at
+    most the mode's batch (``batch``, or with ``max_batch_gib`` its largest micro-batch whose
+    accumulated step fits), the gradients accumulated, so every mode trains on the same batches."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -279,15 +279,13 @@ class Trainer:
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """ids, targets int64 [B, S] -> the mean loss over the B sequences (float32 scalar), after one
         optimizer step. With ``micro_batch`` the B sequences go through forward and backward in
-        micro-batches of that many (B a multiple of it), each loss weighted by its share of B, the
+        ceil(B / micro_batch) near-equal micro-batches, each loss weighted by its share of B, the
         gradients accumulated: the same update as one pass over B, up to rounding. The FP8 weight
         copies are made once per step (moe_fp4.gemm.FP8_WEIGHTS: the weights change only at opt.step)."""
         n = ids.shape[0]
-        micro = self.micro_batch or n
-        if n % micro:
-            raise ValueError(f"Trainer: {n} sequences do not split into micro-batches of {micro}")
+        passes = -(-n // (self.micro_batch or n))          # near-equal passes of at most micro_batch
         loss = None
-        for part_ids, part_targets in zip(ids.split(micro), targets.split(micro)):
+        for part_ids, part_targets in zip(ids.tensor_split(passes), targets.tensor_split(passes)):
             part = self.loss_fn(self.model, part_ids, part_targets) * (part_ids.shape[0] / n)
             part.backward()
             loss = part.detach() if loss is None else loss + part.detach()
@@ -508,7 +506,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     a2a, prof = profile_steps(trainer, data, batch, cfg.profile_steps, 60 if cfg.profile else 0)
     curve = curve.tolist()
     tail = curve[-max(1, min(50, cfg.steps // 10)):]
-    row = {"mode": mode, "batch": batch, "micro_batch": micro, "accumulate": batch // micro, "seq": mc.seq,
+    row = {"mode": mode, "batch": batch, "micro_batch": micro, "accumulate": -(-batch // micro), "seq": mc.seq,
            "tokens_per_step_per_rank": batch * mc.seq,
            "step_ms": step_ms, "step_ms_all": times, "tokens_per_s_per_gpu": batch * mc.seq / step_ms * 1e3,
            "peak_bytes": peak, **act, "a2a_ms": a2a,
@@ -531,10 +529,12 @@ def _free(env: Env) -> None:
         torch.cuda.empty_cache()
 
 
-def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[int]) -> dict[int, int]:
+def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[int], passes: int = 1) -> dict[int, int]:
     """Memory of one training step at each batch (per device, the largest rank): CUDA's peak
-    allocation, or on CPU parameters + gradients + optimizer state + saved activations. Builds its
-    own model (the probes train it) and frees it."""
+    allocation, or on CPU parameters + gradients + optimizer state + saved activations. With
+    ``passes`` > 1 the step takes batch * passes sequences in micro-batches of ``batch``, gradients
+    accumulated (a later pass runs with the earlier passes' gradients held: more than one pass of the
+    same batch). Builds its own model (the probes train it) and frees it."""
     _free(env)   # every probe starts from the same state: nothing cached from the one before
     out = {}
     model = trainer = handle = None
@@ -542,9 +542,11 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
         model, loss_fn, sharded, handle = build(cfg, mode, env)
         trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
         data = _batches(cfg, env, corpus)
-        trainer.step(*data.next(batches[0]))                 # optimizer state exists from here on
+        trainer.micro_batch = batches[0]
+        trainer.step(*data.next(batches[0] * passes))        # optimizer state exists from here on
         for b in batches:
-            ids, targets = data.next(b)
+            trainer.micro_batch = b
+            ids, targets = data.next(b * passes)
             if env.cuda:
                 _sync(env)
                 torch.cuda.reset_peak_memory_stats(env.device)
@@ -558,7 +560,7 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
             else:
                 static = sum(t.numel() * t.element_size() for p in model.parameters()
                              for t in (p, *trainer.opt.state[p].values()) if isinstance(t, torch.Tensor))
-                act = activation_bytes(trainer, ids, targets, handle)["saved_bytes"]
+                act = activation_bytes(trainer, ids[:b], targets[:b], handle)["saved_bytes"]
                 used = static + sum(p.numel() * p.element_size() for p in model.parameters()) + act
             out[b] = _max_over_ranks(used, env)
     except torch.OutOfMemoryError:
@@ -583,11 +585,14 @@ def per_rank_batch(global_batch: int, world: int) -> int:
 
 
 def micro_batch(per_rank: int, cap: int) -> int:
-    """The largest divisor of ``per_rank`` not above ``cap`` (the mode's batch or its largest that fits):
-    the micro-batch, so that per_rank / micro-batch passes make the step."""
+    """The micro-batch for ``per_rank`` sequences a step when at most ``cap`` fit in one pass (the mode's
+    batch, or its largest that fits): the fewest passes, ceil(per_rank / cap), of near-equal size, so
+    the largest is ceil(per_rank / passes) <= cap (88 at cap 31: 3 passes of 30, 29, 29 -> 30).
+    :class:`Trainer` splits a step the same way (``torch.tensor_split``)."""
     if cap < 1:
         raise ValueError("no micro-batch fits: not even one sequence")
-    return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
+    passes = -(-per_rank // cap)
+    return -(-per_rank // passes)
 
 
 def _quiet(*_a, **_k) -> None:
@@ -654,10 +659,12 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
             "fixed_bytes": fixed, "exact": hi == lo + 1}
 
 
-def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
+def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print,
+                  passes: int = 1) -> dict:
     """The exact largest batch whose training step fits ``budget`` bytes per device
-    (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes)."""
-    return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b])[b], budget,
+    (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes);
+    with ``passes`` > 1 the largest micro-batch whose accumulated step of that many passes fits."""
+    return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b], passes)[b], budget,
                                 max(1, cfg.batch // 2), log=lambda *a, **k: log(f"  {mode}:" + a[0][1:], **k))
 
 
@@ -728,7 +735,11 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         for m in cfg.modes:
             if env.lead:
                 log(f"[{m}] largest batch in {cfg.max_batch_gib:g} GiB per device", flush=True)
-            found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet)
+            # With a global batch the micro-batch must fit an accumulated step: a later pass holds the
+            # earlier passes' gradients (measured on an H100: fp4 at batch 44 of the small preset,
+            # 11.89 GiB in one pass, 13.53 GiB in the second of two).
+            found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet,
+                                  passes=2 if cfg.global_batch is not None else 1)
             report["max_batch"][m] = found
             if found["batch_max"] == 0:
                 raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "
@@ -743,7 +754,7 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     for m in cfg.modes:
         if env.lead:
             split = "" if micro[m] in (None, batch[m]) else \
-                f" ({batch[m] // micro[m]} micro-batches of {micro[m]}, gradients accumulated)"
+                f" ({-(-batch[m] // micro[m])} micro-batches of up to {micro[m]}, gradients accumulated)"
             log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank{split}", flush=True)
         try:
             report["modes"][m] = train_mode(cfg, m, env, corpus, batch[m], log if env.lead else _quiet,
@@ -751,6 +762,11 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         except torch.OutOfMemoryError as e:
             raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
                                   f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
+        budget = cfg.max_batch_gib if cfg.max_batch_gib is not None else cfg.budget_gib
+        peak = report["modes"][m]["peak_bytes"]
+        if budget is not None and peak is not None and peak > budget * GiB:
+            report["notes"].append(f"{m}: the training run peaked at {peak / GiB:.2f} GiB, above the {budget:g} GiB "
+                                   f"budget its batch was chosen for")
         if env.lead:
             log("  " + done_line(report["modes"][m], env.world), flush=True)
     report["ratios"] = ratios(report["modes"], "hf" if cfg.hook else "fp8")
