@@ -724,11 +724,12 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
                 setattr(obj, attr, old)
         # A module first imported inside the scope that imported a swapped name took the drop-in:
         # give it torch's function, or it would send MXFP4 ever after.
+        # (The module's own namespace only: getattr would run a lazy module's __getattr__.)
         for name in set(sys.modules) - imported_before:
-            mod = sys.modules.get(name)
+            namespace = getattr(sys.modules.get(name), "__dict__", None) or {}
             for m, a, f in SWAPPED:
-                if mod is not None and getattr(mod, a, None) is f:
-                    setattr(mod, a, _original(m, a))
+                if namespace.get(a) is f:
+                    namespace[a] = _original(m, a)
     if not report:
         return
     if missed := cfg.uncompressed_floats():
