@@ -174,6 +174,7 @@ def main() -> None:
         dist.all_gather_object(every, line)   # rank 0 prints every rank's line, in order
         if rank == 0:
             print("\n".join(every), flush=True)
+    dist.barrier()   # no rank tears its process groups down while another still uses them
     dist.destroy_process_group()
 
 

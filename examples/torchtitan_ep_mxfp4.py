@@ -137,6 +137,7 @@ def main() -> None:
         dist.all_gather_object(every, lines)   # rank 0 prints all ranks' lines, in order
         if rank == 0:
             print("\n".join(line for ranks_lines in every for line in ranks_lines), flush=True)
+    dist.barrier()   # no rank tears its process groups down while another still uses them
     dist.destroy_process_group()
 
 
