@@ -289,6 +289,28 @@ def test_largest_batch_search_on_random_monotone_memory():
         assert found["batch_max"] == _brute(fn, budget, len(table) + 1) and found["exact"], (budget, first, found)
 
 
+def test_out_of_memory_anywhere_in_a_probe_means_it_does_not_fit(monkeypatch):
+    """An out-of-memory while building the model or in the probe's first step is "does not fit" (inf),
+    never a traceback; the search then reports that nothing fits."""
+    import moe_fp4.compare as C
+
+    cfg = C.CompareConfig(preset="tiny", modes=("bf16",), steps=2, warmup=0, batch=2, data="random")
+    env = C.Env(torch.device("cpu"))
+
+    def oom(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    for target in ("build", "Trainer.step"):
+        with monkeypatch.context() as mp:
+            if target == "build":
+                mp.setattr(C, "build", oom)
+            else:
+                mp.setattr(C.Trainer, "step", oom)
+            assert C.step_bytes(cfg, "bf16", env, None, [1, 2]) == {1: math.inf, 2: math.inf}, target
+            found = C.largest_batch(cfg, "bf16", env, None, 2**40, log=lambda *a, **k: None)
+            assert found["batch_max"] == 0 and found["exact"], (target, found)
+
+
 def test_largest_batch_search_says_when_it_ran_out_of_probes():
     found = _search(lambda b: 1.0, 10.0, 4, max_probes=6)    # everything fits: it doubles until the cap
     assert not found["exact"] and len(found["probe"]) == 6
