@@ -33,6 +33,7 @@ then fail with its traceback. hidden_size is 128: the FP8 wire needs a multiple 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -189,26 +190,61 @@ def _backward(loss) -> str | None:
     return None
 
 
-def _ep_worker(rank, world):
+def _reference_step(ref, ids, world):
+    """One forward + backward of the non-EP reference on this rank's batch -> (parameters, logits, loss,
+    this rank's gradients, the gradients' mean over the ranks: an all-reduce)."""
     import torch.distributed as dist
-    from transformers.distributed.expert_parallel import EPImplementationInterface
 
-    import moe_fp4
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref_grads = _grads(ref)
+    names = sorted(ref_grads)
+    flat = torch.cat([ref_grads[n].flatten() for n in names])
+    dist.all_reduce(flat)
+    flat /= world
+    mean_grads = dict(zip(names, (c.view_as(ref_grads[n]) for c, n in
+                                  zip(flat.split([ref_grads[n].numel() for n in names]), names))))
+    return ref_params, out.logits.detach(), out.loss.detach(), ref_grads, mean_grads
+
+
+def _ep_step(model, ids, ref, registered: str, calls: dict, wire: list):
+    """One forward + backward of an EP model against ``ref`` (_reference_step's tuple) -> (the result row:
+    installed and registered class, calls, wire formats forward / backward, forward and gradient
+    comparisons, local expert shards; logits, loss, gradients)."""
+    from moe_fp4.metrics import sqnr_db
+
+    ref_params, ref_logits, ref_loss, _, mean_grads = ref
+    calls.clear()
+    r = {"installed": [type(_installed_implementation(layer.mlp.experts)).__name__ for layer in model.model.layers],
+         "registered": registered}
+    wire.clear()
+    out = model(input_ids=ids, labels=ids)
+    r["wire_fwd"], r["calls"] = list(wire), dict(calls)
+    logits, loss = _full(out.logits).detach().clone(), out.loss.detach().clone()
+    r.update(_compare_forward(ref_logits, ref_loss, logits, loss))
+    wire.clear()
+    r["backward_error"] = _backward(out.loss)
+    r["wire_bwd"] = list(wire)
+    grads = _grads(model)
+    if r["backward_error"] is None:
+        r.update(_compare_grads(mean_grads, grads))
+        r["local_experts"] = {}
+        for n, (p, idx) in _local_experts(model, ref_params).items():
+            g = p.grad.to_local()
+            r["local_experts"][n] = (idx, sqnr_db(mean_grads[n][idx], g), _rel_err(mean_grads[n][idx], g))
+    return r, logits, loss, grads
+
+
+@contextlib.contextmanager
+def _spies(calls: dict, wire: list):
+    """Count MoeFp4EP.__call__ per registered class into ``calls`` and record each exchange's wire
+    format (moe_fp4.ep.pack, with which every moe_fp4 exchange packs its rows) into ``wire``."""
     import moe_fp4.ep as ep
     import moe_fp4.hf as hf
-    import moe_fp4.hook as hook
-    from moe_fp4.metrics import sqnr_db
     from moe_fp4.wire import WireFormat
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    hf.register(NATIVE_CONTROL, dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
-    registry = EPImplementationInterface()
-
-    calls: dict[str, int] = {}
-    wire: list[str] = []
-    quantized_shapes: list[tuple] = []
-    real_call, real_pack, real_quantize = hf.MoeFp4EP.__call__, ep.pack, hook._quantize
+    real_call, real_pack = hf.MoeFp4EP.__call__, ep.pack
 
     def counting_call(self, *args, **kwargs):
         calls[type(self).__name__] = calls.get(type(self).__name__, 0) + 1
@@ -218,82 +254,78 @@ def _ep_worker(rank, world):
         wire.append(WireFormat(fmt).value)
         return real_pack(x, fmt, out=out)
 
+    hf.MoeFp4EP.__call__, ep.pack = counting_call, spy_pack
+    try:
+        yield
+    finally:
+        hf.MoeFp4EP.__call__, ep.pack = real_call, real_pack
+
+
+def _ep_worker(rank, world):
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    import moe_fp4
+    import moe_fp4.hf as hf
+    import moe_fp4.hook as hook
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    hf.register(NATIVE_CONTROL, dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
+    registry = EPImplementationInterface()
+
+    calls: dict[str, int] = {}
+    wire: list[str] = []
+    quantized_shapes: list[tuple] = []
+    real_quantize = hook._quantize
+
     def spy_quantize(t):
         quantized_shapes.append(tuple(t.shape))
         return real_quantize(t)
 
-    hf.MoeFp4EP.__call__, ep.pack, hook._quantize = counting_call, spy_pack, spy_quantize
+    hook._quantize = spy_quantize
     try:
-        t0 = time.perf_counter()
-        ids = _batches()[rank]
-        ref = _build(None)
-        ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        out = ref(input_ids=ids, labels=ids)
-        out.loss.backward()
-        ref_logits, ref_loss = out.logits.detach(), out.loss.detach()
-        ref_grads = _grads(ref)
-        names = sorted(ref_grads)
-        flat = torch.cat([ref_grads[n].flatten() for n in names])
-        dist.all_reduce(flat)
-        flat /= world
-        mean_grads = dict(zip(names, (c.view_as(ref_grads[n]) for c, n in
-                                      zip(flat.split([ref_grads[n].numel() for n in names]), names))))
-        results = {"impl": {}}
+        with _spies(calls, wire):
+            t0 = time.perf_counter()
+            ids = _batches()[rank]
+            ref = _reference_step(_build(None), ids, world)
+            results = {"impl": {}}
 
-        for impl in IMPLS:
-            calls.clear()
-            model = _build(impl)
-            r = {"installed": [type(_installed_implementation(layer.mlp.experts)).__name__
-                               for layer in model.model.layers],
-                 "registered": registry[impl].__name__}
-            wire.clear()
-            out = model(input_ids=ids, labels=ids)
-            r["wire_fwd"], r["calls"] = list(wire), dict(calls)
-            logits, loss = _full(out.logits).detach().clone(), out.loss.detach().clone()
-            r.update(_compare_forward(ref_logits, ref_loss, logits, loss))
-            wire.clear()
-            r["backward_error"] = _backward(out.loss)
-            r["wire_bwd"] = list(wire)
-            grads = _grads(model)
-            if r["backward_error"] is None:
-                r.update(_compare_grads(mean_grads, grads))
-                r["local_experts"] = {}
-                for n, (p, idx) in _local_experts(model, ref_params).items():
-                    g = p.grad.to_local()
-                    r["local_experts"][n] = (idx, sqnr_db(mean_grads[n][idx], g), _rel_err(mean_grads[n][idx], g))
+            for impl in IMPLS:
+                model = _build(impl)
+                r, logits, loss, grads = _ep_step(model, ids, ref, registry[impl].__name__, calls, wire)
 
-            if impl == "moe_fp4":
-                calls.clear()
-                quantized_shapes.clear()
-                model.zero_grad(set_to_none=True)
-                weight_shapes = set()
-                for n, p in model.named_parameters():
-                    if ".experts." in n:
-                        s = tuple(p.to_local().shape)
-                        weight_shapes |= {s, s[:-2] + s[:-3:-1]}
-                handle = moe_fp4.register_activation_compression(model, moe_fp4.CompressionConfig(**COMPRESSION))
-                try:
-                    c_out = model(input_ids=ids, labels=ids)
-                    c = {"logits_equal": torch.equal(_full(c_out.logits), logits),
-                         "loss_equal": torch.equal(c_out.loss.detach(), loss),
-                         "calls": dict(calls),
-                         "weights_compressed": sum(s in weight_shapes for s in quantized_shapes)}
-                    c["backward_error"] = _backward(c_out.loss)
-                finally:
-                    handle.remove()
-                if c["backward_error"] is None and r["backward_error"] is None:
-                    c.update(_compare_grads(grads, _grads(model)))
-                st = handle.stats.total
-                c.update(modules=handle.modules, compressed=st.compressed, seen=st.seen, skipped=dict(st.skipped),
-                         per_module_compressed={k: s.compressed for k, s in handle.stats.modules.items()},
-                         bytes_before=st.bytes_before, bytes_after=st.bytes_after)
-                r["compressed"] = c
-            results["impl"][impl] = r
-            del model
-        results["seconds"] = time.perf_counter() - t0
-        return results
+                if impl == "moe_fp4":
+                    calls.clear()
+                    quantized_shapes.clear()
+                    model.zero_grad(set_to_none=True)
+                    weight_shapes = set()
+                    for n, p in model.named_parameters():
+                        if ".experts." in n:
+                            s = tuple(p.to_local().shape)
+                            weight_shapes |= {s, s[:-2] + s[:-3:-1]}
+                    handle = moe_fp4.register_activation_compression(model, moe_fp4.CompressionConfig(**COMPRESSION))
+                    try:
+                        c_out = model(input_ids=ids, labels=ids)
+                        c = {"logits_equal": torch.equal(_full(c_out.logits), logits),
+                             "loss_equal": torch.equal(c_out.loss.detach(), loss),
+                             "calls": dict(calls),
+                             "weights_compressed": sum(s in weight_shapes for s in quantized_shapes)}
+                        c["backward_error"] = _backward(c_out.loss)
+                    finally:
+                        handle.remove()
+                    if c["backward_error"] is None and r["backward_error"] is None:
+                        c.update(_compare_grads(grads, _grads(model)))
+                    st = handle.stats.total
+                    c.update(modules=handle.modules, compressed=st.compressed, seen=st.seen, skipped=dict(st.skipped),
+                             per_module_compressed={k: s.compressed for k, s in handle.stats.modules.items()},
+                             bytes_before=st.bytes_before, bytes_after=st.bytes_after)
+                    r["compressed"] = c
+                results["impl"][impl] = r
+                del model
+            results["seconds"] = time.perf_counter() - t0
+            return results
     finally:
-        hf.MoeFp4EP.__call__, ep.pack, hook._quantize = real_call, real_pack, real_quantize
+        hook._quantize = real_quantize
 
 
 @pytest.fixture(scope="module")

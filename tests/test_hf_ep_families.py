@@ -49,15 +49,10 @@ if not hasattr(_ep_module, "EPImplementationInterface"):
 
 from distributed import run_ranks  # noqa: E402
 from test_hf_ep import (  # noqa: E402
-    _backward,
     _backward_ok,
-    _compare_forward,
-    _compare_grads,
-    _full,
-    _grads,
-    _installed_implementation,
-    _local_experts,
-    _rel_err,
+    _ep_step,
+    _reference_step,
+    _spies,
 )
 
 WORLD = 2
@@ -142,85 +137,36 @@ def _placements(model) -> dict[str, int]:
 
 
 def _family_run(family, rank, world, calls, wire) -> dict:
-    import torch.distributed as dist
     from transformers.distributed.expert_parallel import EPImplementationInterface
-
-    from moe_fp4.metrics import sqnr_db
 
     registry = EPImplementationInterface()
     ids = _batches()[rank]
-    ref = _build(family, None)
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    out = ref(input_ids=ids, labels=ids)
-    out.loss.backward()
-    ref_logits, ref_loss = out.logits.detach(), out.loss.detach()
-    ref_grads = _grads(ref)
-    names = sorted(ref_grads)
-    flat = torch.cat([ref_grads[n].flatten() for n in names])
-    dist.all_reduce(flat)
-    flat /= world
-    mean_grads = dict(zip(names, (c.view_as(ref_grads[n]) for c, n in
-                                  zip(flat.split([ref_grads[n].numel() for n in names]), names))))
+    ref = _reference_step(_build(family, None), ids, world)
     results = {"impl": {}}
     for impl in IMPLS:
-        calls.clear()
         model = _build(family, impl)
         if impl == NATIVE_CONTROL:
             results["placements"] = _placements(model)
-        r = {"installed": [type(_installed_implementation(layer.mlp.experts)).__name__
-                           for layer in model.model.layers],
-             "registered": registry[impl].__name__}
-        wire.clear()
-        out = model(input_ids=ids, labels=ids)
-        r["wire_fwd"], r["calls"] = list(wire), dict(calls)
-        logits, loss = _full(out.logits).detach().clone(), out.loss.detach().clone()
-        r.update(_compare_forward(ref_logits, ref_loss, logits, loss))
-        wire.clear()
-        r["backward_error"] = _backward(out.loss)
-        r["wire_bwd"] = list(wire)
-        grads = _grads(model)
-        if r["backward_error"] is None:
-            r.update(_compare_grads(mean_grads, grads))
-            r["local_experts"] = {}
-            for n, (p, idx) in _local_experts(model, ref_params).items():
-                g = p.grad.to_local()
-                r["local_experts"][n] = (idx, sqnr_db(mean_grads[n][idx], g), _rel_err(mean_grads[n][idx], g))
-        results["impl"][impl] = r
+        results["impl"][impl] = _ep_step(model, ids, ref, registry[impl].__name__, calls, wire)[0]
         del model
     return results
 
 
 def _ep_worker(rank, world):
-    import moe_fp4.ep as ep
     import moe_fp4.hf as hf
-    from moe_fp4.wire import WireFormat
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     hf.register(NATIVE_CONTROL, dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
-
     calls: dict[str, int] = {}
     wire: list[str] = []
-    real_call, real_pack = hf.MoeFp4EP.__call__, ep.pack
-
-    def counting_call(self, *args, **kwargs):
-        calls[type(self).__name__] = calls.get(type(self).__name__, 0) + 1
-        return real_call(self, *args, **kwargs)
-
-    def spy_pack(x, fmt, out=None):
-        wire.append(WireFormat(fmt).value)
-        return real_pack(x, fmt, out=out)
-
-    hf.MoeFp4EP.__call__, ep.pack = counting_call, spy_pack
-    try:
-        results = {}
+    results = {}
+    with _spies(calls, wire):
         for family in FAMILIES:
             t0 = time.perf_counter()
             results[family] = _family_run(family, rank, world, calls, wire)
             results[family]["seconds"] = time.perf_counter() - t0
-        return results
-    finally:
-        hf.MoeFp4EP.__call__, ep.pack = real_call, real_pack
+    return results
 
 
 @pytest.fixture(scope="module")
