@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 2 bench/torchao_ep.py --json torchao_ep.json     # 2 sm90 GPUs (NCCL)
 
-One MoE block (router + routed SwiGLU experts, E experts over the ranks, top-k), forward + backward,
-in these variants, the same tokens per rank:
+One MoE block (router + routed SwiGLU experts, E experts over the ranks, top-k), forward + backward
+with a fixed output gradient, the weights' versions bumped before every step as an optimizer step
+would (so FP8 weight copies are made every step in every variant), in these variants, the same
+tokens per rank:
 
 - ``torch bf16``: examples/torchao_fp8_plus_mxfp4.py's EP block (torchtitan's way: every (token, expert)
   pair sent with torch's ``all_to_all_single_autograd``, ``torch._grouped_mm`` experts), bf16;
@@ -22,6 +24,7 @@ GPU, the ratio to ``torch bf16``, and the peak memory the step adds over what wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -31,29 +34,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the example's EP block)
 
-from gemm import log, sm90_run, timed, write_results  # noqa: E402  (bench/gemm.py: timing, run record)
+from experts import timed_step  # noqa: E402  (bench/experts.py: fwd + bwd with the weights' versions bumped)
+from gemm import log, sm90_run, write_results  # noqa: E402  (bench/gemm.py: run record, JSON)
 from moe_fp4.ep import EPConfig  # noqa: E402
 from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 64, 8, 4096), "small": (2048, 1408, 128, 8, 6144)}   # H, F, E, k, tokens/rank
-
-
-def measure(fn, params, x, warmup: int, iters: int) -> tuple[float, float]:
-    """-> (median ms, peak MiB over what was allocated before) of fn(x) forward + backward."""
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        fn(x).float().square().mean().backward()
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ms = timed(step, 0, iters)
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def variants(shape: str, device, fp8: bool):
@@ -77,6 +63,7 @@ def run_shape(shape: str, args, device, rank: int, world: int) -> list[dict]:
     h, f, e, k, tokens = SHAPES[shape]
     g = torch.Generator(device=device).manual_seed(100 + rank)
     x = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    gy = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16)   # d(loss)/d(output)
     fp8 = fp8_ready(device)
     if rank == 0:
         log(f"\n{shape}: H {h}, F {f}, {e} experts over {world} ranks, top-{k}, {tokens} tokens per rank"
@@ -85,18 +72,20 @@ def run_shape(shape: str, args, device, rank: int, world: int) -> list[dict]:
         log("| --- | ---: | ---: | ---: | ---: |")
     rows, base = [], None
     for name, module, scope in variants(shape, device, fp8):
-        import contextlib
-
         err = None
         try:
             with (scope() if scope else contextlib.nullcontext()):
-                ms, mib = measure(module, list(module.parameters()), x, args.warmup, args.iters)
+                dist.barrier()
+                # Each step bumps the weights' versions as an optimizer step would: moe_fp4's FP8 weight
+                # copies are made again every step, as torchao's are.
+                ms, mib = timed_step(lambda module=module: module(x), list(module.parameters()), x, gy,
+                                     args.warmup, args.iters)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
             err, ms, mib = str(exc).splitlines()[0][:200], float("nan"), float("nan")
         both = torch.tensor([ms, mib], device=device, dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)    # the slowest rank's time, the largest rank's peak
         ms, mib = both.tolist()
-        base = base or ms
+        base = base if base is not None and base == base else ms   # the first variant that ran
         row = {"shape": shape, "variant": name, "ms": ms, "tokens_per_s_per_gpu": tokens / ms * 1e3,
                "vs_torch_bf16": ms / base, "peak_mib": mib, "world": world}
         if err:
