@@ -474,6 +474,21 @@ def functional_all_to_all_single_autograd(self, output_split_sizes, input_split_
     return _dropin(self, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
 
 
+def _into(output, input, output_split_sizes, input_split_sizes, group, cfg, role, fmts) -> torch.Tensor:
+    """The in-place drop-ins' exchange: rows of ``input`` in ``fmts``, written into ``output`` [M, ...]
+    (None / empty output splits: equal ones) -> the exchanged tensor (on the autograd graph)."""
+    if not output_split_sizes:
+        world = dist.get_world_size(resolve_group(group))
+        output_split_sizes = [output.shape[0] // world] * world
+    out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
+    if tuple(out.shape) != tuple(output.shape):
+        raise ValueError(f"all_to_all_single: output has shape {tuple(output.shape)}, the exchange gives "
+                         f"{tuple(out.shape)}")
+    with torch.no_grad():
+        output.copy_(out)
+    return out
+
+
 def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
     """Drop-in for ``torch.distributed.nn.functional.all_to_all_single``: fills ``output`` [M, ...]
     and returns it, differentiable with respect to ``input``."""
@@ -481,17 +496,8 @@ def nn_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
     if fmts is None:
         return _original(_TORCH_NN, "all_to_all_single")(output, input, output_split_sizes, input_split_sizes,
                                                          dist.group.WORLD if group is None else group)
-    if output_split_sizes is None:
-        world = dist.get_world_size(resolve_group(group))
-        output_split_sizes = [output.shape[0] // world] * world
-    out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
-    if tuple(out.shape) != tuple(output.shape):
-        raise ValueError(f"all_to_all_single: output has shape {tuple(output.shape)}, the exchange gives "
-                         f"{tuple(out.shape)}")
     # torch's version writes into `output` and returns it; the returned tensor carries the gradient.
-    with torch.no_grad():
-        output.copy_(out)
-    return out
+    return _into(output, input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
 
 
 def c10d_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -503,15 +509,8 @@ def c10d_all_to_all_single(output, input, output_split_sizes=None, input_split_s
     if fmts is None:
         return _original(_TORCH_C10D, "all_to_all_single")(output, input, output_split_sizes, input_split_sizes,
                                                            group=group, async_op=async_op)
-    if not output_split_sizes:
-        world = dist.get_world_size(resolve_group(group))
-        output_split_sizes = [output.shape[0] // world] * world
     with torch.no_grad():
-        out = _dropin(input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
-        if tuple(out.shape) != tuple(output.shape):
-            raise ValueError(f"all_to_all_single: output has shape {tuple(output.shape)}, the exchange gives "
-                             f"{tuple(out.shape)}")
-        output.copy_(out)
+        _into(output, input, output_split_sizes, input_split_sizes, group, cfg, role, fmts)
     return None
 
 
