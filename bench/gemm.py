@@ -5,7 +5,8 @@ tokens spread evenly over the experts (each group a multiple of 128), or with ``
 holding 4x the mean rows:
 
 - ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop,
-               dgrad and wgrad, Hopper only; the MXFP4-A row includes its conversion to FP8);
+               dgrad and wgrad, Hopper only; the MXFP4-A row includes its conversion to FP8, and a
+               second line times the same engine decoding A inside the kernel instead);
 - ``triton``:  moe_fp4.gemm.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
 - ``rowwise``: torch._scaled_grouped_mm with row-wise scales (CUTLASS), torch's own grouped FP8 -
                a coarser recipe than our 1x128 x 128x128 blocks, so a speed anchor, not a twin;
@@ -116,6 +117,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     flop = 2 * r * n_dim * k_dim
     res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e}
     gluon = rowwise = None
+    # nt_mxfp4: the engine's default converts A to FP8 first; "gluon_decode" below times the same
+    # engine decoding A inside the kernel (NT_MXFP4_CONFIGS).
     gluon_default = GL.WGRAD_CONFIG if kind == "wgrad" else GL.NT_CONFIG
     if kind == "wgrad":
         dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
@@ -164,6 +167,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     if gluon:
         sweep = GLUON_WGRAD_CONFIGS if kind == "wgrad" else GLUON_CONFIGS
         runs += [("gluon", cfg, gluon(cfg)) for cfg in (sweep if args.sweep_gluon else [gluon_default])]
+        if kind == "nt_mxfp4":
+            runs.append(("gluon_decode", None, gluon(GL.NT_MXFP4_CONFIGS[torch.bfloat16])))
     for label, cfg, fn in runs:
         try:
             ms = timed(fn, args.warmup, args.iters)
@@ -200,7 +205,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                triton_tflops=flop / best[0] / 1e9, cublas_tflops=flop / cublas_ms / 1e9,
                bf16_tflops=flop / bf16_ms / 1e9, triton_vs_cublas=cublas_ms / best[0],
                triton_vs_loop=loop_ms / best[0])
-    for label in ("gluon", "rowwise"):
+    for label in ("gluon", "gluon_decode", "rowwise"):
         if f"{label}_ms" in res:
             res[f"{label}_vs_cublas"] = cublas_ms / res[f"{label}_ms"]
     return res
@@ -270,6 +275,9 @@ def main() -> None:
                 f"| {r['loop_ms']:.3f} "
                 f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
                 f"{' tma' if c['use_tma'] else ''} |")
+            if "gluon_decode_ms" in r:
+                log(f"| {name}, decoded inside the Gluon kernel | | {opt('gluon_decode_tflops', '.0f')} "
+                    f"| {opt('gluon_decode_vs_cublas', '.2f')} | | | | | | | |")
     if args.asm:
         for info in compiled_kernels():
             log(info)

@@ -21,18 +21,13 @@ from moe_fp4.kernels.triton_numerics import (
     row_column_grid,
     row_column_program,
     tile_program,
-    e2m1_decode_scaled,
-    e2m1x4_to_e4m3x4,
-    e2m1x4_to_e4m3x4_asm,
-    e2m1x4_to_e4m3x4_tables,
     e4m3_rne,
     fp8_encode_tiles,
-    mxfp4_tile_exponents,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
     mx_encode_bf16_pairs,
     mx_encode_tiles,
-    nibbles_to_byte_lanes,
+    mxfp4_words_to_e4m3,
     pair_view,
     pow2_f32,
     use_asm,
@@ -196,26 +191,7 @@ def _mxfp4_to_fp8_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_s
     x = tl.reshape(x, [BLOCK_M, TILES, 4, 2, 4])
     blk = (t * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]                    # [1, TILES, 4]
     sb = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
-    nan, S, e_rel, normal = mxfp4_tile_exponents(sb, mask3)
-    if normal:
-        # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
-        # four codes per integer operation.
-        k = (e_rel + 6)[:, :, :, None, None]
-        if ASM:
-            t_lo, t_hi = e2m1x4_to_e4m3x4_tables(k)
-            q = e2m1x4_to_e4m3x4_asm(x, tl.broadcast_to(t_lo, x.shape), tl.broadcast_to(t_hi, x.shape))
-        else:
-            q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x & 0xFFFF), k)
-    else:
-        # General path, one code at a time: c * 2^(E - S) as exact fp32 bits (decoded with the
-        # shifted byte E - S + 127; below 0 the values are under 6 * 2^-127 and round to zero like
-        # byte 0's), then RNE.
-        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None, None]
-        q = tl.zeros_like(x)
-        for j in tl.static_range(4):
-            v = e2m1_decode_scaled((x >> (4 * j)) & 15, shifted).to(tl.float32, bitcast=True)
-            q |= (e4m3_rne(v) & 0xFF) << (8 * j)
-    q = tl.where(nan[:, :, :, None, None], 0x7F7F7F7F, q)
+    q, S = mxfp4_words_to_e4m3(x, sb, mask3, ASM)
     tl.store(o_ptr + rows[:, None, None] * stride_om + word, tl.reshape(q, [BLOCK_M, TILES * 8, 4]), mask=mask_c)
     tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], pow2_f32(S), mask=mask_t)
 

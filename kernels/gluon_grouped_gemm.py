@@ -57,6 +57,7 @@ from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, _check_out_dtype, _nt_shap
     device_ints, group_offsets
 from moe_fp4.kernels.grouped_gemm import grouped_mm_wgrad as grouped_wgrad_twin
 from moe_fp4.kernels.numerics import FP8_TILE
+from moe_fp4.kernels.triton_numerics import e2m1_words_to_e4m3, mxfp4_tile_exponents, pow2_f32
 
 WAVE_M = GROUP_ALIGN  # rows per wave (one consumer warpgroup's, in two m64 halves): an expert's rows are whole waves
 TILE_M = 2 * WAVE_M   # rows per M tile (two waves of one expert)
@@ -105,8 +106,10 @@ if AVAILABLE:
                   tiles_m, tiles_n, N,
                   KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         # One warp: waits for a free stage, then TMA-loads A's 256 rows and B[e]'s BLOCK_N rows of one
-        # K block into it. The stage counter runs on across tiles, like the consumer's.
+        # K block into it (an MXFP4 A: its packed codes, for the decoder). The stage counter runs on
+        # across tiles, like the consumer's.
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        A_COLS: gl.constexpr = a_desc.block_type.shape[1]   # A's columns per K block: 128 FP8, 32 MXFP4 words
         it = 0
         for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
@@ -116,7 +119,7 @@ if AVAILABLE:
                 s = it % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                _tma_load(a_desc, [row0, kb * 128], ready.index(s), a_smem.index(s))
+                _tma_load(a_desc, [row0, kb * A_COLS], ready.index(s), a_smem.index(s))
                 _tma_load(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s))
                 it += 1
 
@@ -152,9 +155,9 @@ if AVAILABLE:
     @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                     tiles_m, tiles_n,
+                     tiles_m, tiles_n, as_smem, decoded,
                      KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr):
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
         # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile, as four
         # [64, BLOCK_N/2] float32 quarters (two 64-row halves x two column halves, 32 registers each).
         # Per K block the four quarter products run through two raw accumulators in turn: while one
@@ -165,6 +168,9 @@ if AVAILABLE:
         # held in step by that barrier, so neither warpgroup's promotion overlapped the other's wgmma
         # (4.6 of 11.2 cycles between issues, Nsight Compute); two partitions drift apart and take
         # turns on the tensor cores.
+        # A_MXFP4: A's FP8 codes and their scales 2^S come from the decoder (_mxfp4_decoder) through
+        # shared memory: the consumer waits on the stage's `decoded` barrier instead of `ready` and
+        # reads the 128 row scales of its wave there, after issuing the block's first wgmmas.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         HALF: gl.constexpr = d_desc.block_type.shape[1]    # BLOCK_N / 2 columns
         BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
@@ -186,21 +192,31 @@ if AVAILABLE:
             # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
             # so its latency never stalls a promotion (loaded just in time, it stalled a third of the
             # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
-            sa0 = gl.load(as_ptrs, mask=live, other=0.0)
-            sa1 = gl.load(as_ptrs + SUB, mask=live, other=0.0)
+            if not A_MXFP4:
+                sa0 = gl.load(as_ptrs, mask=live, other=0.0)
+                sa1 = gl.load(as_ptrs + SUB, mask=live, other=0.0)
             sb = gl.load(bs_ptr)
             for kb in range(KB):
                 s = it % NUM_STAGES
-                s0 = sa0 * sb
-                s1 = sa1 * sb
                 nk = gl.minimum(kb + 1, KB - 1)
-                sa0 = gl.load(as_ptrs + nk * stride_as_k, mask=live, other=0.0)
-                sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB), mask=live, other=0.0)
-                sb = gl.load(bs_ptr + nk)
-                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                if A_MXFP4:
+                    sbk = sb
+                    sb = gl.load(bs_ptr + nk)
+                    mbarrier.wait(decoded.index(s), (it // NUM_STAGES) & 1)
+                else:
+                    s0 = sa0 * sb
+                    s1 = sa1 * sb
+                    sa0 = gl.load(as_ptrs + nk * stride_as_k, mask=live, other=0.0)
+                    sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB), mask=live, other=0.0)
+                    sb = gl.load(bs_ptr + nk)
+                    mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
                 a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
                 ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
                 rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
+                if A_MXFP4:
+                    sa = _as_vector(as_smem.index(s), as_smem.type.shape[2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+                    s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout)) * sbk
+                    s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout)) * sbk
                 ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
                 acc00 += ra * s0[:, None]
                 ra = warpgroup_mma(a1, b0, ra, use_acc=False, is_async=True)
@@ -223,14 +239,83 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _mxfp4_decoder(pk_smem, a_smem, as_smem, sc_smem, ready, decoded, e8w_ptr, stride_e8w, R, tile_row_ptr,
+                       tiles_m, tiles_n, KB: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                       WORDS_LAYOUT: gl.constexpr):
+        # MXFP4 A (warps of its own): per stage, the 256 rows' packed codes (int16 words of 4 codes,
+        # TMA-loaded by the producer) -> FP8 codes in the stage's A buffer, which the consumers' wgmmas
+        # read, and each row's FP8 scale 2^S in the stage's scale buffer; then `decoded`. The rule is
+        # the row-wise converter's (mxfp4_tile_exponents + e2m1_words_to_e4m3, the same device
+        # functions), so the GEMM equals "convert to FP8, then the FP8-A kernel" bit for bit, while A's
+        # bytes are read once at half size and no FP8 copy is written to global memory.
+        # The E8M0 bytes of a row's K block are one int32 word (e8w: [R, K/128]); the stage's 256 words
+        # are loaded one K block ahead, decide once per stage whether every block converts exactly
+        # (the fast path), and go through sc_smem to the passes. Rows go CH per pass, 8 x 4 threads
+        # per warp over 8 rows x 4 blocks (one block's 8 words per thread, so a thread needs one byte).
+        DW: gl.constexpr = gl.num_warps()
+        CH: gl.constexpr = 8 * DW                              # rows per pass
+        ROWS: gl.constexpr = a_smem.type.shape[1]              # 256
+        NPASS: gl.constexpr = ROWS // CH
+        words2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [DW, 1], [1, 0])
+        words5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 4], [8, 1, 4, 1, 1], [DW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        blocks3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, words5))
+        stage3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32, 1, 1], [DW, 1, 1], [2, 1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        PACKED: gl.constexpr = pk_smem.type.layout
+        r = gl.arange(0, CH, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks3)))
+        blk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, blocks3)))
+        r3 = r[:, None, None] + blk[None, None, :] * 0
+        rs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, stage3)))
+        bs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, stage3)))
+        sc = _view2(sc_smem, gl.int32, NPASS, CH, flat)
+        it = 0
+        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
+            row0 = gl.load(tile_row_ptr + mt)
+            live = rs < R - row0        # rows past R: TMA zero-filled codes, scale byte 0, never stored
+            w_base = e8w_ptr + row0.to(gl.int64) * stride_e8w
+            w_offs = rs * stride_e8w
+            w_next = gl.load(w_base + w_offs, mask=live, other=0)
+            for kb in range(KB):
+                s = it % NUM_STAGES
+                w = w_next
+                w_next = gl.load((w_base + gl.minimum(kb + 1, KB - 1)) + w_offs, mask=live, other=0)
+                _n, _s, _e, normal = mxfp4_tile_exponents((w[:, None, None] >> (bs * 8)[None, None, :]) & 0xFF,
+                                                          live[:, None, None] & (bs < 4)[None, None, :])
+                sc_smem.store(w)   # the passes read it back in their own layout
+                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                packed = _view3(pk_smem.index(s), gl.int16, NPASS, CH, PACKED)
+                words = _view3(a_smem.index(s), gl.int32, NPASS, CH, WORDS_LAYOUT)
+                scales = _view2(as_smem.index(s), gl.float32, NPASS, CH, flat)
+                for c in range(NPASS):
+                    valid = r3 < R - (row0 + c * CH)
+                    wc = sc.index(c).load(gl.SliceLayout(1, gl.SliceLayout(2, blocks3)))
+                    sb = (wc[:, None, None] >> (blk * 8)[None, None, :]) & 0xFF
+                    nan, S, e_rel, _ = mxfp4_tile_exponents(sb, valid)
+                    x = packed.index(c).load(words2).to(gl.int32)
+                    x = gl.convert_layout(gl.reshape(x, [CH, 1, 4, 2, 4]), words5)
+                    q = e2m1_words_to_e4m3(x, nan, e_rel, normal, True)
+                    words.index(c).store(gl.convert_layout(gl.reshape(q, [CH, 32]), words2))
+                    scales.index(c).store(pow2_f32(gl.reshape(S, [CH])))
+                fence_async_shared()   # the generic-proxy stores, before the consumers' wgmmas read them
+                mbarrier.arrive(decoded.index(s), count=1)
+                it += 1
+
+    @gluon.jit
     def _grouped_mm_nt_kernel(a_desc, b_desc, d_desc, a_scale_ptr, stride_as_k,
                               b_scale_ptr, stride_bs_e, stride_bs_n,
-                              tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N,
+                              tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N, R,
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                              GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, num_warps: gl.constexpr):
+                              GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, A_MXFP4: gl.constexpr,
+                              A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+        # A_MXFP4: a_desc is the packed codes as int16 words [R, K/4] and a_scale_ptr their E8M0 bytes
+        # as int32 words [R, K/128] (4 blocks each; row stride stride_as_k); a fourth partition decodes
+        # them into FP8 stages (A_LAYOUT: the FP8 tile's wgmma layout, WORDS_LAYOUT: the same bytes as
+        # int32 words).
         KB: gl.constexpr = K // 128
+        TM: gl.constexpr = a_desc.block_type.shape[0]
         tiles_n = N // BLOCK_N   # N is a multiple of 128 = BLOCK_N (grouped_gemm._nt_shapes checks it)
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        ld_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [2 * D_BUFS] + d_desc.block_type.shape, d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -238,18 +323,46 @@ if AVAILABLE:
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)   # both consumer warpgroups release a stage
-        # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1 and the producer are
-        # workers: 232 registers for warpgroup 1, 40 for the producer.
-        gl.warp_specialize(
-            [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                             b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                             tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 0)),
-             (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                             b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                             tile_waves_ptr, tiles_m, tiles_n, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, 1)),
-             (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
-                          tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
-            worker_num_warps=[4, 1], worker_num_regs=[232, 40])
+        if A_MXFP4:
+            a_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TM, 128], A_LAYOUT)
+            sc_smem = gl.allocate_shared_memory(gl.int32, [TM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            as_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, TM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            decoded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(NUM_STAGES):
+                mbarrier.init(decoded.index(s), count=1)
+            # Warpgroups 0 and 1 consume, one producer warp, two decoder warps: 4 x 32 x 232 + 32 x 24
+            # + 64 x 64 registers fit the 64K of an SM with the launch's 11 warps.
+            gl.warp_specialize(
+                [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 0, True)),
+                 (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 1, True)),
+                 (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
+                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M)),
+                 (_mxfp4_decoder, (ld_smem, a_smem, as_smem, sc_smem, ready, decoded, a_scale_ptr, stride_as_k, R,
+                                   tile_row_ptr, tiles_m, tiles_n, KB, NUM_STAGES, GROUP_M, WORDS_LAYOUT))],
+                worker_num_warps=[4, 1, 2], worker_num_regs=[216, 24, 72])
+            for s in gl.static_range(NUM_STAGES):
+                mbarrier.invalidate(decoded.index(s))
+        else:
+            # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1 and the producer are
+            # workers: 232 registers for warpgroup 1, 40 for the producer.
+            gl.warp_specialize(
+                [(_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 0, False)),
+                 (_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                                 b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
+                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 1, False)),
+                 (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
+                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
+                worker_num_warps=[4, 1], worker_num_regs=[232, 40])
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -268,11 +381,31 @@ if AVAILABLE:
         def _as_vector(smem, n: gl.constexpr, layout: gl.constexpr):
             """A [1, n] float32 shared buffer viewed as [n]."""
             return smem.reinterpret(gl.float32, [n], layout)
+
+        @gluon.jit
+        def _view3(smem, dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, layout: gl.constexpr):
+            """A [n * rows, 32] shared buffer of words viewed as dtype [n, rows, 32] (n passes)."""
+            return smem.reinterpret(dtype, [n, rows, 32], layout)
+
+        @gluon.jit
+        def _view2(smem, dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, layout: gl.constexpr):
+            """A shared buffer of n * rows 32-bit values viewed as dtype [n, rows]."""
+            return smem.reinterpret(dtype, [n, rows], layout)
     else:                                                     # Triton 3.6
         @gluon.jit
         def _as_vector(smem, n: gl.constexpr, layout: gl.constexpr):
             """A [1, n] float32 shared buffer viewed as [n]."""
             return smem._reinterpret(gl.float32, [n], layout)
+
+        @gluon.jit
+        def _view3(smem, dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, layout: gl.constexpr):
+            """A [n * rows, 32] shared buffer of words viewed as dtype [n, rows, 32] (n passes)."""
+            return smem._reinterpret(dtype, [n, rows, 32], layout)
+
+        @gluon.jit
+        def _view2(smem, dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, layout: gl.constexpr):
+            """A shared buffer of n * rows 32-bit values viewed as dtype [n, rows]."""
+            return smem._reinterpret(dtype, [n, rows], layout)
 
     @gluon.jit
     def _promote_rc(acc, raw, s_row, s_col):
@@ -442,11 +575,13 @@ if AVAILABLE:
             mbarrier.invalidate(turn.index(w))
 
 
-_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv"}
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv",
+              torch.int16: "int16"}
 
 
-def _desc(t: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+def _desc(t: torch.Tensor, block: list[int], layout=None):
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
     return GluonTensorDescriptor.from_tensor(t, block, layout)
 
 
@@ -464,6 +599,16 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+if AVAILABLE:
+    # An FP8 A stage [256, 128] as wgmma reads it (128-byte rows, 128-byte swizzle), and the same bytes
+    # as int32 words [256, 32], the decoder's view: the swizzle permutes 16-byte chunks within a row by
+    # the row's index, whatever the element width, so both layouts place every byte alike.
+    _A_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    _WORDS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    # The packed MXFP4 codes of a stage, int16 words [256, 32]: not swizzled. The decoder reads a row's
+    # 64 bytes in 16-byte pieces, a warp 8 consecutive rows: 512 contiguous bytes, no bank conflict.
+    _PACKED_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
 BLOCK_N = 128     # output columns per tile: one 128-wide weight scale block, two 64-column quarters
 NUM_WARPS = 4     # the default partition: consumer warpgroup 0 (warpgroup 1 and the producer are workers)
 QUARTER = [WAVE_M // 2, BLOCK_N // 2]   # [rows, columns] of one output quarter: a staging buffer, a TMA store box
@@ -480,13 +625,19 @@ class GluonConfig:
     split:      wgrad only: each consumer warpgroup takes whole 128-row tiles of its own (every second
                 tile of the program), so one's epilogue runs beside the other's wgmmas; False: both take
                 one 128-row wave of a 256-row tile.
+    decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
+                writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
+                default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which
+                measured 4x faster (bench/RESULTS.md, issue 29). Same bits either way.
     Shared memory (227 KiB per CTA on Hopper) must hold num_stages x 48 KiB (wgrad: + 1.5 KiB of scales;
-    split: 33 KiB) + the staging buffers."""
+    split: 33 KiB; an MXFP4 A decoded in the kernel: 65 KiB, its packed codes, FP8 codes and scales
+    beside B) + the staging buffers."""
 
     num_stages: int = 3
     d_bufs: int | None = None
     group_m: int = 8
     split: bool = False
+    decode_mxfp4: bool = False
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
@@ -497,8 +648,10 @@ class GluonConfig:
             return self.d_bufs
         return 4 if out_dtype == torch.bfloat16 else 2
 
-    def smem_bytes(self, out_dtype: torch.dtype, wgrad: bool = False) -> int:
+    def smem_bytes(self, out_dtype: torch.dtype, wgrad: bool = False, mxfp4: bool = False) -> int:
         staged = 2 * self.staging(out_dtype) * QUARTER[0] * QUARTER[1] * out_dtype.itemsize
+        if mxfp4:   # per stage: packed codes (K/2 bytes per row), FP8 codes, a float32 scale per row, B
+            return self.num_stages * (TILE_M * (FP8_TILE // 2 + FP8_TILE + 4) + BLOCK_N * FP8_TILE) + staged
         if not wgrad:
             return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
         rows = self.wgrad_rows()   # A rows and B rows of a stage, FP8, and a float32 scale for each
@@ -511,7 +664,14 @@ class GluonConfig:
 
 # 3 stages and four bf16 quarters: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
 NT_CONFIG = GluonConfig()
+# An MXFP4 A decoded in the kernel: 3 stages of 65 KiB and one staging buffer per consumer (bf16: 16 KiB
+# in all); float32 output (32 KiB of staging) leaves room for 2 stages. Not the default: on the H200
+# (bench/gemm.py, dsv3 and small FC1) the two decoder warps held the kernel to 269-270 TFLOP/s, where
+# converting first and the FP8-A kernel ran at 897-1141.
+NT_MXFP4_CONFIGS = {torch.bfloat16: GluonConfig(num_stages=3, d_bufs=1, decode_mxfp4=True),
+                    torch.float32: GluonConfig(num_stages=2, d_bufs=1, decode_mxfp4=True)}
 SMEM_LIMIT = 232448   # bytes of shared memory one CTA may use on sm90
+MBARRIER_BYTES = 1024  # room kept for the ring's barriers beside the buffers
 
 
 def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
@@ -520,37 +680,53 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     with a_scale uint8 [R, K/32]; B: float8_e4m3fn [E, N, K] with b_scale float32 [E, N/128, K/128];
     counts: E ints, multiples of 128, summing to R -> out_dtype (bfloat16 or float32) [R, N]: rows of
     expert e times B[e]^T. The signature and result of grouped_gemm.grouped_mm_nt (``config``: a
-    :class:`GluonConfig`; None or another engine's config = NT_CONFIG); an MXFP4 A is converted to
-    FP8 first (mxfp4_to_fp8_rowwise, bit-identical to the decode inside the Triton kernel). CUDA
-    tensors on a Hopper GPU (:func:`supported`)."""
+    :class:`GluonConfig`; None or another engine's config = NT_CONFIG). An MXFP4 A is converted to
+    FP8 first (mxfp4_to_fp8_rowwise), or with ``config.decode_mxfp4`` (NT_MXFP4_CONFIGS) decoded
+    inside the kernel; both bit-identical to the Triton kernel's in-register decode. CUDA tensors
+    on a Hopper GPU (:func:`supported`)."""
     mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
     _check_out_dtype(out_dtype, "grouped_mm_nt")
     if not supported(a.device):
         raise RuntimeError(f"gluon grouped_mm_nt: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
     cfg = config if isinstance(config, GluonConfig) else NT_CONFIG
+    decode = mxfp4 and cfg.decode_mxfp4
     if cfg.split:
         raise ValueError("gluon grouped_mm_nt: GluonConfig.split is a weight-gradient layout (grouped_mm_wgrad)")
-    if cfg.smem_bytes(out_dtype) > SMEM_LIMIT:
-        raise ValueError(f"gluon grouped_mm_nt: {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory, "
+    smem = cfg.smem_bytes(out_dtype, mxfp4=decode)
+    if smem + MBARRIER_BYTES > SMEM_LIMIT:
+        raise ValueError(f"gluon grouped_mm_nt: {cfg} needs {smem} bytes of shared memory and its barriers, "
                          f"more than the {SMEM_LIMIT} a CTA has")
     out = torch.empty(r, n, dtype=out_dtype, device=a.device)
     if r == 0 or n == 0:
         return out
-    if mxfp4:
+    if mxfp4 and not decode:
         a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
     tables = _tile_tables(tuple(counts), a.device)
     tiles_m = tables.shape[1]
-    a_scale = m_major(a_scale)          # the consumer reads 128 rows' scales of one K block at once
+    if decode:
+        # The packed codes as int16 words (4 codes each; TMA needs 16-byte aligned rows: K/2 bytes, a
+        # multiple of 64) and the E8M0 bytes with unit column stride (the decoder reads 4 per K block).
+        a = a if a.stride(1) == 1 and _tma_ok(a) else a.contiguous()
+        a_desc = _desc(a.view(torch.int16), [TILE_M, FP8_TILE // 4], _PACKED_LAYOUT)
+        # The E8M0 bytes as one int32 word per row and K block (the decoder loads a stage's 256 at once).
+        if a_scale.stride(1) != 1 or a_scale.stride(0) % 4 or a_scale.data_ptr() % 4:
+            a_scale = a_scale.contiguous()
+        a_scale = a_scale.view(torch.int32)
+        stride_as = a_scale.stride(0)
+    else:
+        a_desc = _desc(a, [TILE_M, FP8_TILE])
+        a_scale = m_major(a_scale)      # the consumer reads 128 rows' scales of one K block at once
+        stride_as = a_scale.stride(1)
     b_scale = b_scale.contiguous()      # one scale per K block at consecutive addresses
     tiles = tiles_m * triton.cdiv(n, BLOCK_N)
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_nt_kernel[grid](
-        _desc(a, [TILE_M, FP8_TILE]), _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]),
-        _desc(out, QUARTER), a_scale, a_scale.stride(1),
+        a_desc, _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]),
+        _desc(out, QUARTER), a_scale, stride_as,
         b_scale, b_scale.stride(0), b_scale.stride(1),
-        tables[0], tables[1], tables[2], tiles_m, n,
+        tables[0], tables[1], tables[2], tiles_m, n, r,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        num_warps=NUM_WARPS)
+        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, num_warps=NUM_WARPS)
     return out
 
 
@@ -613,10 +789,11 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     return out
 
 
-def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig = NT_CONFIG,
+def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | None = None,
                  kind: str = "nt"):
     """-> one of the engine's kernels compiled for sm90 (a triton CompiledKernel: .asm["ptx"], ["cubin"]),
-    without a GPU: ``kind`` "nt" (fprop/dgrad at contraction K = k) or "wgrad". Triton compiles for
+    without a GPU: ``kind`` "nt" (fprop/dgrad at contraction K = k), "nt_mxfp4" (the same with an MXFP4
+    A decoded in the kernel; ``config`` None = NT_MXFP4_CONFIGS[out_dtype]) or "wgrad". Triton compiles for
     GPUTarget("cuda", 90, 32) from small host tensors standing in for the operands (only dtypes, strides
     and alignment reach the compiler). The CPU tests check with it that each kernel still compiles on
     the installed Triton, uses wgmma and does not spill."""
@@ -630,15 +807,22 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     out = torch.empty(r, n, dtype=out_dtype)
     scale = torch.empty(k // FP8_TILE, r).t()
     tables = torch.empty(3, 2, dtype=torch.int32)
+    if config is None:
+        config = NT_MXFP4_CONFIGS[out_dtype] if kind == "nt_mxfp4" else NT_CONFIG
     common = {"NUM_STAGES": config.num_stages, "GROUP_M": config.group_m, "D_BUFS": config.staging(out_dtype),
               "num_warps": NUM_WARPS}
-    if kind == "nt":
+    if kind in ("nt", "nt_mxfp4"):
         kernel = _grouped_mm_nt_kernel
-        args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
-                "d_desc": _desc(out, QUARTER), "a_scale_ptr": scale, "stride_as_k": r,
+        mx = kind == "nt_mxfp4"
+        packed = torch.empty(r, k // 4, dtype=torch.int16)
+        args = {"a_desc": _desc(packed, [TILE_M, FP8_TILE // 4], _PACKED_LAYOUT) if mx else _desc(a, [TILE_M, FP8_TILE]),
+                "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
+                "d_desc": _desc(out, QUARTER), "a_scale_ptr": torch.empty(r, k // FP8_TILE, dtype=torch.int32)
+                if mx else scale, "stride_as_k": k // FP8_TILE if mx else r,
                 "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
-                "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
-        constexprs = {"K": k, "BLOCK_N": BLOCK_N, **common}
+                "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "R": r}
+        constexprs = {"K": k, "BLOCK_N": BLOCK_N, "A_MXFP4": mx, "A_LAYOUT": _A_LAYOUT,
+                      "WORDS_LAYOUT": _WORDS_LAYOUT, **common}
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)
@@ -648,7 +832,7 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
                 "d_desc": _desc(out, QUARTER), "offsets_ptr": tables, "num_experts": e, "N": n, "K": n}
         constexprs = {"SPLIT": config.split, **common}
     else:
-        raise ValueError(f"compile_sm90: kind must be 'nt' or 'wgrad', got {kind!r}")
+        raise ValueError(f"compile_sm90: kind must be 'nt', 'nt_mxfp4' or 'wgrad', got {kind!r}")
     names = [p.name for p in kernel.params]
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
     src = GluonASTSource(kernel, signature, {(names.index(c),): v for c, v in constexprs.items()})

@@ -395,6 +395,50 @@ def mxfp4_tiles_to_e4m3(byte, sb, valid3):
 
 
 @triton.jit
+def mxfp4_words_to_e4m3(x, sb, valid3, ASM: tl.constexpr):
+    """Direct MXFP4 -> FP8 1x128 conversion of whole tiles, four codes per integer operation (the rule
+    of ``fp8.mxfp4_to_fp8_rowwise_ref``). Shared by the row-wise converter's word kernel and the Gluon
+    GEMM's MXFP4 decode stage, so that decoding inside the GEMM is bit-identical to converting first.
+
+    x: int32 [BM, T, 4, 2, 4], each holding four E2M1 codes in its low 16 bits (code i in bits
+    4i..4i+3; higher bits ignored): the 32 words of each of T tiles per row, as 4 blocks x 8 words;
+    sb: int32 [BM, T, 4] their E8M0 scale bytes; valid3: bool [BM, T, 4], False for masked blocks
+    -> (q: int32 [BM, T, 4, 2, 4], byte i the E4M3 byte of code i, S: int32 [BM, T] tile exponents:
+    the FP8 scale is 2^S). ASM (CUDA only) decodes with two prmt per word; the pure-Triton twin gives
+    the same bits.
+    """
+    nan, S, e_rel, normal = mxfp4_tile_exponents(sb, valid3)
+    return e2m1_words_to_e4m3(x, nan, e_rel, normal, ASM), S
+
+
+@triton.jit
+def e2m1_words_to_e4m3(x, nan, e_rel, normal, ASM: tl.constexpr):
+    """The codes half of mxfp4_words_to_e4m3, with the block exponents of mxfp4_tile_exponents given
+    (nan, e_rel: [BM, T, 4]) and ``normal`` a scalar that is True only when every block of x has
+    e_rel >= -5: a caller may decide it once for more rows than x holds (the Gluon decoder: per stage).
+    -> int32 [BM, T, 4, 2, 4] E4M3 bytes."""
+    if normal:
+        # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
+        # four codes per integer operation.
+        k = (e_rel + 6)[:, :, :, None, None]
+        if ASM:
+            t_lo, t_hi = e2m1x4_to_e4m3x4_tables(k)
+            q = e2m1x4_to_e4m3x4_asm(x, tl.broadcast_to(t_lo, x.shape), tl.broadcast_to(t_hi, x.shape))
+        else:
+            q = e2m1x4_to_e4m3x4(nibbles_to_byte_lanes(x & 0xFFFF), k)
+    else:
+        # General path, one code at a time: c * 2^(E - S) as exact fp32 bits (decoded with the
+        # shifted byte E - S + 127; below 0 the values are under 6 * 2^-127 and round to zero like
+        # byte 0's), then RNE.
+        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None, None]
+        q = x & 0   # zeros in x's layout (tl.zeros_like has no layout to give under Gluon)
+        for j in tl.static_range(4):
+            v = e2m1_decode_scaled((x >> (4 * j)) & 15, shifted).to(tl.float32, bitcast=True)
+            q |= (e4m3_rne(v) & 0xFF) << (8 * j)
+    return tl.where(nan[:, :, :, None, None], 0x7F7F7F7F, q)
+
+
+@triton.jit
 def bf16_rne_bits(v):
     """float32 v -> int32 fp32 bits of bf16(v) (low half zero): RNE, overflow to +-Inf, NaN -> 0x7FC00000.
 

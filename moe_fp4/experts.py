@@ -44,7 +44,7 @@ from moe_fp4 import _ops
 from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
     quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
-from moe_fp4.gemm import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
+from moe_fp4.gemm import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.hook import current_compression
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
@@ -52,10 +52,6 @@ from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.saved import label_saved, report_saved
 
 TOKEN_ALIGN = 128
-# A received MXFP4 FC1 input: decode it inside the grouped GEMM (no FP8 copy in memory) or convert it
-# to FP8 first (one bandwidth-bound pass). Measured on an H200 (bench/gemm.py, dsv3 FC1, commit
-# 1d1dac3): the in-GEMM decode ran at 154 TFLOP/s against 619 for the FP8 operand, so convert first.
-DECODE_MXFP4_IN_GEMM = False
 
 
 class Precision(str, enum.Enum):
@@ -176,7 +172,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
         report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
-            xq = x_q if DECODE_MXFP4_IN_GEMM else mxfp4_to_fp8(x_q)
+            # A received MXFP4 FC1 input: decoded inside the grouped GEMM where the engine does that
+            # faster than a conversion pass (moe_fp4.gemm.decodes_mxfp4_in_gemm), else converted first.
+            xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
             ctx.x_kept = x_q
             report_saved("fc1_input", x_q)
         elif isinstance(x_q, FP8BlockTensor):
@@ -255,8 +253,8 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
-            MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it, with
-            ``DECODE_MXFP4_IN_GEMM``) and kept as is for backward; FP8 is the GEMM operand, kept
+            MXFP4 is decoded to FP8 inside the GEMM (``moe_fp4.gemm.decodes_mxfp4_in_gemm``: the
+            Gluon engine) or converted first, and kept as is for backward; FP8 is the GEMM operand, kept
             as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
             differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight

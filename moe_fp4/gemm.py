@@ -335,6 +335,16 @@ def _grouped_impl(name: str, device: torch.device):
     return backend, getattr(grouped_kernels, name + "_ref")
 
 
+def decodes_mxfp4_in_gemm(device: torch.device) -> bool:
+    """Whether :func:`grouped_fp8_mm_nt` on ``device`` should be given an MXFP4 A as is: True where the
+    engine decodes it inside the kernel faster than the caller converting it first (A read at half
+    size, no FP8 copy written), False where converting first is faster. Today that is False on every
+    engine: the Triton kernels' in-register decode ran at 0.18-0.25x of their FP8-A GEMM, the Gluon
+    engine's decoder partition (GluonConfig.decode_mxfp4, off) at 0.24-0.30x of converting first
+    (bench/RESULTS.md). Same bits either way."""
+    return grouped_gemm_backend(device) is GemmBackend.GLUON and gluon_kernels.NT_CONFIG.decode_mxfp4
+
+
 def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, counts,
                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a: FP8BlockTensor [R, K] (1x128 tiles along K) or MXFP4Tensor [R, K] (decoded to FP8 inside the
@@ -407,6 +417,7 @@ __all__ = [
     "GemmBackend",
     "fp8_mm_nt",
     "gemm_backend",
+    "decodes_mxfp4_in_gemm",
     "grouped_fp8_mm_nt",
     "grouped_fp8_mm_wgrad",
     "grouped_gemm_backend",

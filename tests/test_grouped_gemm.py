@@ -362,8 +362,9 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("wgrad", "bfloat16", False),
-                                                  ("wgrad", "float32", False), ("wgrad", "bfloat16", True)])
+@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt_mxfp4", "bfloat16", False),
+                                                  ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
+                                                  ("wgrad", "bfloat16", True)])
 def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
@@ -377,7 +378,8 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
-            "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else GL.GluonConfig(); "
+            "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
+            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(); "
             "k = GL.compile_sm90(k=1024, kind=sys.argv[3], out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
@@ -399,6 +401,12 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     assert len(loops) == 2, loops   # each consumer's K loop
     in_loops = [ins for addr, ins in lines if any(a <= addr <= b for a, b in loops)]
     assert not [ins for ins in in_loops if re.search(r"\b(LDL|STL)\b", ins)], "spills inside a K loop"
+    if kind == "nt_mxfp4":
+        # The decoder: two warps of its own (setmaxnreg to 72), the converter's prmt decode. At 72
+        # registers it spills a few values (Triton 3.6: 46 local loads and stores, outside the
+        # consumers' K loops, which the check above covers); it is not the engine's default path.
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", ptx)
+        assert "prmt.b32" in ptx
     if kind == "nt":
         usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
         assert re.search(r"STACK:0\b", usage), usage
@@ -463,6 +471,38 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
     with use_grouped_backend("gluon"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_gluon_mxfp4_decoded_in_kernel_equals_converting_first(spread, out_dtype):
+    # The decoder partition against mxfp4_to_fp8_rowwise + the FP8-A kernel, bit for bit: ragged
+    # experts (0 rows, one wave, odd multiples of 128, the last tile past R), blocks far below their
+    # tile's maximum (spread: the general decode path), a NaN block (its row's outputs NaN, nothing else).
+    torch.manual_seed(31)
+    counts = [0, 128, 384, 640, 0, 256, 128]
+    r, h, n = sum(counts), 1024, 384
+    x = _acts(r, h, seed=41, spread=spread).to(torch.bfloat16)
+    x[300, 64:96] = float("nan")
+    q = moe_fp4.quantize_mxfp4(x)
+    w = _weights(len(counts), n, h, seed=43)
+    cfg = GL.NT_MXFP4_CONFIGS[out_dtype]
+    got = GL.grouped_mm_nt(q.data, q.scale, w.data, w.scale, counts, out_dtype, cfg)
+    fd, fs = K8.mxfp4_to_fp8_rowwise(q.data, q.scale)
+    first = GL.grouped_mm_nt(fd, fs, w.data, w.scale, counts, out_dtype)
+    assert torch.equal(got.isnan(), first.isnan())
+    assert got.isnan().any(dim=1).nonzero().flatten().tolist() == [300] and bool(got[300].isnan().all())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(first))
+    # A strided view of the codes (a column slice of a wider buffer) gives the same bits.
+    wide = torch.zeros(r, q.data.shape[1] + 64, dtype=torch.uint8, device="cuda")
+    wide[:, 32:32 + q.data.shape[1]] = q.data
+    strided = GL.grouped_mm_nt(wide[:, 32:32 + q.data.shape[1]], q.scale, w.data, w.scale, counts, out_dtype, cfg)
+    assert torch.equal(torch.nan_to_num(strided), torch.nan_to_num(got))
+    # The engine's default for an MXFP4 A (convert first) agrees too.
+    default = GL.grouped_mm_nt(q.data, q.scale, w.data, w.scale, counts, out_dtype)
+    assert torch.equal(torch.nan_to_num(default), torch.nan_to_num(got))
 
 
 @pytest.mark.gpu
