@@ -22,6 +22,7 @@ from moe_fp4.kernels.triton_numerics import (
     row_column_program,
     tile_program,
     e4m3_rne,
+    e4m3_rne_asm,
     fp8_encode_tiles,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
@@ -274,8 +275,13 @@ WEIGHT_BLOCK = 128
 
 @triton.jit
 def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
-                                WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, BLOCK: tl.constexpr):
+                                WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, BLOCK: tl.constexpr,
+                                ASM: tl.constexpr):
     # One program per 128x128 block (bn, bk) of matrix e: W [N, K] -> codes [N, K] and/or W^T codes [K, N].
+    # ASM (CUDA only): the E4M3 rounding by PTX cvt (e4m3_rne_asm, same bytes as e4m3_rne, which is
+    # about 15 integer operations per element: the kernel was instruction-bound at ~1/3 of copy speed).
+    # W^T's codes are stored from the transposed tile (tl.trans, through shared memory), so that both
+    # stores run along contiguous 128-byte rows.
     bn = tl.program_id(0)
     bk = tl.program_id(1)
     e = tl.program_id(2)
@@ -285,18 +291,24 @@ def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
     v = tl.load(w_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
     bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     S = fp8_scale_exp(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0))
-    q = e4m3_rne(v * pow2_f32(-tl.minimum(S, 126))).to(tl.uint8)
+    scaled = v * pow2_f32(-tl.minimum(S, 126))
+    if ASM:
+        q = e4m3_rne_asm(scaled).to(tl.uint8)
+    else:
+        q = e4m3_rne(scaled).to(tl.uint8)
     if WRITE_Q:
         tl.store(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :], q)
     if WRITE_T:
-        tl.store(qt_ptr + base + cols[None, :].to(tl.int64) * N + rows[:, None], q)
+        tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
     tl.store(s_ptr + (e * NB + bn) * KB + bk, pow2_f32(S))
 
 
-def quantize_fp8_weight_128x128(w: torch.Tensor, write_q: bool = True, write_t: bool = False, num_warps: int = 8):
+def quantize_fp8_weight_128x128(w: torch.Tensor, write_q: bool = True, write_t: bool = False, num_warps: int = 8,
+                                asm: bool | None = None):
     """w: bf16/fp16/fp32 [E, N, K] contiguous (N, K multiples of 128) -> (data float8_e4m3fn [E, N, K]
     or None, data_t float8_e4m3fn [E, K, N] (the codes of W^T) or None, scale float32 [E, N/128, K/128]).
-    Bit-identical to quantize_fp8_weight_128x128_ref."""
+    Bit-identical to quantize_fp8_weight_128x128_ref. asm: None = the PTX rounding on sm_90+ outside
+    the interpreter (use_asm), True / False to force it or its pure-Triton twin."""
     e, n, k = w.shape
     dev = w.device
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev) if write_q else None
@@ -307,7 +319,8 @@ def quantize_fp8_weight_128x128(w: torch.Tensor, write_q: bool = True, write_t: 
         _quantize_fp8_weight_kernel[(n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, e)](
             w, q.view(torch.uint8) if write_q else dummy, qt.view(torch.uint8) if write_t else dummy, scale,
             n, k, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK,
-            WRITE_Q=write_q, WRITE_T=write_t, BLOCK=WEIGHT_BLOCK, num_warps=num_warps)
+            WRITE_Q=write_q, WRITE_T=write_t, BLOCK=WEIGHT_BLOCK, ASM=use_asm(w) if asm is None else asm,
+            num_warps=num_warps)
     return q, qt, scale
 
 

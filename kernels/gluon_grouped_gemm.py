@@ -67,7 +67,14 @@ def supported(device: torch.device) -> bool:
     """True when this engine can run on ``device``: Gluon imports and the GPU is a Hopper (sm90)."""
     device = torch.device(device)
     return (AVAILABLE and device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) == (9, 0))
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    # Cached: every launch asks, and torch's query cost ~10 us of host time per launch (the layer step
+    # issues its kernels from Python, and the GPU waits where the host is slower than the kernels).
+    return torch.cuda.get_device_capability(index)
 
 
 def m_tiles(counts) -> tuple[list[int], list[int], list[int]]:
@@ -581,8 +588,14 @@ _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8
 
 def _desc(t: torch.Tensor, block: list[int], layout=None):
     if layout is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+        layout = _default_layout(tuple(block), t.dtype)
     return GluonTensorDescriptor.from_tensor(t, block, layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_layout(block: tuple[int, ...], dtype: torch.dtype):
+    # Cached: building the layout cost about as much host time as the rest of the descriptor.
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
 
 
 @functools.lru_cache(maxsize=256)

@@ -159,11 +159,12 @@ def test_weight_kernel_on_gpu_matches_reference():
     torch.manual_seed(8)
     w = (torch.randn(4, 512, 768) * torch.logspace(-20, 20, 768)).to(torch.bfloat16)
     w[1, 3, 5], w[2, 200, 300] = float("nan"), float("inf")
-    got = quantize_fp8_weight_128x128(w.cuda(), write_q=True, write_t=True)
     ref = quantize_fp8_weight_128x128_ref(w, write_q=True, write_t=True)
-    for g, r in zip(got, ref):
-        g = g.cpu()
-        assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32 else torch.equal(g, r)
+    for asm in (None, False):   # the default (PTX rounding on sm_90+) and its pure-Triton twin
+        got = quantize_fp8_weight_128x128(w.cuda(), write_q=True, write_t=True, asm=asm)
+        for g, r in zip(got, ref):
+            g = g.cpu()
+            assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32 else torch.equal(g, r)
 
 
 @pytest.mark.parametrize("rows", [1, 128, 384])

@@ -1,0 +1,155 @@
+"""Is the MoE layer step bound by the host? Step time against GPU time, host-to-device syncs, the ops
+that spend the most host time, and the host cost of one launch of each kernel family.
+
+    python bench/tools/host_bound.py --config dsv3 --precisions bf16 fp8 fp4
+
+Per precision, after warm-up, gradients set to None before every step (as bench/moe_layer.py does):
+- ``isolated``: median ms of one step timed with CUDA events from an idle GPU to its end (what
+  bench/moe_layer.py reports);
+- ``back-to-back``: ms per step of steps issued one after another, synchronized only at the end (the
+  host may run ahead of the GPU, as in training);
+- ``gpu``: the step's summed kernel time under torch.profiler;
+- ``host``: ms from the step's start until forward + backward have returned, without a final sync
+  (the time the Python side needs to issue the step, including any wait inside it for the GPU);
+- ``syncs``: the step's synchronizing CUDA calls (torch.cuda.set_sync_debug_mode), with where they are;
+- the top ops by self CPU time.
+A step time well above ``gpu`` means the GPU waits for the host. Then, per launch family, the host
+microseconds of one launch (median of back-to-back launches, no sync between).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for moe_layer
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
+import moe_fp4  # noqa: E402
+from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
+from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
+from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
+
+
+def _step(m, x, g):
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    m(x).backward(g)
+
+
+def _host_us(fn, n: int = 200) -> float:
+    """Median host microseconds of one call of fn over n back-to-back calls (no sync between)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _syncs(fn) -> list[str]:
+    """The synchronizing CUDA calls of fn, each with the innermost moe_fp4 frame that made it."""
+    found = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            found.append(f"{str(w.message)[:80]} at {w.filename}:{w.lineno}")
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="dsv3", choices=list(CONFIGS))
+    p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "fp4"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=20)
+    a = p.parse_args()
+    shape, tokens = CONFIGS[a.config]
+    cfg = MoEConfig(**shape)
+    torch.manual_seed(0)
+    m = MoE(cfg, "bf16", device="cuda")
+    x = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    g = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    print(f"{a.config}: {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for prec in a.precisions:
+        m.precision = prec
+        for _ in range(3):
+            _step(m, x, g)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(a.iters):
+            _step(m, x, g)
+        torch.cuda.synchronize()
+        back_to_back = (time.perf_counter() - t) * 1e3 / a.iters
+        isolated, hosts = [], []
+        for _ in range(a.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            start.record()
+            _step(m, x, g)
+            end.record()
+            hosts.append((time.perf_counter() - t) * 1e3)
+            end.synchronize()
+            isolated.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _step(m, x, g)
+            torch.cuda.synchronize()
+        gpu = sum(e.time_range.elapsed_us() for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        syncs = _syncs(lambda: _step(m, x, g))
+        print(f"\n=== {a.config} {prec}: isolated {statistics.median(isolated):.2f} ms/step, back-to-back "
+              f"{back_to_back:.2f} ms/step, gpu {gpu:.2f} ms (kernel time), host {statistics.median(hosts):.2f} ms "
+              f"to issue the step; {len(syncs)} synchronizing calls", flush=True)
+        for s in syncs:
+            print(f"  sync: {s}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+
+    # Host cost of one launch per kernel family (dsv3-sized operands, results discarded).
+    h, f, e = cfg.hidden, cfg.ffn, cfg.num_experts
+    rows = 128 * e
+    xb = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    xq = moe_fp4.quantize_fp8(xb)
+    w = quantize_fp8_weight(torch.randn(e, 2 * f, h, device="cuda") * h ** -0.5)
+    counts = [128] * e
+    offs = torch.tensor(counts, device="cuda").cumsum(0).int()
+    wb = torch.randn(e, h, 2 * f, device="cuda", dtype=torch.bfloat16)
+    fams = {
+        "torch._grouped_mm (bf16)": lambda: torch._grouped_mm(xb, wb, offs=offs),
+        "torch.mm (bf16)": lambda: torch.mm(xb, wb[0]),
+        "quantize_fp8 (Triton)": lambda: moe_fp4.quantize_fp8(xb),
+        "quantize_mxfp4 (Triton)": lambda: moe_fp4.quantize_mxfp4(xb),
+        "empty_like + add (torch)": lambda: xb + 1,
+    }
+    if GL.supported(xb.device):
+        fams["Gluon grouped_mm_nt"] = lambda: GL.grouped_mm_nt(xq.data, xq.scale, w.data, w.scale, counts)
+    print("\nhost microseconds per launch (median of 200 back-to-back calls):")
+    for name, fn in fams.items():
+        try:
+            print(f"  {name:32s} {_host_us(fn):8.1f}")
+        except Exception:  # noqa: BLE001 - one family failing does not hide the others
+            print(f"  {name:32s} failed: {traceback.format_exc().splitlines()[-1]}")
+
+
+if __name__ == "__main__":
+    main()

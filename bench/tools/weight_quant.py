@@ -1,0 +1,64 @@
+"""FP8 weight quantization (128x128 blocks, W and W^T codes from one pass) against a device copy of the
+same bytes, at the expert layer's weight shapes.
+
+    python bench/tools/weight_quant.py [--iters 20]
+
+The pass reads W (bf16, 2 bytes per element) and writes two FP8 codes per element (W and W^T), the
+same bytes as a bf16 clone of W, which is the baseline. It runs once per weight version (an optimizer
+step) through moe_fp4.gemm.FP8_WEIGHTS, so a step with one micro-batch pays it in full.
+``asm``: the PTX E4M3 rounding (the default on sm_90); ``twin``: the pure-Triton rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128
+
+SHAPES = {   # (E, N, K) of W13 [E, 2F, H] and W2 [E, H, F], as bench/moe_layer.py's configs
+    "dsv3 w13": (32, 4096, 7168), "dsv3 w2": (32, 7168, 2048),
+    "small w13": (64, 2816, 2048), "small w2": (64, 2048, 1408),
+}
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| weight | E x N x K | copy ms | default ms | % of copy | PTX rounding ms | % of copy | Triton twin ms "
+          "| % of copy |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (e, n, k) in SHAPES.items():
+        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+        cells = [timed(lambda: w.clone(), a.iters)]
+        for asm in (None, True, False):
+            kw = {} if asm is None else {"asm": asm}
+            try:
+                cells.append(timed(lambda: quantize_fp8_weight_128x128(w, write_q=True, write_t=True, **kw), a.iters))
+            except TypeError:   # a tree from before the asm argument: only its default
+                cells.append(None)
+        line = f"| {name} | {e} x {n} x {k} | {cells[0]:.3f} |"
+        for ms in cells[1:]:
+            line += " - | - |" if ms is None else f" {ms:.3f} | {100 * cells[0] / ms:.1f} |"
+        print(line, flush=True)
+
+if __name__ == "__main__":
+    main()
