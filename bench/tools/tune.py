@@ -71,6 +71,8 @@ def main() -> None:
          _grid(nb=[1, 2, 4, 8], num_warps=[1, 2, 4])),
         ("fp8_to_fp8_colwise", lambda **c: KT.fp8_to_fp8_colwise(*f8, **c), f8,
          _grid(g=[1, 2, 4, 8], num_warps=[1, 2, 4, 8])),
+        ("bf16_cast_transpose", lambda **c: KT.quantize_fp8_rowwise_colwise(x, **c), (x,),
+         _grid(tiles_k=[1, 2, 4], slice_k=[32, 64, 128], num_warps=[4, 8, 16])),
     ]
     ops = [op for op in ops if a.ops is None or op[0] in a.ops]
     if a.once:
