@@ -337,8 +337,11 @@ if AVAILABLE:
             decoded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(NUM_STAGES):
                 mbarrier.init(decoded.index(s), count=1)
-            # Warpgroups 0 and 1 consume, one producer warp, two decoder warps: 4 x 32 x 232 + 32 x 24
-            # + 64 x 64 registers fit the 64K of an SM with the launch's 11 warps.
+            # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1, the producer warp and
+            # two decoder warps are workers: 216 registers for warpgroup 1 (the consumers compile
+            # without spills there), 24 for the producer, 72 for the decoder; with the launch's 11
+            # warps Triton leaves the default partition 216 as well. (The same consumer list as the
+            # FP8-A call below: Gluon 3.6 cannot build the partition list in a variable.)
             gl.warp_specialize(
                 [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,

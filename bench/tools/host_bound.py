@@ -19,7 +19,6 @@ microseconds of one launch (median of back-to-back launches, no sync between).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -32,11 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
-from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
+from profile_moe import layer_args, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 
 
 def _step(m, x, g):
@@ -77,18 +75,11 @@ def _syncs(fn) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="dsv3", choices=list(CONFIGS))
-    p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "fp4"])
+    p = layer_args(__doc__.splitlines()[0], 20)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--top", type=int, default=20)
     a = p.parse_args()
-    shape, tokens = CONFIGS[a.config]
-    cfg = MoEConfig(**shape)
-    torch.manual_seed(0)
-    m = MoE(cfg, "bf16", device="cuda")
-    x = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    g = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    m, cfg, x, g = make_layer(a.config)
+    tokens = x.shape[0]
     print(f"{a.config}: {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for prec in a.precisions:
         m.precision = prec

@@ -19,18 +19,30 @@ from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark'
 from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_args(description: str, top: int) -> argparse.ArgumentParser:
+    """The command line shared with host_bound.py: --config, --precisions, --top."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", default="dsv3", choices=list(CONFIGS))
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "fp4"])
-    p.add_argument("--top", type=int, default=25)
-    a = p.parse_args()
-    shape, tokens = CONFIGS[a.config]
+    p.add_argument("--top", type=int, default=top)
+    return p
+
+
+def make_layer(config: str):
+    """-> (MoE layer on the GPU, its config, input x bf16 [T, H] wanting its gradient, output grad g)."""
+    shape, tokens = CONFIGS[config]
     cfg = MoEConfig(**shape)
     torch.manual_seed(0)
     m = MoE(cfg, "bf16", device="cuda")
     x = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     g = torch.randn(tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    return m, cfg, x, g
+
+
+def main() -> None:
+    a = layer_args(__doc__.splitlines()[0], 25).parse_args()
+    m, _, x, g = make_layer(a.config)
+    tokens = x.shape[0]
     for prec in a.precisions:
         m.precision = prec
         for _ in range(2):

@@ -12,30 +12,20 @@ step) through moe_fp4.gemm.FP8_WEIGHTS, so a step with one micro-batch pays it i
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 
-from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for gemm.py
+
+from gemm import timed  # noqa: E402  (bench/gemm.py: median of CUDA-event timings)
+from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128  # noqa: E402
 
 SHAPES = {   # (E, N, K) of W13 [E, 2F, H] and W2 [E, H, F], as bench/moe_layer.py's configs
     "dsv3 w13": (32, 4096, 7168), "dsv3 w2": (32, 7168, 2048),
     "small w13": (64, 2816, 2048), "small w2": (64, 2048, 1408),
 }
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,11 +38,11 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (e, n, k) in SHAPES.items():
         w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
-        cells = [timed(lambda: w.clone(), a.iters)]
+        cells = [timed(lambda: w.clone(), 3, a.iters)]
         for asm in (None, True, False):
             kw = {} if asm is None else {"asm": asm}
             try:
-                cells.append(timed(lambda: quantize_fp8_weight_128x128(w, write_q=True, write_t=True, **kw), a.iters))
+                cells.append(timed(lambda: quantize_fp8_weight_128x128(w, write_q=True, write_t=True, **kw), 3, a.iters))
             except TypeError:   # a tree from before the asm argument: only its default
                 cells.append(None)
         line = f"| {name} | {e} x {n} x {k} | {cells[0]:.3f} |"
