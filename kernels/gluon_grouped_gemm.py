@@ -20,6 +20,9 @@ Schedule (why each piece: docs/DESIGN.md, "The Gluon GEMM engine"):
   tile's loads are already in flight.
 - scales: A's come from global memory (coalesced along M) and B's is one scalar per K block, both
   loaded one K block before the wgmma they scale is waited on, so their latency hides under the MMA.
+- an MXFP4 A: converted to FP8 first by default; with GluonConfig(decode_mxfp4=True) a fourth
+  partition (two decoder warps) turns each stage's TMA-loaded packed codes into FP8 codes and row
+  scales in shared memory, bit-identical but about a quarter as fast (bench/RESULTS.md, issue 29).
 
 The weight gradients (:func:`grouped_mm_wgrad`, twin grouped_gemm.grouped_mm_wgrad): out[e] [N, K] =
 A[:, tokens of e] @ B[:, tokens of e]^T, both operands in 1x128 tiles along the tokens. Same
