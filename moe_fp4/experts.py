@@ -253,8 +253,9 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
-            MXFP4 is decoded to FP8 inside the GEMM (``moe_fp4.gemm.decodes_mxfp4_in_gemm``: the
-            Gluon engine) or converted first, and kept as is for backward; FP8 is the GEMM operand, kept
+            MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it where
+            ``moe_fp4.gemm.decodes_mxfp4_in_gemm`` says that is faster: no engine today) and kept as
+            is for backward; FP8 is the GEMM operand, kept
             as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
             differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight

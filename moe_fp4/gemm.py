@@ -340,7 +340,7 @@ def decodes_mxfp4_in_gemm(device: torch.device) -> bool:
     engine decodes it inside the kernel faster than the caller converting it first (A read at half
     size, no FP8 copy written), False where converting first is faster. Today that is False on every
     engine: the Triton kernels' in-register decode ran at 0.18-0.25x of their FP8-A GEMM, the Gluon
-    engine's decoder partition (GluonConfig.decode_mxfp4, off) at 0.24-0.30x of converting first
+    engine's decoder partition (GluonConfig.decode_mxfp4, off) at 0.24-0.33x of converting first
     (bench/RESULTS.md). Same bits either way."""
     return grouped_gemm_backend(device) is GemmBackend.GLUON and gluon_kernels.NT_CONFIG.decode_mxfp4
 
