@@ -113,13 +113,14 @@ def _batches() -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (WORLD, SEQS, SEQ_LEN), generator=torch.Generator().manual_seed(1234))
 
 
-def _build(impl: str | None):
-    """The tiny Qwen3-MoE, seeded identically on every rank; with EP when ``impl`` names an implementation."""
+def _build(impl: str | None, config=None):
+    """A tiny MoE model (``config``: a transformers config; default the tiny Qwen3-MoE), seeded
+    identically on every rank; with EP when ``impl`` names an implementation."""
     from transformers import AutoModelForCausalLM, DistributedConfig, Qwen3MoeConfig
     from transformers.modeling_utils import PreTrainedModel
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MODEL), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config or Qwen3MoeConfig(**MODEL), dtype=torch.float32)
     if impl is not None:
         # from_config(..., distributed_config=) is not supported: distribute by hand, as from_pretrained does.
         dc = DistributedConfig(fsdp_size=WORLD, ep_size=WORLD, ep_implementation=impl)

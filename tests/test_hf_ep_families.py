@@ -50,6 +50,7 @@ if not hasattr(_ep_module, "EPImplementationInterface"):
 from distributed import run_ranks  # noqa: E402
 from test_hf_ep import (  # noqa: E402
     _backward_ok,
+    _build as _build_model,
     _ep_step,
     _reference_step,
     _spies,
@@ -110,19 +111,8 @@ def _batches() -> torch.Tensor:
 
 def _build(family: str, impl: str | None):
     """The family's tiny model, seeded identically on every rank; with EP when ``impl`` names an implementation."""
-    from transformers import AutoModelForCausalLM, DistributedConfig
-    from transformers.modeling_utils import PreTrainedModel
-
     config_cls, fields = FAMILIES[family]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**fields), dtype=torch.float32)
-    if impl is not None:
-        # from_config(..., distributed_config=) is not supported: distribute by hand, as from_pretrained does.
-        dc = DistributedConfig(fsdp_size=WORLD, ep_size=WORLD, ep_implementation=impl)
-        dc, _, mesh_manager = PreTrainedModel.prepare_distribute_model(dc)
-        model = type(model).maybe_distribute_model(model, dc, mesh_manager)
-    model.train()
-    return model
+    return _build_model(impl, getattr(transformers, config_cls)(**fields))
 
 
 def _placements(model) -> dict[str, int]:
