@@ -23,6 +23,16 @@ from moe_fp4.hook import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # moe_fp4.plan (moe_fp4.planner.plan) on first use: the planner sits above the layers imported here.
+    if name == "plan":
+        from moe_fp4.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'moe_fp4' has no attribute {name!r}")
+
+
 __all__ = [
     "CompressionConfig",
     "CompressionHandle",
@@ -39,6 +49,7 @@ __all__ = [
     "fp8_to_fp8_colwise",
     "mxfp4_to_fp8",
     "mxfp4_to_fp8_colwise",
+    "plan",
     "quantize_fp8",
     "quantize_fp8_and_mxfp4",
     "quantize_mxfp4",

@@ -34,6 +34,9 @@ examples:
   moe-fp4 compare                     bf16 vs fp8 vs fp4 on a GPU (tiny on CPU)
   moe-fp4 compare --max-batch 60      each mode at its largest batch in 60 GiB
   moe-fp4 compare --steps 1000        convergence on the stdlib's source text
+  moe-fp4 compare --budget-gib 40 --global-batch 128 --plan auto
+                                      each mode with its fastest recomputation
+                                      and micro-batch that fit 40 GiB
   moe-fp4 compare --hook              a Hugging Face MoE model with and
                                       without the compression hook
   torchrun --nproc-per-node 2 -m moe_fp4 compare
@@ -81,9 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batch", type=float, default=None, metavar="GIB",
                    help="train each mode at its largest batch in GIB GiB per GPU")
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",
-                   help="fail early if --batch needs more than GIB GiB per device")
+                   help="fail early if --batch needs more than GIB GiB per device; with --plan auto, the budget "
+                        "to plan for")
+    c.add_argument("--recompute", choices=["none", "swiglu", "moe", "layer"], default="none",
+                   help="what backward recomputes instead of keeping: the experts' SwiGLU output, the MoE block, "
+                        "or the whole decoder layer (gradients identical to none)")
+    c.add_argument("--plan", choices=["auto"], default=None,
+                   help="auto: per mode, the recomputation and micro-batch with the highest measured tokens/s "
+                        "that fit --budget-gib at --global-batch (each candidate measured), then train with it")
     c.add_argument("--allow-cpu-budget", action="store_true",
-                   help="allow --max-batch on CPU (memory estimated; for tests)")
+                   help="allow --max-batch and --plan on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
     c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
@@ -228,7 +238,7 @@ def _check(a: argparse.Namespace, cuda: bool):
                         batch=a.batch if a.batch is not None else PRESET_BATCH[preset],
                         seq=a.seq, experts=a.experts, layers=a.layers,
                         lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
-                        global_batch=a.global_batch,
+                        global_batch=a.global_batch, recompute=a.recompute, plan=a.plan == "auto",
                         profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.global_batch is not None:
@@ -242,6 +252,9 @@ def _check(a: argparse.Namespace, cuda: bool):
         if a.hook:
             raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
         check_ep(cfg.model, world)
+    if a.plan and not cuda and not a.allow_cpu_budget:
+        raise ValueError("--plan auto needs a GPU: on CPU the memory is only estimated and every candidate trains a "
+                         "model (--allow-cpu-budget runs it anyway, for tests)")
     if a.max_batch is not None and not cuda and not a.allow_cpu_budget:
         # On CPU every probe trains a model and the memory is an estimate: minutes for a number that
         # says nothing about a GPU.

@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from moe_fp4.ep import EPConfig
 from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
-from moe_fp4.nn import DISPATCH_FORMAT
+from moe_fp4.nn import DISPATCH_FORMAT, Recompute
 from moe_fp4.saved import saved_bytes
 
 GiB = 2**30
@@ -75,7 +75,10 @@ class CompareConfig:
     global_batch: sequences per optimizer step over all ranks (None: ``batch`` per rank, one micro-batch):
     each rank takes global_batch / world of them per step in the fewest near-equal micro-batches of at
     most the mode's batch (``batch``, or with ``max_batch_gib`` its largest micro-batch whose
-    accumulated step fits), the gradients accumulated, so every mode trains on the same batches."""
+    accumulated step fits), the gradients accumulated, so every mode trains on the same batches;
+    recompute: the recomputation policy of every mode (:class:`moe_fp4.nn.Recompute`: none, swiglu, moe,
+    layer); plan: per mode, choose the policy and micro-batch with the highest measured tokens/s that fits
+    ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.planner`) and train with that choice."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -92,6 +95,8 @@ class CompareConfig:
     max_batch_gib: float | None = None
     budget_gib: float | None = None
     global_batch: int | None = None
+    recompute: str = "none"
+    plan: bool = False
     profile_steps: int = 3
     profile: bool = False
     hook: bool = False
@@ -130,6 +135,15 @@ class CompareConfig:
                 raise ValueError(f"{name} must be positive, got {v}")
         if self.max_batch_gib is not None and self.budget_gib is not None:
             raise ValueError("budget_gib checks the given batch, max_batch_gib picks each mode's own: give one of them")
+        object.__setattr__(self, "recompute", Recompute(self.recompute).value)   # ValueError names the choices
+        if self.hook and (self.recompute != "none" or self.plan):
+            raise ValueError("--recompute and --plan apply to moe_fp4's decoder; --hook compares a Hugging Face model")
+        if self.plan:
+            if self.budget_gib is None or self.global_batch is None:
+                raise ValueError("--plan auto chooses a micro-batch and recomputation per mode for a budget and a "
+                                 "global batch: give --budget-gib and --global-batch")
+            if self.recompute != "none":
+                raise ValueError("--plan auto chooses the recomputation per mode: leave --recompute out")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.profile and not self.profile_steps:
@@ -357,7 +371,7 @@ def build(cfg: CompareConfig, mode: str, env: Env):
 
             handle = moe_fp4.register_activation_compression(model)
         return model, _hf_shifted_loss, (), handle
-    model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed)
+    model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed, recompute=cfg.recompute)
     return model, _lm_loss, model.expert_parameters() if env.ep is not None else (), None
 
 
@@ -603,7 +617,7 @@ MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 afte
 
 
 def search_largest_batch(measure, budget: float, first: int, max_probes: int = MAX_SEARCH_PROBES,
-                         log=_quiet) -> dict:
+                         log=_quiet, most: int | None = None) -> dict:
     """The exact largest batch b >= 0 with measure(b) <= budget, for a measure that does not decrease
     with the batch. measure(b) -> bytes (inf: does not fit, e.g. out of memory); every candidate is
     measured, none is predicted.
@@ -612,10 +626,13 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
     prediction and its neighbour, then brackets (doubling past the largest fit while everything fits)
     and bisects between the largest batch that fits and the smallest that does not. -> {"batch_max",
     "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1
-    was measured not to fit (False only when max_probes ran out)}."""
+    was measured not to fit, or is above ``most`` (False only when max_probes ran out)}. ``most``: no batch
+    above it is wanted (the search returns at most ``most``)."""
     probe: dict[int, float] = {}
 
     def fits(b: int) -> bool:
+        if most is not None and b > most:
+            return False                                # above the cap: never measured
         if b not in probe:
             probe[b] = float(measure(b))
             log(f"  batch {b} -> {probe[b] / GiB:.2f} GiB (budget {budget / GiB:.2f})"
@@ -666,6 +683,63 @@ def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float
     with ``passes`` > 1 the largest micro-batch whose accumulated step of that many passes fits."""
     return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b], passes)[b], budget,
                                 max(1, cfg.batch // 2), log=lambda *a, **k: log(f"  {mode}:" + a[0][1:], **k))
+
+
+def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, micro: int, warmup: int = 1,
+                  steps: int = 3) -> tuple[float, float | None]:
+    """Time ``steps`` training steps of ``batch`` sequences per rank in micro-batches of at most ``micro``
+    (after ``warmup`` untimed ones) on a freshly built model -> (tokens/s per GPU of the slowest rank,
+    peak bytes of the largest rank; None on CPU). The model is freed afterwards."""
+    _free(env)
+    model, loss_fn, sharded, handle = build(cfg, mode, env)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
+    data = _batches(cfg, env, corpus)
+    try:
+        for _ in range(warmup):
+            trainer.step(*data.next(batch))
+        _sync(env)
+        if env.cuda:
+            torch.cuda.reset_peak_memory_stats(env.device)
+        times = []
+        for _ in range(steps):
+            ids, targets = data.next(batch)
+            _sync(env)
+            t0 = time.perf_counter()
+            trainer.step(ids, targets)
+            _sync(env)
+            times.append(time.perf_counter() - t0)
+        peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
+        step_s = _max_over_ranks(statistics.median(times), env)
+    finally:
+        if handle is not None:
+            handle.remove()
+        del model, trainer
+        _free(env)
+    return batch * cfg.model.seq / step_s, peak
+
+
+def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print):
+    """:func:`moe_fp4.planner.choose` for one mode: each policy's exact largest micro-batch in
+    ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`; below ``per_rank`` in an accumulated
+    step of two passes), each distinct split timed by :func:`measure_steps` -> the Plan."""
+    from moe_fp4.planner import choose
+
+    budget = cfg.budget_gib * GiB
+
+    def largest(policy: str, first: int) -> dict:
+        c = replace(cfg, recompute=policy, plan=False)
+
+        def measure(b: int) -> float:
+            return step_bytes(c, mode, env, corpus, [b], passes=1 if b == per_rank else 2)[b]
+
+        return search_largest_batch(measure, budget, first, most=per_rank,
+                                    log=lambda *a, **k: log(f"  {mode} {policy}:" + a[0][1:], **k))
+
+    def timed(policy: str, micro: int, passes: int) -> tuple[float, float | None]:
+        return measure_steps(replace(cfg, recompute=policy, plan=False), mode, env, corpus, per_rank, micro)
+
+    return choose([p.value for p in Recompute], largest, timed, per_rank, budget,
+                  lambda msg, **k: log(f"  {mode}" + msg[1:], **k))
 
 
 def ratios(rows: dict[str, dict], base: str = "fp8") -> dict:
@@ -723,7 +797,21 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         for n in report["notes"]:
             log("  note: " + n, flush=True)
     batch = {m: cfg.batch for m in cfg.modes}
-    if cfg.budget_gib is not None and cfg.max_batch_gib is None:
+    policy = {m: cfg.recompute for m in cfg.modes}
+    micro = {m: None for m in cfg.modes}
+    if cfg.plan:
+        per_rank = per_rank_batch(cfg.global_batch, env.world)
+        report["plans"] = {}
+        for m in cfg.modes:
+            if env.lead:
+                log(f"[{m}] planning {per_rank} sequences per rank per step in {cfg.budget_gib:g} GiB per device",
+                    flush=True)
+            chosen = plan_mode(cfg, m, env, corpus, per_rank, log if env.lead else _quiet)
+            report["plans"][m] = asdict(chosen)
+            if env.lead:
+                log("  " + chosen.table().replace("\n", "\n  "), flush=True)
+            batch[m], micro[m], policy[m] = per_rank, chosen.micro_batch, chosen.policy
+    elif cfg.budget_gib is not None and cfg.max_batch_gib is None:
         for m in cfg.modes:
             fit = step_bytes(cfg, m, env, corpus, [max(1, cfg.batch // 2), cfg.batch])[cfg.batch]
             if fit > cfg.budget_gib * GiB:
@@ -745,8 +833,7 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
                 raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "
                                       f"per device (probes: {found['probe']})")
             batch[m] = found["batch_max"]
-    micro = {m: None for m in cfg.modes}
-    if cfg.global_batch is not None:
+    if cfg.global_batch is not None and not cfg.plan:
         per_rank = per_rank_batch(cfg.global_batch, env.world)
         for m in cfg.modes:
             micro[m] = micro_batch(per_rank, batch[m])
@@ -755,14 +842,16 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         if env.lead:
             split = "" if micro[m] in (None, batch[m]) else \
                 f" ({-(-batch[m] // micro[m])} micro-batches of up to {micro[m]}, gradients accumulated)"
-            log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank{split}", flush=True)
+            again = "" if policy[m] == "none" else f", recompute {policy[m]}"
+            log(f"[{m}] training {cfg.steps} steps at batch {batch[m]} x {mc.seq} per rank{split}{again}", flush=True)
         try:
-            report["modes"][m] = train_mode(cfg, m, env, corpus, batch[m], log if env.lead else _quiet,
-                                            micro_batch=micro[m])
+            report["modes"][m] = train_mode(replace(cfg, recompute=policy[m], plan=False), m, env, corpus, batch[m],
+                                            log if env.lead else _quiet, micro_batch=micro[m])
         except torch.OutOfMemoryError as e:
             raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
                                   f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
         budget = cfg.max_batch_gib if cfg.max_batch_gib is not None else cfg.budget_gib
+        report["modes"][m]["recompute"] = policy[m]
         peak = report["modes"][m]["peak_bytes"]
         if budget is not None and peak is not None and peak > budget * GiB:
             report["notes"].append(f"{m}: the training run peaked at {peak / GiB:.2f} GiB, above the {budget:g} GiB "
@@ -785,6 +874,8 @@ def done_line(r: dict, world: int = 1) -> str:
     slowest, largest, mean = ("", "", "") if world == 1 else (" (slowest rank)", " (largest rank)",
                                                               f" (means over {world} ranks)")
     parts = [f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['step_ms']:.1f} ms/step{slowest}"]
+    if r.get("recompute", "none") != "none":
+        parts.append(f"recompute {r['recompute']}")
     peak = "" if r["peak_bytes"] is None else f"peak {_gib(r['peak_bytes'])}, "
     parts.append(f"memory{largest}: {peak}activation {_gib(r['activation_bytes'])}")
     if r["a2a_share"] is not None:
@@ -827,10 +918,19 @@ def table(report: dict) -> str:
                      + ("" if base not in mb or not mb[base]["batch_max"] else
                         " (" + ", ".join(f"{k} {v['batch_max'] / mb[base]['batch_max']:.2f}x"
                                          for k, v in mb.items() if k != base) + f" of {base})"))
+    if report.get("plans"):
+        cfg = report["config"]
+        lines.append(f"plan per mode in {cfg['budget_gib']:g} GiB per device at global batch {cfg['global_batch']} "
+                     f"(the measured fastest policy and micro-batch that fit):")
+        for mode, p in report["plans"].items():
+            tried = ", ".join(f"{c['policy']} {c['tokens_per_s']:,.0f}" for c in p["candidates"]
+                              if c["tokens_per_s"] is not None)
+            lines.append(f"  {mode:<8} recompute {p['policy']}, micro-batch {p['micro_batch']} x {p['passes']} "
+                         f"passes (tokens/s while planning: {tried})")
     lines += ["note: " + n for n in report["notes"]]
     return "\n".join(lines)
 
 
-__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "Trainer", "check_ep", "largest_batch", "micro_batch",
-           "per_rank_batch", "ratios", "run", "search_largest_batch", "table",
+__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "Trainer", "check_ep", "largest_batch", "measure_steps",
+           "micro_batch", "per_rank_batch", "plan_mode", "ratios", "run", "search_largest_batch", "table",
            "train_mode"]

@@ -24,14 +24,20 @@ What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
-for dgrad and its column-wise FP8 for wgrad from one read). The FP8 weights (128x128 blocks) are
-not kept: backward quantizes W^T for dgrad again from the master weights (one pass writing the
-transposed codes; bit-identical to transposing the forward's).
+for dgrad and its column-wise FP8 for wgrad from one read). The FP8 weights (128x128 blocks) and
+their transposed copies come from :data:`moe_fp4.gemm.FP8_WEIGHTS`, made once per weight version and
+shared by forward, backward and every micro-batch of an optimizer step.
 
 Inside :func:`moe_fp4.compress_saved_activations` with ``compress_fp8=True``, the fp8 precision
 stores its FP8 activations as MXFP4 converted directly from the FP8 codes (no BF16 round trip); its
 bf16 SwiGLU input goes through ``save_for_backward``, where that hook compresses it. Nothing is
-compressed twice: the quantized containers live on ``ctx`` where the hook never sees them.
+compressed twice: the quantized containers are tagged (:func:`moe_fp4.saved.keep`) and the hook passes
+them through.
+
+Everything kept goes through ``ctx.save_for_backward`` (containers as their tensors), none of it on
+ctx attributes, so activation checkpointing (``torch.utils.checkpoint``, :func:`moe_fp4.nn.checkpoint`)
+around the experts drops it in forward and recomputes it in backward; ``recompute_swiglu`` drops the
+SwiGLU output alone (bf16, fp8).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from moe_fp4.hook import current_compression
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.saved import label_saved, report_saved
+from moe_fp4.saved import keep, label_saved, rebuild, report_saved
 
 TOKEN_ALIGN = 128
 
@@ -60,16 +66,56 @@ class Precision(str, enum.Enum):
     FP4 = "fp4"    # FP8 GEMMs, activations saved in MXFP4
 
 
-def _keep_fp8(label: str, t: FP8BlockTensor):
-    """The fp8 precision's saved FP8 activation: as is, or MXFP4 straight from its codes when the
-    compression hook asks for it."""
+def _keep_fp8(t: FP8BlockTensor):
+    """The fp8 precision's saved FP8 activation -> (what is kept, the bytes it replaced or None): as is,
+    or MXFP4 straight from its codes when the compression hook asks for it (counted by the hook when it
+    packs the result)."""
     scope = current_compression()
     if scope is not None and scope.config.compress_fp8:
-        q = quantize_mxfp4(t)
-        scope.record_internal(t.nbytes, q.nbytes)
-        t = q
-    report_saved(label, t)
-    return t
+        return quantize_mxfp4(t), t.nbytes
+    return t, None
+
+
+class _Kept:
+    """What the experts' Function keeps for backward, all of it through ``ctx.save_for_backward`` (so
+    that ``torch.utils.checkpoint`` can drop it and recompute it: a ctx attribute would be held by the
+    graph whatever the checkpoint does). Quantized containers and the router weights are tagged by
+    :func:`moe_fp4.saved.keep` (reported by label and format, passed through the compression hook);
+    bf16 tensors go through as they are (labelled for ``saved_bytes``; the hook may compress them)."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+        self.specs: list[tuple[str, object]] = []
+
+    def add(self, name: str, obj, label: str | None = None, converted_from: int | None = None, exact=True):
+        if obj is None:
+            self.specs.append((name, None))
+            return
+        if exact:
+            tensors, spec = keep(label or name, obj, converted_from)
+        else:
+            label_saved(obj, label or name)
+            tensors, spec = (obj,), ((None, 1))
+        self.tensors += tensors
+        self.specs.append((name, spec))
+
+    def save(self, ctx, *head: torch.Tensor) -> None:
+        ctx.kept_specs, ctx.kept_head = self.specs, len(head)
+        ctx.save_for_backward(*head, *self.tensors)
+
+    @staticmethod
+    def load(ctx) -> tuple[tuple, dict]:
+        saved = ctx.saved_tensors
+        head, rest, out = saved[:ctx.kept_head], saved[ctx.kept_head:], {}
+        i = 0
+        for name, spec in ctx.kept_specs:
+            if spec is None:
+                out[name] = None
+                continue
+            n = spec[1]
+            out[name] = rebuild(spec, rest[i:i + n])
+            i += n
+        return head, out
 
 
 def _colwise(kept) -> FP8BlockTensor:
@@ -144,25 +190,26 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q):
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
         ctx.precision, ctx.counts = precision, counts
-        ctx.row_w = None if row_w is None else row_w.detach()
-        if row_w is not None:
-            report_saved("row_weights", ctx.row_w)
+        kept = _Kept()
+        kept.add("row_w", None if row_w is None else row_w.detach(), "row_weights")
 
         if precision is Precision.BF16:
             xin = x if x_q is None else x_q.dequantize(torch.bfloat16)
             offs = _bf16_offsets(counts, dev) if _has_grouped_mm(dev) else None
             w13c, w2c = w13.to(xin.dtype), w2.to(xin.dtype)
             h = _bf16_mm(xin, w13c.transpose(1, 2), counts, offs)
-            a = _swiglu.swiglu_ref(h, ctx.row_w)
+            a = _swiglu.swiglu_ref(h, row_w)
             y = _bf16_mm(a, w2c.transpose(1, 2), counts, offs)
-            for tensor, label in ((xin, "fc1_input"), (h, "swiglu_input"), (a, "fc2_input")):
-                label_saved(tensor, label)
+            kept.add("x", xin, "fc1_input", exact=False)
+            kept.add("h", h, "swiglu_input", exact=False)
+            # recompute_swiglu: backward recomputes the SwiGLU output from h (same function, same bits).
+            kept.add("a", None if recompute_swiglu else a, "fc2_input", exact=False)
             ctx.offs = offs
-            ctx.save_for_backward(w13, w2, xin, h, a)
+            kept.save(ctx, w13, w2)
             return y
 
         fp4 = precision is Precision.FP4
@@ -175,73 +222,80 @@ class _GroupedSwiGLU(torch.autograd.Function):
             # A received MXFP4 FC1 input: decoded inside the grouped GEMM where the engine does that
             # faster than a conversion pass (moe_fp4.gemm.decodes_mxfp4_in_gemm), else converted first.
             xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
-            ctx.x_kept = x_q
-            report_saved("fc1_input", x_q)
+            kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
-            if fp4:
-                ctx.x_kept = quantize_mxfp4(x_q)
-                report_saved("fc1_input", ctx.x_kept)
-            else:
-                ctx.x_kept = _keep_fp8("fc1_input", x_q)
+            x_kept, before = (quantize_mxfp4(x_q), None) if fp4 else _keep_fp8(x_q)
+            kept.add("x", x_kept, "fc1_input", converted_from=before)
         elif fp4:
-            xq, ctx.x_kept = quantize_fp8_and_mxfp4(x)
-            report_saved("fc1_input", ctx.x_kept)
+            xq, x_mx = quantize_fp8_and_mxfp4(x)
+            kept.add("x", x_mx, "fc1_input")
         else:
             xq = quantize_fp8(x)
-            ctx.x_kept = _keep_fp8("fc1_input", xq)
+            x_kept, before = _keep_fp8(xq)
+            kept.add("x", x_kept, "fc1_input", converted_from=before)
         h = grouped_fp8_mm_nt(xq, w13q, counts, torch.bfloat16)
         del xq, w13q
-        aq, a_mx, h_mx = _swiglu_quantize(h, ctx.row_w, fp4)
+        aq, a_mx, h_mx = _swiglu_quantize(h, row_w, fp4)
         if fp4:
-            ctx.a_kept, ctx.h_kept = a_mx, h_mx
-            report_saved("fc2_input", a_mx)
-            report_saved("swiglu_input", h_mx)
-            ctx.save_for_backward(w13, w2)
+            # fp4 keeps the SwiGLU output in MXFP4 even with recompute_swiglu: recomputing it from the
+            # MXFP4 SwiGLU input would change the FC2 weight gradient (it is made from the exact h).
+            kept.add("a", a_mx, "fc2_input")
+            kept.add("h", h_mx, "swiglu_input")
         else:
-            ctx.a_kept = _keep_fp8("fc2_input", aq)
-            label_saved(h, "swiglu_input")
-            ctx.save_for_backward(w13, w2, h)
+            if recompute_swiglu:
+                kept.add("a", None)
+            else:
+                a_kept, before = _keep_fp8(aq)
+                kept.add("a", a_kept, "fc2_input", converted_from=before)
+            kept.add("h", h, "swiglu_input", exact=False)
+        kept.save(ctx, w13, w2)
         return grouped_fp8_mm_nt(aq, w2q, counts, torch.bfloat16)
 
     @staticmethod
     def backward(ctx, dy):
-        precision, counts, row_w = ctx.precision, ctx.counts, ctx.row_w
+        precision, counts = ctx.precision, ctx.counts
         need_dx, need_dw13, need_dw2 = ctx.needs_input_grad[:3]
+        (w13, w2), kept = _Kept.load(ctx)
+        row_w = kept["row_w"]
         dy = dy.contiguous()
         if precision is Precision.BF16:
-            w13, w2, xin, h, a = ctx.saved_tensors
+            xin, h, a = kept["x"], kept["h"], kept["a"]
+            if a is None:
+                a = _swiglu.swiglu_ref(h, row_w)
             offs = ctx.offs
             w13c, w2c = w13.to(dy.dtype), w2.to(dy.dtype)
             da = _bf16_mm(dy, w2c, counts, offs)
             dw2 = _bf16_wgrad(dy, a, counts, offs).to(w2.dtype) if need_dw2 else None
+            del a
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None
 
-        if precision is Precision.FP4:
-            w13, w2 = ctx.saved_tensors
-            h = dequantize_mxfp4(ctx.h_kept, dy.dtype)
-        else:
-            w13, w2, h = ctx.saved_tensors
+        h = kept["h"]
+        if isinstance(h, MXFP4Tensor):
+            h = dequantize_mxfp4(h, dy.dtype)
+        a_kept = kept["a"]
+        if a_kept is None:   # recompute_swiglu (fp8): the same kernel on the same h gives the forward's bytes
+            a_kept = _swiglu_quantize(h, row_w, False)[0]
         dyq, dyt = _rows_and_cols(dy, rows=True)
         da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, dy.dtype)
         del dyq
-        dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(ctx.a_kept), counts, w2.dtype) if need_dw2 else None
-        del dyt
+        dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
+        del dyt, a_kept
         dh, d_row = _swiglu_backward(h, da, row_w)
         del h, da
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
-        dw13 = grouped_fp8_mm_wgrad(dht, _colwise(ctx.x_kept), counts, w13.dtype) if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None
+        dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
+        return dx, dw13, dw2, d_row, None, None, None, None
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
-                           row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                           row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -260,6 +314,12 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
             differentiable: the output is then ``row_weights[:, None] * expert(x)`` with the weight
             applied to the SwiGLU output.
+    recompute_swiglu: keep the SwiGLU input only and recompute its output (the FC2 input) in backward,
+            bit for bit what the forward used (bf16: 2F bytes a row less; fp8: F + F/128*4). fp4 keeps
+            its MXFP4 FC2 input anyway (0.53 bytes an element): recomputing it from the MXFP4 SwiGLU
+            input would change the FC2 weight gradient.
+    Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
+    :func:`moe_fp4.nn.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
     """
     precision = Precision(precision)
@@ -292,4 +352,4 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_q is [{x_q.m}, {x_q.k}], expected {tuple(x.shape)}")
     elif not x.is_contiguous():
         x = x.contiguous()
-    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q)
+    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu))

@@ -17,7 +17,9 @@ Decisions (each one tested in ``tests/test_hook.py``):
   ``weight.t()`` or ``experts_weight[e]``; their owner keeps the storage alive, so a compressed copy would
   add memory, not save it, and would make weight operands lossy), tensor subclasses (``type(t) is not
   torch.Tensor``), non-float tensors, float8 tensors (a bare float8 tensor has no scale we could use;
-  moe_fp4's own FP8 Functions compress theirs through :func:`current_compression`), float64, sparse or
+  moe_fp4's own FP8 Functions compress theirs through :func:`current_compression`), the tensors of
+  moe_fp4's own kept activations (tagged by ``moe_fp4.saved.keep``: MXFP4 / FP8 containers and the exact
+  router weights; ``SkipReason.QUANTIZED``, counted once per container), float64, sparse or
   other non-strided layouts, devices other than CPU/CUDA, zero-size tensors, 0-d tensors, tensors below
   ``min_numel``, tensors whose padded MXFP4 form would not be smaller than the original, and (only with
   ``check_finite=True``) tensors holding NaN/Inf.
@@ -76,6 +78,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from moe_fp4.api import dequantize_mxfp4, quantize_mxfp4
 from moe_fp4.formats import HIGH_PRECISION_DTYPES
 from moe_fp4.kernels.numerics import MXFP4_BLOCK
+from moe_fp4.saved import kept_tag, note_packed
 
 ModulePredicate = Callable[[str, nn.Module], bool]
 
@@ -103,6 +106,7 @@ class SkipReason(str, enum.Enum):
     NO_SAVING = "no_saving"
     NON_FINITE = "non_finite"
     KEPT = "kept"
+    QUANTIZED = "quantized"   # moe_fp4's own kept activation (moe_fp4.saved.keep): already in its format
 
 
 def is_expert_module(name: str, module: nn.Module) -> bool:
@@ -281,6 +285,23 @@ def current_compression() -> ActiveCompression | None:
     if not s or s[-1] is _PAUSED:
         return None
     return s[-1]
+
+
+class as_current:
+    """Context manager: :func:`current_compression` returns ``scope`` (None: no scope) on this thread inside
+    it, without installing that scope's saved-tensor hooks. For a recomputation (``moe_fp4.nn.checkpoint``)
+    that must take the decisions its first run took under ``scope`` (fp8 keeps MXFP4 under a
+    ``compress_fp8`` scope) while the checkpoint's own hooks receive what it saves."""
+
+    def __init__(self, scope: "ActiveCompression | None"):
+        self.scope = scope
+
+    def __enter__(self):
+        _stack().append(_PAUSED if self.scope is None else self.scope)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().pop()
 
 
 class pause_compression:
@@ -511,6 +532,21 @@ class compress_saved_activations(torch.autograd.graph.saved_tensors_hooks):
         if self._param_ptrs is None:
             params = self._params() if self._params is not None else ()
             self._param_ptrs = frozenset(ptr for p in params for ptr in _storage_ptrs(p) if ptr)
+        tag = kept_tag(t)
+        if tag is not None:
+            # moe_fp4's experts save their MXFP4 / FP8 activations (and exact router weights) through
+            # autograd so that a checkpoint can drop them; here they pass through, counted once per
+            # container: as internal where this scope's config had them converted, else as skipped.
+            kept, first = tag
+            stats.skipped[SkipReason.QUANTIZED.value] = stats.skipped.get(SkipReason.QUANTIZED.value, 0) + 1
+            if first and kept.converted_from is not None:
+                stats.internal += 1
+                stats.bytes_before += kept.converted_from
+                stats.bytes_after += kept.nbytes
+            elif first:
+                stats.bytes_skipped += kept.nbytes
+            note_packed(t)
+            return _Passthrough(t.detach(), SkipReason.QUANTIZED)
         reason = SkipReason.KEPT if s and s[-1] is _PAUSED else _skip_reason(t, self.config, self._param_ptrs)
         if reason is not None:
             stats.skipped[reason.value] = stats.skipped.get(reason.value, 0) + 1

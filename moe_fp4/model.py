@@ -11,6 +11,9 @@ attention, the dense MLP, norms, embeddings and the head stay bf16 in every mode
 this package implements (FP4 for the experts' stored activations and the dispatch, FP8 GEMMs in the
 experts).
 
+Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "layer", :class:`moe_fp4.nn.Recompute`) trades
+what a forward keeps for backward for compute, with gradients identical to "none" in the same precision.
+
 Expert parallelism: with an :class:`~moe_fp4.ep.EPConfig` each rank holds E / world experts per MoE
 layer and every other parameter is replicated. :meth:`DecoderLM.init_weights` gives every rank the
 same replicated weights and expert e the same weights wherever it lives (one generator seed per
@@ -27,7 +30,7 @@ from torch import nn
 
 from moe_fp4.ep import EPConfig
 from moe_fp4.experts import Precision
-from moe_fp4.nn import MoE, MoEConfig, ScoreFunction
+from moe_fp4.nn import MoE, MoEConfig, Recompute, ScoreFunction, checkpoint
 
 BYTE_VOCAB = 256
 
@@ -138,9 +141,16 @@ class Block(nn.Module):
         self.mlp = DenseMLP(c.hidden, c.dense_ffn, device) if dense else \
             MoE(c.moe, precision=precision, dtype=torch.float32, device=device, ep=ep)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.recompute_layer = False   # DecoderLM.recompute = "layer": the whole block is recomputed
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(F.rms_norm(x, x.shape[-1:], self.attn_norm.weight.to(x.dtype), 1e-6), cos, sin)
         return x + self.mlp(F.rms_norm(x, x.shape[-1:], self.mlp_norm.weight.to(x.dtype), 1e-6))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute_layer and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
 
 
 class DecoderLM(nn.Module):
@@ -148,7 +158,7 @@ class DecoderLM(nn.Module):
     scalar) when targets are given, else logits float32 [B, S, vocab]. S <= config.seq."""
 
     def __init__(self, config: ModelConfig, precision: str | Precision = "fp8", device=None,
-                 ep: EPConfig | None = None, seed: int = 0):
+                 ep: EPConfig | None = None, seed: int = 0, recompute: str | Recompute = "none"):
         super().__init__()
         self.config = c = config
         self.embed = nn.Parameter(torch.empty(c.vocab, c.hidden, dtype=torch.float32, device=device))
@@ -158,6 +168,7 @@ class DecoderLM(nn.Module):
         cos, sin = _rope_tables(c.seq, c.hidden // c.heads, c.rope_theta, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.recompute = recompute
         self.init_weights(seed)
 
     def moe_layers(self) -> list[MoE]:
@@ -171,6 +182,20 @@ class DecoderLM(nn.Module):
     def precision(self, value) -> None:
         for m in self.moe_layers():
             m.precision = value
+
+    @property
+    def recompute(self) -> Recompute:
+        """The recomputation policy (:class:`moe_fp4.nn.Recompute`): "swiglu" and "moe" apply to the MoE
+        layers, "layer" recomputes every decoder block (dense ones too) from its input."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value) -> None:
+        self._recompute = value = Recompute(value)
+        for b in self.blocks:
+            b.recompute_layer = value is Recompute.LAYER
+        for m in self.moe_layers():
+            m.recompute = Recompute.NONE if value is Recompute.LAYER else value
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' weights: sharded over the EP group (every other parameter is replicated)."""

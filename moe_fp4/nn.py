@@ -5,19 +5,30 @@ expert) pairs by expert, each expert's group padded to 128 rows -> grouped SwiGL
 (:mod:`moe_fp4.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4, the router weights
 applied to the SwiGLU output) -> unweighted combine (nothing saved for backward) -> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
 the permutation and the combine are identical in every precision.
+
+Recomputation (:class:`Recompute`, ``MoE(recompute=...)``, :func:`checkpoint` for any region that holds
+MoE layers): what a forward keeps for backward can be traded for compute, from the SwiGLU output alone
+to the whole block or decoder layer. A recomputed forward never repeats what cannot or should not run
+twice: the routing's host sync and, under expert parallelism, the count exchange, the dispatch and the
+combine; their results are recorded in the first run and returned in the recomputation, so the received
+rows stay in their wire format (MXFP4 in fp4) and backward sends nothing a second time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
+from moe_fp4.hook import as_current, current_compression
 from moe_fp4.wire import WireFormat
 
 # The dispatch all-to-all's wire format in each precision (DESIGN.md): the FP8 baseline sends what
@@ -28,6 +39,81 @@ DISPATCH_FORMAT = {Precision.BF16: WireFormat.BF16, Precision.FP8: WireFormat.FP
 class ScoreFunction(str, enum.Enum):
     SOFTMAX = "softmax"  # Mixtral / DeepSeek-V2
     SIGMOID = "sigmoid"  # DeepSeek-V3
+
+
+class Recompute(str, enum.Enum):
+    """What a forward keeps for backward, and what backward recomputes instead (each numerically
+    identical to NONE in the same precision: the recomputation runs the same kernels on the same
+    inputs).
+
+    NONE: keep everything. SWIGLU: the experts keep the SwiGLU input, not its output (bf16, fp8; fp4
+    keeps its MXFP4 output, see ``grouped_swiglu_experts``). MOE: the MoE block keeps its input (and,
+    under expert parallelism, the received rows and the combined output) and recomputes router, experts
+    and shared expert. LAYER: the decoder layer (attention + MoE) keeps its input only; a decoder
+    applies it (:class:`moe_fp4.model.DecoderLM`), or wrap your own layer in :func:`checkpoint`."""
+
+    NONE = "none"
+    SWIGLU = "swiglu"
+    MOE = "moe"
+    LAYER = "layer"
+
+
+class _Replay:
+    """One checkpointed region's results of the steps that must not run twice (host syncs, collectives),
+    in the order the first run produced them; the recomputation takes them back in the same order."""
+
+    def __init__(self):
+        self.results: list = []
+        self.recorded = False
+        self.pos = 0
+
+    def once(self, compute):
+        if not self.recorded:
+            out = compute()
+            self.results.append(out)
+            return out
+        if self.pos >= len(self.results):
+            raise RuntimeError("moe_fp4.nn.checkpoint: the recomputation ran more MoE exchanges than the forward "
+                               f"({len(self.results)}); the checkpointed function must run the same layers each time")
+        out = self.results[self.pos]
+        self.pos += 1
+        return out
+
+
+_REPLAY: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("moe_fp4_replay", default=None)
+
+
+def once(compute):
+    """compute() once: inside :func:`checkpoint`, the first run records the result and the
+    recomputation returns it without running compute again; elsewhere just compute()."""
+    rep = _REPLAY.get()
+    return compute() if rep is None else rep.once(compute)
+
+
+def checkpoint(fn, *args, **kwargs):
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)`` whose recomputation
+    does not repeat the MoE layers' host syncs and exchanges (:func:`once`): the first run records
+    their results, the recomputation reuses them. Works with the saved-tensor hook like any
+    non-reentrant checkpoint (see :mod:`moe_fp4.hook`). ``kwargs`` go to torch's checkpoint
+    (``preserve_rng_state``, ``determinism_check``, ...); pass fn's keyword arguments through a closure."""
+    rep = _Replay()
+
+    def run(*a):
+        token = _REPLAY.set(rep)
+        rep.pos = 0
+        if not rep.recorded:
+            rep.scope = current_compression()
+        # The recomputation (in backward, maybe on autograd's device thread) sees the compression scope
+        # the first run saw, so it keeps the same formats (checkpoint compares what both runs save).
+        scope = as_current(rep.scope) if rep.recorded else contextlib.nullcontext()
+        try:
+            with scope:
+                return fn(*a)
+        finally:
+            _REPLAY.reset(token)
+            rep.recorded = True
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -93,7 +179,7 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     rank = torch.arange(flat.numel(), device=flat.device) - start[sorted_e]
     dest = torch.empty_like(flat)
     dest[order] = pad_start[sorted_e] + rank
-    host = torch.stack([counts, padded]).tolist()
+    host = once(lambda: torch.stack([counts, padded]).tolist())   # the host sync: not repeated by a recomputation
     t, k = experts.shape
     src_row = torch.full((sum(host[1]),), t, dtype=torch.int64, device=flat.device)
     src_row[dest] = torch.arange(t * k, device=flat.device) // k
@@ -109,6 +195,21 @@ def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int) -> torc
     """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)] (16-bit dtypes in float32, rounded once)."""
     acc = torch.float32 if y.element_size() < 4 else y.dtype
     return y.index_select(0, dest).view(tokens, k, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
+
+
+class _Recorded:
+    """The combine's output in a checkpointed region: the first run returns the tensor itself (on the
+    graph), a recomputation a detached alias of it (the same values; nothing downstream trains through it)."""
+
+    def __init__(self, y: torch.Tensor):
+        self.y, self.first = y, True
+
+    def take(self) -> torch.Tensor:
+        if self.first:
+            self.first = False
+            y, self.y = self.y, self.y.detach()   # drop the stash's reference to the graph
+            return y
+        return self.y
 
 
 class _Permute(torch.autograd.Function):
@@ -173,10 +274,11 @@ class MoE(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
-                 device=None, ep: EPConfig | None = None):
+                 device=None, ep: EPConfig | None = None, recompute: str | Recompute = "none"):
         super().__init__()
         self.config = config
         self.precision = precision
+        self.recompute = recompute
         self.ep = ep
         c, kw = config, {"dtype": dtype, "device": device}
         world = 1
@@ -202,6 +304,19 @@ class MoE(nn.Module):
     @precision.setter
     def precision(self, value) -> None:
         self._precision = Precision(value)
+
+    @property
+    def recompute(self) -> Recompute:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value) -> None:
+        value = Recompute(value)
+        if value is Recompute.LAYER:
+            raise ValueError("MoE: recompute='layer' recomputes the whole decoder layer, which the layer must "
+                             "do: use moe_fp4.model.DecoderLM(recompute='layer') or wrap your layer in "
+                             "moe_fp4.nn.checkpoint")
+        self._recompute = value
 
     def reset_parameters(self) -> None:
         h = self.config.hidden
@@ -229,17 +344,39 @@ class MoE(nn.Module):
     def _routed_ep(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
         ep = self.ep
-        plan = plan_dispatch(experts, self.config.num_experts, ep.process_group)
-        sent = dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad)
+        # once(): inside a checkpoint the recomputation reuses these (no second exchange; the received
+        # rows stay as they arrived, MXFP4 in fp4). The combine's output is kept detached: downstream
+        # ops of a recomputation may read it, its gradient flows through the first run's graph.
+        plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group))
+        sent = once(lambda: dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad))
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
-                                   row_weights=sent.row_weights())
-        return combine(y, sent, plan, ep.combine, ep.combine_grad)
+                                   row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute)
+        out = once(lambda: _Recorded(combine(y, sent, plan, ep.combine, ep.combine_grad)))
+        return out.take()
+
+    @property
+    def _swiglu_recompute(self) -> bool:
+        return self.recompute is Recompute.SWIGLU
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         rows = -(-t // TOKEN_ALIGN) * TOKEN_ALIGN
         xp = torch.nn.functional.pad(x, (0, 0, 0, rows - t))
-        return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision)[:t]
+        return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision,
+                                      recompute_swiglu=self._swiglu_recompute)[:t]
+
+    def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            y = self._routed_ep(x2)
+        else:
+            routing = self.route(x2)
+            y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
+                                            self.precision, row_weights=row_weights(routing),
+                                            recompute_swiglu=self._swiglu_recompute)
+            y = unpermute(y_perm, routing)
+        if self.shared_w13 is not None:
+            y = y + self._shared(x2)
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -248,19 +385,15 @@ class MoE(nn.Module):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"MoE: expected a bfloat16 input, got {x.dtype}")
         x2 = x.reshape(-1, c.hidden)
-        if self.ep is not None:
-            y = self._routed_ep(x2)
+        if self.recompute is Recompute.MOE and torch.is_grad_enabled():
+            y = checkpoint(self._forward_rows, x2)
         else:
-            routing = self.route(x2)
-            y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
-                                            self.precision, row_weights=row_weights(routing))
-            y = unpermute(y_perm, routing)
-        if self.shared_w13 is not None:
-            y = y + self._shared(x2)
+            y = self._forward_rows(x2)
         return y.view(x.shape)
 
     def extra_repr(self) -> str:
         c = self.config
         ep = "" if self.ep is None else f", ep_local_experts={self.num_local_experts}"
         return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts}, top_k={c.top_k}, "
-                f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}{ep}")
+                f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}{ep}"
+                + ("" if self.recompute is Recompute.NONE else f", recompute={self.recompute.value}"))

@@ -64,3 +64,27 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     ax.legend()
     paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "loss.png")))
     return paths
+
+
+def budget_curve_plot(rows: list[dict], path: str, title: str) -> str:
+    """rows: bench/budget_curve.py's (budget_gib, mode, fits, tokens_per_s, policy, ...) -> path of a PNG
+    of measured tokens/s against the memory budget, one line per mode, each point labelled with its
+    recomputation policy and micro-batch. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+        pts = sorted((r["budget_gib"], r["tokens_per_s"], f"{r['policy']} {r['micro_batch']}x{r['passes']}")
+                     for r in rows if r["mode"] == mode and r["fits"])
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, color=f"C{i}")
+        for x, y, text in pts:
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(3, 4 + 9 * i), fontsize=6, color=f"C{i}")
+    ax.set_xlabel("memory budget per GPU (GiB)")
+    ax.set_ylabel("tokens / s per GPU (planned, measured)")
+    ax.legend()
+    return _save(plt, fig, ax, title, path)

@@ -4,8 +4,13 @@ Two sources are merged:
 - tensors saved through autograd (``ctx.save_for_backward`` and every built-in op), seen through
   ``torch.autograd.graph.saved_tensors_hooks``; each storage is counted once (views of one buffer
   share it), parameters are reported but flagged;
-- quantized containers that moe_fp4's own autograd Functions keep as ctx attributes (MXFP4 and FP8
-  activations), which those Functions report here themselves with a label.
+- moe_fp4's own kept activations (MXFP4 and FP8 containers, the router weights): the experts' Function
+  hands their tensors to ``ctx.save_for_backward`` tagged by :func:`keep`, and they are reported here
+  once per container, with its label and format, when a hook packs them. Going through autograd (not
+  ctx attributes) is what lets ``torch.utils.checkpoint`` drop them and recompute them; under a
+  checkpoint's own (inner) hooks nothing is reported, because nothing is held;
+- copies derived from the weights (the FP8 weight cache) that a Function keeps on its ctx, reported by
+  :func:`report_saved` and flagged as parameters.
 
 Nested ``saved_tensors_hooks`` replace the outer ones, so tensors packed by an inner hook (for
 example :func:`moe_fp4.compress_saved_activations`) are not seen here; that hook has its own
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import fields
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +70,100 @@ class SavedReport:
         return "\n".join(rows)
 
 
+@dataclass(frozen=True, eq=False)
+class Kept:
+    """One activation moe_fp4 keeps for backward in its own format. label: its role ("fc1_input", ...);
+    format: "mxfp4", "fp8_1x128" or a dtype name; shape: logical shape; nbytes: bytes held;
+    converted_from: bytes of the tensor it replaces when a compression scope converted it (the fp8
+    precision's FP8 activations stored as MXFP4), else None."""
+
+    label: str
+    format: str
+    shape: tuple
+    nbytes: int
+    converted_from: int | None = None
+
+
+_TAG = "_moe_fp4_kept"
+_LABEL = "_moe_fp4_label"
+
+
+def _describe(obj) -> tuple[str, tuple]:
+    if isinstance(obj, MXFP4Tensor):
+        return "mxfp4", tuple(obj.shape)
+    if isinstance(obj, FP8BlockTensor):
+        return "fp8_1x128", tuple(obj.shape)
+    return str(obj.dtype).replace("torch.", ""), tuple(obj.shape)
+
+
+def keep(label: str, obj, converted_from: int | None = None) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """obj: an MXFP4Tensor, FP8BlockTensor or tensor a moe_fp4 Function saves for backward ->
+    (its tensors, to pass to ``ctx.save_for_backward``; a spec for :func:`rebuild`).
+
+    The tensors are tagged with one :class:`Kept`: :func:`saved_bytes` reports the container once, and
+    :mod:`moe_fp4.hook`'s compression passes them through (they are quantized already, or must stay
+    exact like the router weights) and counts them once."""
+    fmt, shape = _describe(obj)
+    tag = Kept(label, fmt, shape, obj.nbytes, converted_from)
+    if isinstance(obj, torch.Tensor):
+        tensors, spec = (obj,), None
+    else:
+        names = [f.name for f in fields(obj)]
+        tensors = tuple(getattr(obj, n) for n in names if isinstance(getattr(obj, n), torch.Tensor))
+        spec = (type(obj), {n: getattr(obj, n) for n in names if not isinstance(getattr(obj, n), torch.Tensor)},
+                [n for n in names if isinstance(getattr(obj, n), torch.Tensor)])
+    for i, t in enumerate(tensors):
+        setattr(t, _TAG, (tag, i))
+    return tensors, (spec, len(tensors))
+
+
+def rebuild(spec: tuple, tensors) -> object:
+    """The inverse of :func:`keep`: (spec, the tensors autograd gave back) -> the container or tensor."""
+    inner, _ = spec
+    if inner is None:
+        return tensors[0]
+    cls, other, names = inner
+    return cls(**other, **dict(zip(names, tensors)))
+
+
+def kept_tag(t: torch.Tensor) -> tuple[Kept, bool] | None:
+    """(its Kept, whether t is the container's first tensor) for a tensor tagged by :func:`keep`, else None."""
+    tag = getattr(t, _TAG, None)
+    return None if tag is None else (tag[0], tag[1] == 0)
+
+
+def note_packed(t: torch.Tensor) -> None:
+    """A pack hook other than saved_bytes' own (the compression hook, which replaces it while nested)
+    passes a tagged tensor through: report its container to the active saved_bytes, if any."""
+    acc = _active()
+    if acc is not None:
+        acc.note_kept(t)
+
+
 class _Accounting:
     def __init__(self):
         self.records: list[SavedRecord] = []
-        self.labels: dict[int, str] = {}
         self.seen: set[int] = set()
+        self.kept: set[Kept] = set()
+
+    def note_kept(self, t: torch.Tensor) -> bool:
+        tag = kept_tag(t)
+        if tag is None:
+            return False
+        k = tag[0]
+        if k not in self.kept:
+            self.kept.add(k)
+            self.records.append(SavedRecord(k.label, k.format, k.shape, k.nbytes))
+        return True
 
     def pack(self, t: torch.Tensor):
+        if self.note_kept(t):
+            return t
         storage = t.untyped_storage()
         key = storage.data_ptr() if storage.nbytes() else id(t)
         if key not in self.seen:
             self.seen.add(key)
-            label = self.labels.get(id(t), "autograd")
+            label = getattr(t, _LABEL, "autograd")
             self.records.append(SavedRecord(label, str(t.dtype).replace("torch.", ""), tuple(t.shape),
                                             storage.nbytes(), _is_parameter(t)))
         return t
@@ -92,9 +180,10 @@ def _active() -> _Accounting | None:
 
 def label_saved(t: torch.Tensor, label: str) -> None:
     """Name a tensor that is about to go through ``ctx.save_for_backward`` (no-op outside saved_bytes)."""
-    acc = _active()
-    if acc is not None:
-        acc.labels[id(t)] = label
+    if _active() is not None:
+        # On the tensor, not in a table by id(): a tensor that never reaches the pack hook (held by a
+        # checkpoint instead) dies, and its id may come back as another tensor's.
+        setattr(t, _LABEL, label)
 
 
 def report_saved(label: str, obj, parameter: bool = False) -> None:

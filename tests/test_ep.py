@@ -191,3 +191,52 @@ def test_dispatch_plan_sends_each_token_once_per_rank(ep_results):
         assert list(p["local_counts"]) == want
     # Fewer rows than (token, expert) pairs whenever two of a token's experts share a rank.
     assert sum(sum(p["sent"]) for p in plans) <= sum(sum(p["pairs"]) for p in plans)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recomputation under expert parallelism (issue 30, moe_fp4.nn.Recompute; the single-process policies are
+# in test_recompute.py): no exchange is repeated and the gradients are bit-identical to no recomputation.
+
+def _ep_policies(rank, world):
+    import moe_fp4.ep as ep_mod
+    from moe_fp4.ep import EPConfig
+    from moe_fp4.model import PRESETS, DecoderLM
+
+    calls = {"n": 0}
+    original = ep_mod.exchange_rows
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return original(*a, **k)
+
+    ep_mod.exchange_rows = counted
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(100 + rank)   # each rank its own tokens: rows reveal where they came from
+    ids = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    targets = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    out = {}
+    for precision in ("bf16", "fp8", "fp4"):
+        ref = None
+        for policy in ("none", "moe", "layer"):
+            model = DecoderLM(cfg, precision, ep=EPConfig(), seed=0, recompute=policy)
+            calls["n"] = 0
+            loss = model(ids, targets)
+            fwd = calls["n"]
+            loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            ref = ref or (loss.item(), grads)
+            # -> (exchanges in forward, in backward, loss equal to none's, parameters whose gradient differs)
+            out[f"{precision} {policy}"] = (fwd, calls["n"] - fwd, loss.item() == ref[0],
+                                            [n for n in grads if not torch.equal(grads[n], ref[1][n])])
+    return out
+
+
+def test_ep_recompute_repeats_no_exchange_and_matches():
+    for rank, rank_out in enumerate(run_ranks(_ep_policies, 2)):
+        for precision in ("bf16", "fp8", "fp4"):
+            fwd0, bwd0, _, _ = rank_out[f"{precision} none"]
+            assert fwd0 > 0 and bwd0 > 0
+            for policy in ("moe", "layer"):
+                fwd, bwd, same_loss, differ = rank_out[f"{precision} {policy}"]
+                assert (fwd, bwd) == (fwd0, bwd0), (rank, precision, policy, (fwd, bwd), (fwd0, bwd0))
+                assert same_loss and not differ, (rank, precision, policy, differ)

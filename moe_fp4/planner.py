@@ -1,0 +1,221 @@
+"""Memory into speed: choose the (micro-batch, recomputation policy) with the highest measured tokens/s
+that fits a memory budget (issue 30). ``moe_fp4.plan`` for any model; ``moe-fp4 compare --plan auto``
+runs the same choice per precision mode.
+
+The rule, per policy in order of cost (none, swiglu, moe, layer: each recomputes more than the one
+before, so it fits at least as large a micro-batch):
+
+1. measure the exact largest micro-batch that fits the budget (:func:`moe_fp4.compare.search_largest_batch`:
+   every candidate one measured step; a micro-batch below the step's batch is measured in an
+   accumulated step of two passes, which holds the first pass's gradients);
+2. split the step's batch into the fewest near-equal micro-batches of at most that size
+   (:func:`moe_fp4.compare.micro_batch`);
+3. time that split, unless a cheaper policy already runs the same number of passes (same launches,
+   less recomputation: it is faster), and stop after the first policy that takes the whole batch in
+   one pass (no later policy can take fewer).
+
+The plan is the timed candidate with the highest tokens/s; every candidate, timed or not and why, is
+in ``Plan.candidates``. Probing trains the model it measures: plan on a copy, or reload the weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_fp4.nn import MoE, Recompute
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does);
+    micro_batch / passes: the split of the step's batch it runs; peak_bytes: the step's measured peak at
+    that split; tokens_per_s: measured (None: not timed, ``why`` says why); probes: {micro-batch:
+    peak bytes (inf: out of memory)} of the search."""
+
+    policy: str
+    largest: int
+    micro_batch: int = 0
+    passes: int = 0
+    peak_bytes: float | None = None
+    tokens_per_s: float | None = None
+    why: str = ""
+    probes: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen policy and split (``policy``, ``micro_batch``, ``passes``), its measured tokens/s and
+    peak, and every candidate considered."""
+
+    policy: str
+    micro_batch: int
+    passes: int
+    tokens_per_s: float
+    peak_bytes: float | None
+    budget_bytes: float
+    batch: int
+    candidates: tuple[Candidate, ...]
+
+    def table(self) -> str:
+        """The candidates as text, the chosen one marked."""
+        rows = [f"{'policy':<8} {'largest':>7} {'micro x passes':>15} {'peak':>10} {'tokens/s':>12}  note"]
+        for c in self.candidates:
+            split = f"{c.micro_batch} x {c.passes}" if c.passes else "-"
+            peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / GiB:.2f} GiB"
+            tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
+            mark = "  <- chosen" if c.policy == self.policy else ""
+            rows.append(f"{c.policy:<8} {c.largest:>7} {split:>15} {peak:>10} {tps:>12}  {c.why}{mark}")
+        return "\n".join(rows)
+
+
+class NothingFits(ValueError):
+    """Not even one sequence fits the budget under any policy."""
+
+
+def choose(policies, largest, timed, batch: int, budget_bytes: float, log=None) -> Plan:
+    """The planning rule over measurements supplied by the caller.
+
+    policies: names in order of cost. largest(policy, first) -> {"batch_max", "probe", ...}, the search's
+    result for that policy (``first``: where to start probing). timed(policy, micro_batch, passes) ->
+    (tokens/s, peak bytes). batch: sequences per step (per rank). -> :class:`Plan`."""
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
+    from moe_fp4.compare import micro_batch
+
+    log = log or (lambda *a, **k: None)
+    out: list[Candidate] = []
+    by_passes: dict[int, str] = {}
+    first = max(1, batch // 4)
+    done = None
+    for policy in policies:
+        if done is not None:
+            out.append(Candidate(policy, 0, why=f"not tried: {done} already takes the batch in one pass"))
+            continue
+        found = largest(policy, first)
+        cap = min(found["batch_max"], batch)
+        if cap < 1:
+            out.append(Candidate(policy, 0, why="not even one sequence fits", probes=found["probe"]))
+            continue
+        first = cap   # a costlier policy fits at least this much
+        micro = micro_batch(batch, cap)
+        passes = -(-batch // micro)
+        if passes in by_passes:
+            out.append(Candidate(policy, cap, micro, passes, why=f"not timed: same passes as {by_passes[passes]}, "
+                                 f"which recomputes less", probes=found["probe"]))
+        else:
+            tps, peak = timed(policy, micro, passes)
+            by_passes[passes] = policy
+            out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=found["probe"]))
+            log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s, "
+                f"peak {peak / GiB:.2f} GiB" if peak is not None else f"  {policy}: {tps:,.0f} tokens/s", flush=True)
+        if passes == 1:
+            done = policy
+    timed_ = [c for c in out if c.tokens_per_s is not None]
+    if not timed_:
+        raise NothingFits(f"not even one sequence fits in {budget_bytes / GiB:g} GiB under any recomputation policy "
+                          f"({', '.join(c.policy for c in out)})")
+    best = max(timed_, key=lambda c: c.tokens_per_s)
+    return Plan(best.policy, best.micro_batch, best.passes, best.tokens_per_s, best.peak_bytes, budget_bytes, batch,
+                tuple(out))
+
+
+def _default_apply(model: torch.nn.Module, policy: Recompute) -> None:
+    if hasattr(model, "recompute"):
+        model.recompute = policy
+        return
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.recompute = policy
+
+
+def _policies_for(model: torch.nn.Module) -> tuple[str, ...]:
+    """Every policy for a model that applies recompute itself (moe_fp4.model.DecoderLM); without that,
+    those of its moe_fp4.nn.MoE layers (a layer checkpoint is the model's to apply)."""
+    if hasattr(model, "recompute"):
+        return tuple(p.value for p in Recompute)
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError("moe_fp4.plan: the model has no moe_fp4.nn.MoE layer and no `recompute` attribute; pass "
+                         "policies and apply")
+    return (Recompute.NONE.value, Recompute.SWIGLU.value, Recompute.MOE.value)
+
+
+def _free(model: torch.nn.Module) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: int = 1, policies=None, apply=None,
+         warmup_steps: int = 1, timed_steps: int = 3, device=None, log=None) -> Plan:
+    """Choose the recomputation policy and micro-batch with the highest measured tokens/s that fits
+    ``budget_gib`` GiB on this CUDA device (the module docstring gives the rule).
+
+    model: the model to plan for (its policy is set through ``apply``; default: ``model.recompute``
+        where it has one, else every ``moe_fp4.nn.MoE`` layer's ``recompute``). It is trained by the probes.
+    step(micro_batch, passes): one optimizer step over ``passes`` micro-batches of ``micro_batch``
+        sequences each, their gradients accumulated (what the training loop will run).
+    batch: sequences per optimizer step on this device. seq: tokens per sequence (for tokens/s).
+    policies: names in order of cost (default: every policy the model supports).
+    -> :class:`Plan`; the model is left with the chosen policy applied."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("moe_fp4.plan measures memory and time with CUDA: it needs a GPU")
+    if not budget_gib > 0:
+        raise ValueError(f"budget_gib must be positive, got {budget_gib}")
+    for name, v in (("batch", batch), ("seq", seq), ("timed_steps", timed_steps)):
+        if v < 1:
+            raise ValueError(f"{name} must be positive, got {v}")
+    device = torch.device(device or torch.cuda.current_device())
+    policies = tuple(Recompute(p).value for p in (policies or _policies_for(model)))
+    apply = apply or _default_apply
+    budget = budget_gib * GiB
+
+    def peak_of(micro: int, passes: int) -> float:
+        _free(model)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            step(micro, passes)
+            torch.cuda.synchronize(device)
+            return float(torch.cuda.max_memory_allocated(device))
+        except torch.OutOfMemoryError:
+            return math.inf
+        finally:
+            _free(model)
+
+    def largest(policy: str, first: int) -> dict:
+        from moe_fp4.compare import search_largest_batch
+
+        apply(model, Recompute(policy))
+        return search_largest_batch(lambda b: peak_of(b, 1 if b == batch else 2), budget, first, most=batch)
+
+    def timed(policy: str, micro: int, passes: int) -> tuple[float, float]:
+        apply(model, Recompute(policy))
+        _free(model)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(warmup_steps):
+            step(micro, passes)
+        times = []
+        for _ in range(timed_steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(micro, passes)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        peak = float(torch.cuda.max_memory_allocated(device))
+        _free(model)
+        return micro * passes * seq / statistics.median(times), peak
+
+    result = choose(policies, largest, timed, batch, budget, log)
+    apply(model, Recompute(result.policy))
+    return result
+
+
+__all__ = ["Candidate", "NothingFits", "Plan", "choose", "plan"]

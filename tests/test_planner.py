@@ -1,0 +1,212 @@
+"""The planner (issue 30): moe_fp4.planner.choose over known memory and speed functions, the compare
+CLI's ``--plan auto`` end to end on CPU (estimated memory), its argument checks, and moe_fp4.plan on a GPU.
+
+The CLI runs as a subprocess (TRITON_INTERPRET=0, like test_compare.py): it trains.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from test_compare import _cli, _ok
+
+GIB = 2**30
+POLICIES = ("none", "swiglu", "moe", "layer")
+# A memory model per policy: fixed bytes + bytes per sequence (each policy keeps less per sequence).
+FIXED = 10 * GIB
+PER_SEQ = {"none": 1.0 * GIB, "swiglu": 0.9 * GIB, "moe": 0.5 * GIB, "layer": 0.2 * GIB}
+# Recomputation costs: the share of a step's time each policy adds.
+EXTRA = {"none": 0.0, "swiglu": 0.03, "moe": 0.25, "layer": 0.35}
+
+
+def _model(budget, batch, launch_s=0.02, seq_s=0.01):
+    """(largest, timed, calls) for choose(): largest searches the exact cap of the linear memory model,
+    timed gives tokens/s of (passes * launch + batch * seq_s) * (1 + extra)."""
+    from moe_fp4.compare import search_largest_batch
+
+    calls = {"largest": [], "timed": []}
+
+    def largest(policy, first):
+        calls["largest"].append((policy, first))
+        return search_largest_batch(lambda b: FIXED + PER_SEQ[policy] * b, budget, first, most=batch)
+
+    def timed(policy, micro, passes):
+        calls["timed"].append((policy, micro, passes))
+        step = (passes * launch_s + micro * passes * seq_s) * (1 + EXTRA[policy])
+        return micro * passes / step, FIXED + PER_SEQ[policy] * micro
+
+    return largest, timed, calls
+
+
+def _brute_cap(policy, budget, batch):
+    return max([b for b in range(batch + 1) if FIXED + PER_SEQ[policy] * b <= budget])
+
+
+@pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7)])
+def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batch):
+    from moe_fp4.compare import micro_batch
+    from moe_fp4.planner import choose
+
+    budget = budget_gib * GIB
+    largest, timed, calls = _model(budget, batch)
+    plan = choose(POLICIES, largest, timed, batch, budget)
+    seen_passes, stopped = {}, False
+    for c in plan.candidates:
+        if stopped:
+            assert c.tokens_per_s is None and "one pass" in c.why, c
+            continue
+        want = _brute_cap(c.policy, budget, batch)
+        assert c.largest == want, (c, want)                       # exact, never above the batch
+        assert c.micro_batch == micro_batch(batch, want) and c.passes == -(-batch // c.micro_batch)
+        if c.passes in seen_passes:
+            assert c.tokens_per_s is None and seen_passes[c.passes] in c.why, c
+        else:
+            assert c.tokens_per_s is not None, c
+            seen_passes[c.passes] = c.policy
+        stopped = c.passes == 1
+    timed_ = [c for c in plan.candidates if c.tokens_per_s is not None]
+    best = max(timed_, key=lambda c: c.tokens_per_s)
+    assert (plan.policy, plan.micro_batch, plan.passes) == (best.policy, best.micro_batch, best.passes)
+    assert len(calls["timed"]) == len(timed_)                   # nothing timed twice
+    # each later search starts from the previous policy's cap (a costlier policy fits at least as much)
+    firsts = [f for _, f in calls["largest"]]
+    caps = [c.largest for c in plan.candidates if c.largest]
+    assert firsts[1:] == caps[:len(firsts) - 1]
+    assert plan.policy in plan.table() and "<- chosen" in plan.table()
+
+
+def test_choose_when_everything_fits_times_only_none():
+    from moe_fp4.planner import choose
+
+    largest, timed, calls = _model(500 * GIB, 32)
+    plan = choose(POLICIES, largest, timed, 32, 500 * GIB)
+    assert (plan.policy, plan.micro_batch, plan.passes) == ("none", 32, 1)
+    assert [c[0] for c in calls["timed"]] == ["none"] and [c[0] for c in calls["largest"]] == ["none"]
+
+
+def test_choose_nothing_fits():
+    from moe_fp4.planner import NothingFits, choose
+
+    largest, timed, _ = _model(5 * GIB, 8)
+    with pytest.raises(NothingFits, match="not even one sequence"):
+        choose(POLICIES, largest, timed, 8, 5 * GIB)
+    with pytest.raises(ValueError, match="batch must be positive"):
+        choose(POLICIES, largest, timed, 0, 5 * GIB)
+
+
+def test_search_never_probes_above_most():
+    from moe_fp4.compare import search_largest_batch
+
+    probed = []
+
+    def fn(b):
+        probed.append(b)
+        return float(b)
+
+    found = search_largest_batch(fn, 1e9, 4, most=10)
+    assert found["batch_max"] == 10 and found["exact"] and max(probed) == 10
+    found = search_largest_batch(lambda b: 100.0 * b, 650, 4, most=10)
+    assert found["batch_max"] == 6 and found["exact"]
+
+
+def test_plan_is_exported_and_needs_a_gpu():
+    import moe_fp4
+    from moe_fp4.planner import plan
+
+    assert moe_fp4.plan is plan
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a GPU"):
+            moe_fp4.plan(torch.nn.Linear(2, 2), lambda m, p: None, budget_gib=1, batch=1)
+
+
+@pytest.mark.gpu
+def test_plan_on_a_gpu_model():
+    """moe_fp4.plan on the small decoder: the chosen policy is applied, its split fits the budget as
+    measured, and each timed candidate's measured peak is within the budget."""
+    import moe_fp4
+    from moe_fp4.model import PRESETS, DecoderLM
+
+    cfg = PRESETS["tiny"].with_(seq=256)
+    model = DecoderLM(cfg, "fp4", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch = 32
+
+    def step(micro, passes):
+        for _ in range(passes):
+            ids = torch.randint(0, cfg.vocab, (micro, cfg.seq), device="cuda")
+            model(ids, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(1, 1)
+    fixed = torch.cuda.memory_allocated()
+    budget = (fixed + 40 * 2**20) / GIB
+    p = moe_fp4.plan(model, step, budget_gib=budget, batch=batch, seq=cfg.seq)
+    assert model.recompute.value == p.policy
+    for c in p.candidates:
+        if c.tokens_per_s is not None:
+            assert c.peak_bytes <= budget * GIB * 1.0 + 1, c
+    assert p.micro_batch * p.passes >= batch
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI: --plan auto on CPU (memory estimated), and its argument checks.
+
+def test_cli_plan_auto(tmp_path):
+    gib = 0.0135   # tiny preset on CPU: ~11.5 MB fixed; a global batch of 8 does not fit in one pass
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--warmup", 1, "--modes", "fp8", "fp4",
+                "--budget-gib", gib, "--global-batch", 8, "--plan", "auto", "--allow-cpu-budget", "--data", "random",
+                "--out", tmp_path, "--no-progress", "--no-plots"])
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert set(report["plans"]) == {"fp8", "fp4"}
+    for mode, p in report["plans"].items():
+        row = report["modes"][mode]
+        assert (row["recompute"], row["micro_batch"], row["batch"]) == (p["policy"], p["micro_batch"], 8), (row, p)
+        chosen = next(c for c in p["candidates"] if c["policy"] == p["policy"])
+        assert chosen["tokens_per_s"] == max(c["tokens_per_s"] for c in p["candidates"] if c["tokens_per_s"])
+        for c in p["candidates"]:
+            if c["largest"]:   # the cap was measured to fit, the next one not (or it is the whole batch)
+                assert c["probes"][str(c["largest"])] <= gib * GIB, c
+                assert c["largest"] == 8 or c["probes"][str(c["largest"] + 1)] > gib * GIB, c
+        assert [c["policy"] for c in p["candidates"]] == list(POLICIES)
+    assert "plan per mode in 0.0135 GiB per device at global batch 8" in run.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--plan", "auto", "--global-batch", "8"], "give --budget-gib and --global-batch"),
+    (["--plan", "auto", "--budget-gib", "1"], "give --budget-gib and --global-batch"),
+    (["--plan", "auto", "--budget-gib", "1", "--global-batch", "8", "--recompute", "moe"], "leave --recompute out"),
+    (["--hook", "--recompute", "moe"], "--hook compares a Hugging Face model"),
+    (["--plan", "auto", "--budget-gib", "1", "--global-batch", "8"], "--plan auto needs a GPU"),
+])
+def test_cli_plan_arguments(tmp_path, capsys, monkeypatch, args, message):
+    import moe_fp4.cli
+    import moe_fp4.compare
+
+    def refuse(*_a, **_k):
+        raise AssertionError("argument validation let the run start")
+
+    monkeypatch.setattr(moe_fp4.compare, "run", refuse)
+    monkeypatch.setattr(moe_fp4.cli, "_distributed", refuse)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert moe_fp4.cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-fp4 compare: error: ") and message in err, err
+
+
+def test_cli_recompute_trains_identically(tmp_path):
+    """--recompute layer trains to the same losses as none (same precision, same batches)."""
+    losses = {}
+    for policy in ("none", "layer"):
+        out = tmp_path / policy
+        run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--warmup", 1, "--modes", "fp4", "--recompute",
+                    policy, "--data", "random", "--out", out, "--no-progress", "--no-plots"])
+        _ok(run)
+        row = json.loads((out / "compare.json").read_text())["modes"]["fp4"]
+        assert row["recompute"] == policy
+        losses[policy] = row["loss_curve"]
+    assert losses["none"] == losses["layer"] and all(math.isfinite(v) for v in losses["none"])
