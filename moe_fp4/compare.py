@@ -50,6 +50,7 @@ from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
 from moe_fp4.nn import DISPATCH_FORMAT, Recompute
+from moe_fp4.planner import MAX_SEARCH_PROBES, micro_batch, search_largest_batch  # noqa: F401 (re-exported)
 from moe_fp4.saved import saved_bytes
 
 GiB = 2**30
@@ -598,82 +599,8 @@ def per_rank_batch(global_batch: int, world: int) -> int:
     return global_batch // world
 
 
-def micro_batch(per_rank: int, cap: int) -> int:
-    """The micro-batch for ``per_rank`` sequences a step when at most ``cap`` fit in one pass (the mode's
-    batch, or its largest that fits): the fewest passes, ceil(per_rank / cap), of near-equal size, so
-    the largest is ceil(per_rank / passes) <= cap (88 at cap 31: 3 passes of 30, 29, 29 -> 30).
-    :class:`Trainer` splits a step the same way (``torch.tensor_split``)."""
-    if cap < 1:
-        raise ValueError("no micro-batch fits: not even one sequence")
-    passes = -(-per_rank // cap)
-    return -(-per_rank // passes)
-
-
 def _quiet(*_a, **_k) -> None:
     return None
-
-
-MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 after the first three
-
-
-def search_largest_batch(measure, budget: float, first: int, max_probes: int = MAX_SEARCH_PROBES,
-                         log=_quiet, most: int | None = None) -> dict:
-    """The exact largest batch b >= 0 with measure(b) <= budget, for a measure that does not decrease
-    with the batch. measure(b) -> bytes (inf: does not fit, e.g. out of memory); every candidate is
-    measured, none is predicted.
-
-    Probes ``first`` and ``2 * first``, fits peak = fixed + slope * batch through them and measures the
-    prediction and its neighbour, then brackets (doubling past the largest fit while everything fits)
-    and bisects between the largest batch that fits and the smallest that does not. -> {"batch_max",
-    "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1
-    was measured not to fit, or is above ``most`` (False only when max_probes ran out)}. ``most``: no batch
-    above it is wanted (the search returns at most ``most``)."""
-    probe: dict[int, float] = {}
-
-    def fits(b: int) -> bool:
-        if most is not None and b > most:
-            return False                                # above the cap: never measured
-        if b not in probe:
-            probe[b] = float(measure(b))
-            log(f"  batch {b} -> {probe[b] / GiB:.2f} GiB (budget {budget / GiB:.2f})"
-                if math.isfinite(probe[b]) else f"  batch {b} -> does not fit (out of memory)", flush=True)
-        return probe[b] <= budget
-
-    first = max(1, int(first))
-    lo, hi = 0, None                                    # lo fits (0 always does), hi does not
-    for b in (first, 2 * first):
-        if fits(b):
-            lo = b
-        else:
-            hi = b
-            break
-    slope = fixed = None
-    p1, p2 = probe.get(first, math.inf), probe.get(2 * first, math.inf)
-    if math.isfinite(p1) and math.isfinite(p2) and p2 > p1:
-        slope = (p2 - p1) / first
-        fixed = p1 - slope * first
-        guess = int((budget - fixed) // slope)
-        for b in (guess, guess + 1):                    # the prediction and its neighbour bracket it when exact
-            if b > lo and (hi is None or b < hi) and len(probe) < max_probes:
-                if fits(b):
-                    lo = b
-                else:
-                    hi = b
-                    break
-    while hi is None and len(probe) < max_probes:       # everything fitted so far: double until it does not
-        b = max(2 * lo, lo + 1)
-        if fits(b):
-            lo = b
-        else:
-            hi = b
-    while hi is not None and hi - lo > 1 and len(probe) < max_probes:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return {"batch_max": lo, "probe": {str(k): v for k, v in sorted(probe.items())}, "bytes_per_sequence": slope,
-            "fixed_bytes": fixed, "exact": hi == lo + 1}
 
 
 def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print,
@@ -720,25 +647,19 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
 
 def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print):
     """:func:`moe_fp4.planner.choose` for one mode: each policy's exact largest micro-batch in
-    ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`; below ``per_rank`` in an accumulated
-    step of two passes), each distinct split timed by :func:`measure_steps` -> the Plan."""
+    ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`), each distinct split timed by
+    :func:`measure_steps` -> the Plan."""
     from moe_fp4.planner import choose
 
     budget = cfg.budget_gib * GiB
 
-    def largest(policy: str, first: int) -> dict:
-        c = replace(cfg, recompute=policy, plan=False)
-
-        def measure(b: int) -> float:
-            return step_bytes(c, mode, env, corpus, [b], passes=1 if b == per_rank else 2)[b]
-
-        return search_largest_batch(measure, budget, first, most=per_rank,
-                                    log=lambda *a, **k: log(f"  {mode} {policy}:" + a[0][1:], **k))
+    def measure(policy: str, micro: int, passes: int) -> float:
+        return step_bytes(replace(cfg, recompute=policy, plan=False), mode, env, corpus, [micro], passes)[micro]
 
     def timed(policy: str, micro: int, passes: int) -> tuple[float, float | None]:
         return measure_steps(replace(cfg, recompute=policy, plan=False), mode, env, corpus, per_rank, micro)
 
-    return choose([p.value for p in Recompute], largest, timed, per_rank, budget,
+    return choose([p.value for p in Recompute], measure, timed, per_rank, budget,
                   lambda msg, **k: log(f"  {mode}" + msg[1:], **k))
 
 
@@ -825,9 +746,18 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
                 log(f"[{m}] largest batch in {cfg.max_batch_gib:g} GiB per device", flush=True)
             # With a global batch the micro-batch must fit an accumulated step: a later pass holds the
             # earlier passes' gradients (measured on an H100: fp4 at batch 44 of the small preset,
-            # 11.89 GiB in one pass, 13.53 GiB in the second of two).
-            found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet,
-                                  passes=2 if cfg.global_batch is not None else 1)
+            # 11.89 GiB in one pass, 13.53 GiB in the second of two), unless the rank's whole batch
+            # fits in one pass (which that search, on the two-pass curve, would not see).
+            whole = None
+            if cfg.global_batch is not None:
+                per_rank = per_rank_batch(cfg.global_batch, env.world)
+                whole = step_bytes(cfg, m, env, corpus, [per_rank])[per_rank]
+            if whole is not None and whole <= cfg.max_batch_gib * GiB:
+                found = {"batch_max": per_rank, "probe": {str(per_rank): whole}, "bytes_per_sequence": None,
+                         "fixed_bytes": None, "exact": True, "one_pass": True}
+            else:
+                found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet,
+                                      passes=2 if cfg.global_batch is not None else 1)
             report["max_batch"][m] = found
             if found["batch_max"] == 0:
                 raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "

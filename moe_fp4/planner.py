@@ -5,11 +5,13 @@ runs the same choice per precision mode.
 The rule, per policy in order of cost (none, swiglu, moe, layer: each recomputes more than the one
 before, so it fits at least as large a micro-batch):
 
-1. measure the exact largest micro-batch that fits the budget (:func:`moe_fp4.compare.search_largest_batch`:
-   every candidate one measured step; a micro-batch below the step's batch is measured in an
-   accumulated step of two passes, which holds the first pass's gradients);
+1. measure the whole batch in one pass; if it does not fit, the exact largest micro-batch below it
+   (:func:`search_largest_batch`, every candidate one measured step) in an accumulated step of two
+   passes: a later pass holds the earlier passes' gradients, so two passes of b need more memory than
+   one pass of b (on an H200, dsv3-layers fp8: 16 sequences in one pass 77.7 GiB, two passes of 15
+   89.9 GiB), and the one-pass step is not on the same curve;
 2. split the step's batch into the fewest near-equal micro-batches of at most that size
-   (:func:`moe_fp4.compare.micro_batch`);
+   (:func:`micro_batch`);
 3. time that split, unless a cheaper policy already runs the same number of passes (same launches,
    less recomputation: it is faster), and stop after the first policy that takes the whole batch in
    one pass (no later policy can take fewer).
@@ -32,6 +34,82 @@ from moe_fp4.nn import MoE, Recompute
 GiB = 2**30
 
 
+def micro_batch(per_rank: int, cap: int) -> int:
+    """The micro-batch for ``per_rank`` sequences a step when at most ``cap`` fit in one pass (the mode's
+    batch, or its largest that fits): the fewest passes, ceil(per_rank / cap), of near-equal size, so
+    the largest is ceil(per_rank / passes) <= cap (88 at cap 31: 3 passes of 30, 29, 29 -> 30).
+    :class:`moe_fp4.compare.Trainer` splits a step the same way (``torch.tensor_split``)."""
+    if cap < 1:
+        raise ValueError("no micro-batch fits: not even one sequence")
+    passes = -(-per_rank // cap)
+    return -(-per_rank // passes)
+
+
+MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 after the first three
+
+
+def search_largest_batch(measure, budget: float, first: int, max_probes: int = MAX_SEARCH_PROBES,
+                         log=None, most: int | None = None) -> dict:
+    """The exact largest batch b >= 0 with measure(b) <= budget, for a measure that does not decrease
+    with the batch. measure(b) -> bytes (inf: does not fit, e.g. out of memory); every candidate is
+    measured, none is predicted.
+
+    Probes ``first`` and ``2 * first``, fits peak = fixed + slope * batch through them and measures the
+    prediction and its neighbour, then brackets (doubling past the largest fit while everything fits)
+    and bisects between the largest batch that fits and the smallest that does not. -> {"batch_max",
+    "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1
+    was measured not to fit, or is above ``most`` (False only when max_probes ran out)}. ``most``: no batch
+    above it is wanted (the search returns at most ``most``)."""
+    probe: dict[int, float] = {}
+    log = log or (lambda *a, **k: None)
+
+    def fits(b: int) -> bool:
+        if most is not None and b > most:
+            return False                                # above the cap: never measured
+        if b not in probe:
+            probe[b] = float(measure(b))
+            log(f"  batch {b} -> {probe[b] / GiB:.2f} GiB (budget {budget / GiB:.2f})"
+                if math.isfinite(probe[b]) else f"  batch {b} -> does not fit (out of memory)", flush=True)
+        return probe[b] <= budget
+
+    first = max(1, int(first))
+    lo, hi = 0, None                                    # lo fits (0 always does), hi does not
+    for b in (first, 2 * first):
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+            break
+    slope = fixed = None
+    p1, p2 = probe.get(first, math.inf), probe.get(2 * first, math.inf)
+    if math.isfinite(p1) and math.isfinite(p2) and p2 > p1:
+        slope = (p2 - p1) / first
+        fixed = p1 - slope * first
+        guess = int((budget - fixed) // slope)
+        for b in (guess, guess + 1):                    # the prediction and its neighbour bracket it when exact
+            if b > lo and (hi is None or b < hi) and len(probe) < max_probes:
+                if fits(b):
+                    lo = b
+                else:
+                    hi = b
+                    break
+    while hi is None and len(probe) < max_probes:       # everything fitted so far: double until it does not
+        b = max(2 * lo, lo + 1)
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+    while hi is not None and hi - lo > 1 and len(probe) < max_probes:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"batch_max": lo, "probe": {str(k): v for k, v in sorted(probe.items())}, "bytes_per_sequence": slope,
+            "fixed_bytes": fixed, "exact": hi == lo + 1}
+
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does);
@@ -46,7 +124,7 @@ class Candidate:
     peak_bytes: float | None = None
     tokens_per_s: float | None = None
     why: str = ""
-    probes: dict = field(default_factory=dict)
+    probes: dict = field(default_factory=dict)   # {"B in one pass": bytes, "b": bytes of two passes of b}
 
 
 @dataclass(frozen=True)
@@ -79,16 +157,19 @@ class NothingFits(ValueError):
     """Not even one sequence fits the budget under any policy."""
 
 
-def choose(policies, largest, timed, batch: int, budget_bytes: float, log=None) -> Plan:
+def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None) -> Plan:
     """The planning rule over measurements supplied by the caller.
 
-    policies: names in order of cost. largest(policy, first) -> {"batch_max", "probe", ...}, the search's
-    result for that policy (``first``: where to start probing). timed(policy, micro_batch, passes) ->
-    (tokens/s, peak bytes). batch: sequences per step (per rank). -> :class:`Plan`."""
+    policies: names in order of cost. measure(policy, micro_batch, passes) -> peak bytes of one optimizer
+    step of ``passes`` micro-batches (inf: out of memory). timed(policy, micro_batch, passes) ->
+    (tokens/s, peak bytes). batch: sequences per step (per rank). -> :class:`Plan`.
+
+    Per policy: the whole batch in one pass is measured first; if it does not fit, the largest
+    micro-batch of an accumulated step (two passes, which hold the first pass's gradients: more memory
+    than one pass of the same size, so the one-pass step is not on the same curve) is searched exactly
+    below it (:func:`search_largest_batch`)."""
     if batch < 1:
         raise ValueError(f"batch must be positive, got {batch}")
-    from moe_fp4.compare import micro_batch
-
     log = log or (lambda *a, **k: None)
     out: list[Candidate] = []
     by_passes: dict[int, str] = {}
@@ -98,23 +179,34 @@ def choose(policies, largest, timed, batch: int, budget_bytes: float, log=None) 
         if done is not None:
             out.append(Candidate(policy, 0, why=f"not tried: {done} already takes the batch in one pass"))
             continue
-        found = largest(policy, first)
-        cap = min(found["batch_max"], batch)
+        whole = float(measure(policy, batch, 1))
+        log(f"  {policy}: the whole batch of {batch} in one pass -> "
+            + (f"{whole / GiB:.2f} GiB (budget {budget_bytes / GiB:.2f})" if math.isfinite(whole) else
+               "does not fit (out of memory)"), flush=True)
+        if whole <= budget_bytes:
+            cap, probes = batch, {f"{batch} in one pass": whole}
+        elif batch == 1:
+            cap, probes = 0, {"1 in one pass": whole}
+        else:
+            found = search_largest_batch(lambda b: measure(policy, b, 2), budget_bytes, min(first, batch - 1),
+                                         most=batch - 1,
+                                         log=lambda msg, **k: log(f"  {policy}, two passes:" + msg[1:], **k))
+            cap, probes = found["batch_max"], {f"{batch} in one pass": whole, **found["probe"]}
         if cap < 1:
-            out.append(Candidate(policy, 0, why="not even one sequence fits", probes=found["probe"]))
+            out.append(Candidate(policy, 0, why="not even one sequence fits", probes=probes))
             continue
         first = cap   # a costlier policy fits at least this much
         micro = micro_batch(batch, cap)
         passes = -(-batch // micro)
         if passes in by_passes:
             out.append(Candidate(policy, cap, micro, passes, why=f"not timed: same passes as {by_passes[passes]}, "
-                                 f"which recomputes less", probes=found["probe"]))
+                                 f"which recomputes less", probes=probes))
         else:
             tps, peak = timed(policy, micro, passes)
             by_passes[passes] = policy
-            out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=found["probe"]))
-            log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s, "
-                f"peak {peak / GiB:.2f} GiB" if peak is not None else f"  {policy}: {tps:,.0f} tokens/s", flush=True)
+            out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes))
+            log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s"
+                + ("" if peak is None else f", peak {peak / GiB:.2f} GiB"), flush=True)
         if passes == 1:
             done = policy
     timed_ = [c for c in out if c.tokens_per_s is not None]
@@ -189,11 +281,9 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
         finally:
             _free(model)
 
-    def largest(policy: str, first: int) -> dict:
-        from moe_fp4.compare import search_largest_batch
-
+    def measure(policy: str, micro: int, passes: int) -> float:
         apply(model, Recompute(policy))
-        return search_largest_batch(lambda b: peak_of(b, 1 if b == batch else 2), budget, first, most=batch)
+        return peak_of(micro, passes)
 
     def timed(policy: str, micro: int, passes: int) -> tuple[float, float]:
         apply(model, Recompute(policy))
@@ -213,9 +303,10 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
         _free(model)
         return micro * passes * seq / statistics.median(times), peak
 
-    result = choose(policies, largest, timed, batch, budget, log)
+    result = choose(policies, measure, timed, batch, budget, log)
     apply(model, Recompute(result.policy))
     return result
 
 
-__all__ = ["Candidate", "NothingFits", "Plan", "choose", "plan"]
+__all__ = ["MAX_SEARCH_PROBES", "Candidate", "NothingFits", "Plan", "choose", "micro_batch", "plan",
+           "search_largest_batch"]

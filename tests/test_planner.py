@@ -21,37 +21,47 @@ PER_SEQ = {"none": 1.0 * GIB, "swiglu": 0.9 * GIB, "moe": 0.5 * GIB, "layer": 0.
 EXTRA = {"none": 0.0, "swiglu": 0.03, "moe": 0.25, "layer": 0.35}
 
 
+# An accumulated step (two or more passes) also holds the first pass's gradients.
+GRADS = 3 * GIB
+
+
+def _bytes(policy, micro, passes):
+    return FIXED + PER_SEQ[policy] * micro + (GRADS if passes > 1 else 0)
+
+
 def _model(budget, batch, launch_s=0.02, seq_s=0.01):
-    """(largest, timed, calls) for choose(): largest searches the exact cap of the linear memory model,
-    timed gives tokens/s of (passes * launch + batch * seq_s) * (1 + extra)."""
-    from moe_fp4.compare import search_largest_batch
+    """(measure, timed, calls) for choose(): measure is the linear memory model (plus the held gradients of
+    an accumulated step), timed gives tokens/s of (passes * launch + batch * seq_s) * (1 + extra)."""
+    calls = {"measure": [], "timed": []}
 
-    calls = {"largest": [], "timed": []}
-
-    def largest(policy, first):
-        calls["largest"].append((policy, first))
-        return search_largest_batch(lambda b: FIXED + PER_SEQ[policy] * b, budget, first, most=batch)
+    def measure(policy, micro, passes):
+        calls["measure"].append((policy, micro, passes))
+        return _bytes(policy, micro, passes)
 
     def timed(policy, micro, passes):
         calls["timed"].append((policy, micro, passes))
         step = (passes * launch_s + micro * passes * seq_s) * (1 + EXTRA[policy])
         return micro * passes / step, FIXED + PER_SEQ[policy] * micro
 
-    return largest, timed, calls
+    return measure, timed, calls
 
 
 def _brute_cap(policy, budget, batch):
-    return max([b for b in range(batch + 1) if FIXED + PER_SEQ[policy] * b <= budget])
+    """The true largest micro-batch: the whole batch if one pass fits, else the largest two-pass one."""
+    if _bytes(policy, batch, 1) <= budget:
+        return batch
+    return max([0] + [b for b in range(1, batch) if _bytes(policy, b, 2) <= budget])
 
 
-@pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7)])
+@pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7),
+                                               (72, 64), (74.5, 64), (20.5, 12)])
 def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batch):
     from moe_fp4.compare import micro_batch
     from moe_fp4.planner import choose
 
     budget = budget_gib * GIB
-    largest, timed, calls = _model(budget, batch)
-    plan = choose(POLICIES, largest, timed, batch, budget)
+    measure, timed, calls = _model(budget, batch)
+    plan = choose(POLICIES, measure, timed, batch, budget)
     seen_passes, stopped = {}, False
     for c in plan.candidates:
         if stopped:
@@ -59,6 +69,9 @@ def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batc
             continue
         want = _brute_cap(c.policy, budget, batch)
         assert c.largest == want, (c, want)                       # exact, never above the batch
+        if not want:
+            assert c.tokens_per_s is None and "not even one" in c.why, c
+            continue
         assert c.micro_batch == micro_batch(batch, want) and c.passes == -(-batch // c.micro_batch)
         if c.passes in seen_passes:
             assert c.tokens_per_s is None and seen_passes[c.passes] in c.why, c
@@ -70,30 +83,40 @@ def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batc
     best = max(timed_, key=lambda c: c.tokens_per_s)
     assert (plan.policy, plan.micro_batch, plan.passes) == (best.policy, best.micro_batch, best.passes)
     assert len(calls["timed"]) == len(timed_)                   # nothing timed twice
-    # each later search starts from the previous policy's cap (a costlier policy fits at least as much)
-    firsts = [f for _, f in calls["largest"]]
-    caps = [c.largest for c in plan.candidates if c.largest]
-    assert firsts[1:] == caps[:len(firsts) - 1]
+    # every policy tried measured the whole batch in one pass first
+    tried = [c.policy for c in plan.candidates if "not tried" not in c.why]
+    assert [(p, m, n) for p, m, n in calls["measure"] if n == 1] == [(p, batch, 1) for p in tried]
     assert plan.policy in plan.table() and "<- chosen" in plan.table()
 
 
 def test_choose_when_everything_fits_times_only_none():
     from moe_fp4.planner import choose
 
-    largest, timed, calls = _model(500 * GIB, 32)
-    plan = choose(POLICIES, largest, timed, 32, 500 * GIB)
+    measure, timed, calls = _model(500 * GIB, 32)
+    plan = choose(POLICIES, measure, timed, 32, 500 * GIB)
     assert (plan.policy, plan.micro_batch, plan.passes) == ("none", 32, 1)
-    assert [c[0] for c in calls["timed"]] == ["none"] and [c[0] for c in calls["largest"]] == ["none"]
+    assert calls["timed"] == [("none", 32, 1)] and calls["measure"] == [("none", 32, 1)]
+
+
+def test_choose_sees_the_one_pass_step_off_the_two_pass_curve():
+    """The H200 case: the whole batch fits in one pass while two passes of one sequence less do not (they
+    hold the first pass's gradients). The plan must take the single pass."""
+    from moe_fp4.planner import choose
+
+    budget = FIXED + PER_SEQ["none"] * 16 + 0.5 * GIB      # one pass of 16 fits; two of 15 need GRADS more
+    measure, timed, _ = _model(budget, 16)
+    plan = choose(POLICIES, measure, timed, 16, budget)
+    assert (plan.policy, plan.micro_batch, plan.passes) == ("none", 16, 1)
 
 
 def test_choose_nothing_fits():
     from moe_fp4.planner import NothingFits, choose
 
-    largest, timed, _ = _model(5 * GIB, 8)
+    measure, timed, _ = _model(5 * GIB, 8)
     with pytest.raises(NothingFits, match="not even one sequence"):
-        choose(POLICIES, largest, timed, 8, 5 * GIB)
+        choose(POLICIES, measure, timed, 8, 5 * GIB)
     with pytest.raises(ValueError, match="batch must be positive"):
-        choose(POLICIES, largest, timed, 0, 5 * GIB)
+        choose(POLICIES, measure, timed, 0, 5 * GIB)
 
 
 def test_search_never_probes_above_most():
@@ -168,9 +191,12 @@ def test_cli_plan_auto(tmp_path):
         chosen = next(c for c in p["candidates"] if c["policy"] == p["policy"])
         assert chosen["tokens_per_s"] == max(c["tokens_per_s"] for c in p["candidates"] if c["tokens_per_s"])
         for c in p["candidates"]:
-            if c["largest"]:   # the cap was measured to fit, the next one not (or it is the whole batch)
+            if c["largest"] == 8:   # the whole batch in one pass, measured to fit
+                assert c["probes"]["8 in one pass"] <= gib * GIB, c
+            elif c["largest"]:      # two passes of the cap fit, of one more do not (or that is the batch)
+                assert c["probes"]["8 in one pass"] > gib * GIB, c
                 assert c["probes"][str(c["largest"])] <= gib * GIB, c
-                assert c["largest"] == 8 or c["probes"][str(c["largest"] + 1)] > gib * GIB, c
+                assert c["largest"] == 7 or c["probes"][str(c["largest"] + 1)] > gib * GIB, c
         assert [c["policy"] for c in p["candidates"]] == list(POLICIES)
     assert "plan per mode in 0.0135 GiB per device at global batch 8" in run.stdout
 
@@ -210,3 +236,16 @@ def test_cli_recompute_trains_identically(tmp_path):
         assert row["recompute"] == policy
         losses[policy] = row["loss_curve"]
     assert losses["none"] == losses["layer"] and all(math.isfinite(v) for v in losses["none"])
+
+
+def test_cli_max_batch_takes_the_whole_rank_batch_in_one_pass(tmp_path):
+    """--max-batch with --global-batch: when the rank's whole batch fits in one pass it is taken as is
+    (the two-pass search below it would not see it)."""
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--warmup", 1, "--modes", "fp4", "--max-batch", 0.02,
+                "--global-batch", 4, "--allow-cpu-budget", "--data", "random", "--out", tmp_path, "--no-progress",
+                "--no-plots"])
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    found, row = report["max_batch"]["fp4"], report["modes"]["fp4"]
+    assert found["one_pass"] and found["batch_max"] == 4 and found["probe"]["4"] <= 0.02 * GIB, found
+    assert (row["batch"], row["micro_batch"], row["accumulate"]) == (4, 4, 1), row
