@@ -3,7 +3,7 @@
 For each budget (GiB per GPU) and mode, the planner of ``moe-fp4 compare --plan auto``
 (:func:`moe_fp4.compare.plan_mode`) finds each recomputation policy's exact largest micro-batch (every
 probe one step of a freshly built model), splits the global batch into the fewest micro-batches of at
-most that size, times each distinct split (``--steps`` steps after one warmup, fresh model) and keeps
+most that size, times each distinct split (``--steps`` steps after ``--warmup``, fresh model) and keeps
 the fastest. Printed and written per (budget, mode): the chosen policy, micro-batch x passes, measured
 tokens/s per GPU and peak memory; fp4 / fp8 per budget; every candidate in the JSON.
 
@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", required=True, metavar="GIB")
     p.add_argument("--global-batch", type=int, required=True, metavar="N", help="sequences per optimizer step")
     p.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp4"])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per candidate (after one warmup)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default: compare's)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per candidate first (default: compare's)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--data", default="random", choices=["random", "stdlib"])
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
@@ -63,11 +64,12 @@ def main(argv=None) -> int:
             break
         tb = time.perf_counter()
         for mode in a.modes:
-            cfg = C.CompareConfig(preset=a.preset, modes=(mode,), steps=a.steps + 1, warmup=1, batch=1, seq=a.seq,
-                                  data=a.data, budget_gib=budget, global_batch=a.global_batch, plan=True,
-                                  progress=False)
+            cfg = C.CompareConfig(preset=a.preset, modes=(mode,), seq=a.seq, data=a.data, budget_gib=budget,
+                                  global_batch=a.global_batch, plan=True, progress=False)
             try:
-                plan = C.plan_mode(cfg, mode, env, corpus, a.global_batch, log=print)
+                plan = C.plan_mode(cfg, mode, env, corpus, a.global_batch, log=print,
+                                   warmup_steps=C.PLAN_WARMUP_STEPS if a.warmup is None else a.warmup,
+                                   timed_steps=C.PLAN_TIMED_STEPS if a.steps is None else a.steps)
             except NothingFits as e:
                 rows.append({"budget_gib": budget, "mode": mode, "fits": False, "why": str(e)})
                 print(f"{budget:g} GiB {mode}: {e}", flush=True)

@@ -645,7 +645,15 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
     return batch * cfg.model.seq / step_s, peak
 
 
-def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print):
+# Steps per planner candidate: untimed (kernels compile, the allocator settles), then timed (median). Three
+# timed steps after one warmup gave fp4/fp8 0.82x at one split of the small preset on an H100 where the
+# next budget's same-split pair gave 0.99x: too few for a host-bound step.
+PLAN_WARMUP_STEPS = 2
+PLAN_TIMED_STEPS = 6
+
+
+def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print,
+              warmup_steps: int = PLAN_WARMUP_STEPS, timed_steps: int = PLAN_TIMED_STEPS):
     """:func:`moe_fp4.planner.choose` for one mode: each policy's exact largest micro-batch in
     ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`), each distinct split timed by
     :func:`measure_steps` -> the Plan."""
@@ -657,7 +665,8 @@ def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, lo
         return step_bytes(replace(cfg, recompute=policy, plan=False), mode, env, corpus, [micro], passes)[micro]
 
     def timed(policy: str, micro: int, passes: int) -> tuple[float, float | None]:
-        return measure_steps(replace(cfg, recompute=policy, plan=False), mode, env, corpus, per_rank, micro)
+        return measure_steps(replace(cfg, recompute=policy, plan=False), mode, env, corpus, per_rank, micro,
+                             warmup_steps, timed_steps)
 
     return choose([p.value for p in Recompute], measure, timed, per_rank, budget,
                   lambda msg, **k: log(f"  {mode}" + msg[1:], **k))
