@@ -269,3 +269,71 @@ def test_gpu_moe_size(weighted):
     dh_ref, dw_ref = KS.swiglu_backward_ref(h, da, w)
     _check_bf16_close(dh, dh_ref)
     _check_dw(h, da, dw, dw_ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward with the SwiGLU input in MXFP4 (fp4's saved h), decoded inside the kernel.
+
+def _mxfp4_h(m: int, f: int, seed: int, device=DEVICE):
+    """MXFP4 data uint8 [m, F], scale uint8 [m, 2F/32] of random h, with blocks at the E8M0 edges: byte 0
+    and 1 (float32-subnormal values), 254 (codes >= 4 overflow to Inf), 255 (a NaN block), and an
+    all-zero block."""
+    h, _, _ = _inputs(m, f, False, seed, device="cpu")
+    data, scale = quantize_mxfp4_rowwise_ref(h)
+    if m:
+        scale[0, :5] = torch.tensor([0, 1, 254, 255, 2], dtype=torch.uint8)
+        data[-1, 16:32] = 0
+    return data.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("f", [128, 384])
+@pytest.mark.parametrize("m", [0, 1, 7, 66])
+def test_backward_mxfp4_equals_backward_of_the_decoded_h(m, f, weighted):
+    """Bit for bit the bf16 kernel on the dequantized h (the decode is exact, the math shared), and
+    within the usual ulps of the reference."""
+    from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref
+
+    data, scale = _mxfp4_h(m, f, seed=20 + m + f)
+    _, w, da = _inputs(m, f, weighted, seed=21 + m)
+    dh, dw = KS.swiglu_backward_mxfp4(data, scale, da, w, **BWD_KW)
+    h = dequantize_mxfp4_ref(data, scale, torch.bfloat16)
+    dh_bf16, dw_bf16 = KS.swiglu_backward(h, da, w, **BWD_KW)
+    assert same_bits(dh, dh_bf16)
+    assert (dw is None and dw_bf16 is None) or same_bits(dw, dw_bf16)
+    dh_ref, dw_ref = KS.swiglu_backward_mxfp4_ref(data, scale, da, w)
+    _check_bf16_close(dh, dh_ref)
+    if weighted:
+        _check_dw(h, da, dw, dw_ref)
+    if m:
+        assert torch.isnan(dh[0, 96:128]).all()           # the NaN block (gate elements 96..127)
+
+
+@pytest.mark.parametrize("change, exc, msg", [
+    (lambda d, s, da, w: (d.int(), s, da, w), TypeError, "h data must be a 2-D uint8"),
+    (lambda d, s, da, w: (d, s[:, :-1], da, w), ValueError, "h scale must be"),
+    (lambda d, s, da, w: (d[:, :64].contiguous(), s[:, :4].contiguous(), da[:, :64].contiguous(), w), ValueError,
+     "multiple of 128"),
+    (lambda d, s, da, w: (d, s, da.float(), w), TypeError, "da must be a bfloat16"),
+    (lambda d, s, da, w: (d, s, da, w.double()), TypeError, "w must be a float32"),
+    (lambda d, s, da, w: (d.t().contiguous().t(), s, da, w), ValueError, "contiguous"),
+])
+def test_backward_mxfp4_bad_inputs(change, exc, msg):
+    data, scale = _mxfp4_h(4, 128, seed=30)
+    _, w, da = _inputs(4, 128, True, seed=31)
+    for fn in (KS.swiglu_backward_mxfp4, KS.swiglu_backward_mxfp4_ref):
+        with pytest.raises(exc, match=msg):
+            fn(*change(data, scale, da, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gpu_backward_mxfp4_moe_size(weighted):
+    from moe_fp4.kernels.mxfp4 import dequantize_mxfp4
+
+    data, scale = _mxfp4_h(4096, 2048, seed=40, device="cuda")
+    _, w, da = _inputs(4096, 2048, weighted, seed=41, device="cuda")
+    dh, dw = KS.swiglu_backward_mxfp4(data, scale, da, w)
+    dh_bf16, dw_bf16 = KS.swiglu_backward(dequantize_mxfp4(data, scale, torch.bfloat16), da, w)
+    assert same_bits(dh, dh_bf16)
+    assert (dw is None and dw_bf16 is None) or same_bits(dw, dw_bf16)
