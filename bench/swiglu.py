@@ -10,8 +10,7 @@ copy baseline is ``dst.copy_(src)`` on uint8 buffers of half that each, timed in
 Medians of ``triton.testing.do_bench``. Each output set is checked once, bit for bit, the way the
 tests define it: the FP8 and MXFP4 forms of a against the references applied to the kernel's own a
 (which may differ from ``swiglu_ref``'s by one bf16 ulp, ``SWIGLU_MAX_ULP``), MXFP4 h against
-``quantize_mxfp4_rowwise_ref(h)``. Then the SwiGLU backward: bf16 h, MXFP4 h dequantized first, MXFP4 h
-decoded inside the kernel (dh checked equal). GPU only.
+``quantize_mxfp4_rowwise_ref(h)``. GPU only.
 """
 
 from __future__ import annotations
@@ -63,24 +62,6 @@ def main() -> None:
         t = triton.testing.do_bench(lambda: KS.swiglu_quantize(h, w, hm, am), return_mode="median")
         print(f"swiglu_quantize h_mx={hm} a_mx={am} {a.tokens}x{a.ffn}: {t * 1e3:.1f} us, {moved / 1e6:.0f} MB, "
               f"{100 * t_copy / t:.1f}% copy", flush=True)
-    # Backward: bf16 h (fp8, bf16 layers); fp4's MXFP4 h dequantized first, then the bf16 kernel (before
-    # d001df5); fp4's MXFP4 h decoded inside the kernel (swiglu_backward_mxfp4).
-    from moe_fp4.kernels.mxfp4 import dequantize_mxfp4
-
-    da = torch.randn(a.tokens, a.ffn, device="cuda", dtype=torch.bfloat16)
-    (hd, hs) = KS.swiglu_quantize(h, w, True, False)[2]
-    runs = {"bf16 h": lambda: KS.swiglu_backward(h, da, w),
-            "MXFP4 h, dequantize + bf16 kernel": lambda: KS.swiglu_backward(
-                dequantize_mxfp4(hd, hs, torch.bfloat16), da, w),
-            "MXFP4 h, decoded in the kernel": lambda: KS.swiglu_backward_mxfp4(hd, hs, da, w)}
-    if not torch.equal(runs["MXFP4 h, decoded in the kernel"]()[0].view(torch.int16),
-                       runs["MXFP4 h, dequantize + bf16 kernel"]()[0].view(torch.int16)):
-        raise SystemExit("MISMATCH: swiglu_backward_mxfp4's dh differs from the bf16 kernel's on the dequantized h")
-    times = {k: triton.testing.do_bench(f, return_mode="median") for k, f in runs.items()}
-    for k, t in times.items():
-        print(f"swiglu_backward, {k}, {a.tokens}x{a.ffn}: {t * 1e3:.1f} us", flush=True)
-    print(f"  decoded in the kernel / dequantize first: "
-          f"{times['MXFP4 h, decoded in the kernel'] / times['MXFP4 h, dequantize + bf16 kernel']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from moe_fp4.kernels.triton_numerics import (
     bf16_pair_word,
     bf16_rne_bits,
     e2m1_decode_scaled,
-    e2m1x2_to_bf16x2,
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
     mx_encode_bf16_pairs,
@@ -274,17 +273,10 @@ def _mxfp4_pairs_as_f32_bits(data_ptr, scale_ptr, off, rows, c, HALF, mask):
     -> (fp32 bits of the first, of the second): exact (e2m1_decode_scaled), NaN for a byte-255 block."""
     b = tl.load(data_ptr + off, mask=mask, other=0).to(tl.int32)
     sb = tl.load(scale_ptr + rows[:, None] * (HALF // 8) + c // 16, mask=mask, other=127).to(tl.int32)
-    if (tl.min(sb) >= 2) & (tl.max(sb) <= 252):
-        # Every block's values are bf16 normals or zero: both codes of a byte in one operation
-        # (b * 0x1001 puts the low code in bits 0..3, the high one in 16..19), as the MXFP4 -> bf16
-        # kernel does; a bf16 pattern's fp32 bits are it shifted up 16.
-        word = bf16_pair_bits(e2m1x2_to_bf16x2(b * 0x1001, sb))
-        lo, hi = word
-    else:
-        nan = sb == 255
-        sb = tl.where(nan, 127, sb)
-        lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, sb))
-        hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b >> 4, sb))
+    nan = sb == 255
+    sb = tl.where(nan, 127, sb)
+    lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, sb))
+    hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b >> 4, sb))
     return lo, hi
 
 
@@ -400,11 +392,9 @@ def swiglu_backward_mxfp4(h_data: torch.Tensor, h_scale: torch.Tensor, da: torch
     swiglu_quantize wrote it), da bf16 [M, F], w float32 [M] or None -> (dh bf16 [M, 2F], dw float32 [M]
     or None), one launch that decodes h in registers.
 
-    dh is bit-identical to swiglu_backward(dequantized h, da, w)'s (the decode is exact, the math the
-    same code); dw sums the same terms, in an order the compiler may change (on an H100 some rows
-    differ in the last float32 bits: within SWIGLU_DW_RTOL). Both within SWIGLU_MAX_ULP / SWIGLU_DW_RTOL
-    of swiglu_backward_mxfp4_ref. Saves the bf16 dequantization pass: 4.25 bits of h read an element
-    instead of 4.25 read + 16 written + 16 read."""
+    Bit-identical to swiglu_backward(dequantized h, da, w) (the decode is exact, the math the same
+    code), and so within SWIGLU_MAX_ULP / SWIGLU_DW_RTOL of swiglu_backward_mxfp4_ref. Saves the bf16
+    dequantization pass: 4.25 bits of h read a element instead of 4.25 read + 16 written + 16 read."""
     _check_mxfp4_h("swiglu_backward_mxfp4", h_data, h_scale, w, da)
     m, f = h_data.shape
     dh = torch.empty(m, 2 * f, dtype=torch.bfloat16, device=h_data.device)
