@@ -27,13 +27,12 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.fp8 import empty_m_major, quantize_fp8_rowwise_ref
-from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref, quantize_mxfp4_rowwise_ref
+from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, with_canonical_nan
 from moe_fp4.kernels.triton_numerics import (
     bf16_pair_bits,
     bf16_pair_word,
     bf16_rne_bits,
-    e2m1_decode_scaled,
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
     mx_encode_bf16_pairs,
@@ -147,48 +146,6 @@ def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor, w):
     return dh, (None if w is None else (d * silu * u).sum(dim=1))
 
 
-def _check_mxfp4_h(name: str, data: torch.Tensor, scale: torch.Tensor, w, da) -> None:
-    """Validate an MXFP4 SwiGLU input (data uint8 [M, F], scale uint8 [M, 2F/32]) against da bf16 [M, F]."""
-    for what, t in (("data", data), ("scale", scale)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
-            raise TypeError(f"{name}: h {what} must be a 2-D uint8 tensor, got {getattr(t, 'dtype', type(t))} "
-                            f"{tuple(getattr(t, 'shape', ()))}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: h {what} must be contiguous, got strides {t.stride()}")
-    m, f = data.shape
-    if f % FP8_TILE:
-        raise ValueError(f"{name}: h data must be [M, F] (2F codes) with F a multiple of {FP8_TILE}, got {(m, f)}")
-    if tuple(scale.shape) != (m, 2 * f // MXFP4_BLOCK):
-        raise ValueError(f"{name}: h scale must be [M, 2F/32] = {(m, 2 * f // MXFP4_BLOCK)}, got {tuple(scale.shape)}")
-    if scale.device != data.device:
-        raise ValueError(f"{name}: h scale is on {scale.device}, data on {data.device}")
-    _check_inputs(name, torch.empty(m, 2 * f, dtype=torch.bfloat16, device="meta"), None)
-    if not isinstance(da, torch.Tensor) or da.dtype != torch.bfloat16 or tuple(da.shape) != (m, f):
-        raise TypeError(f"{name}: da must be a bfloat16 tensor [M, F] = {(m, f)}, got "
-                        f"{getattr(da, 'dtype', type(da))} {tuple(getattr(da, 'shape', ()))}")
-    if not da.is_contiguous():
-        raise ValueError(f"{name}: da must be contiguous, got strides {da.stride()}")
-    if da.device != data.device:
-        raise ValueError(f"{name}: da is on {da.device}, h on {data.device}")
-    if w is not None:
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or tuple(w.shape) != (m,):
-            raise TypeError(f"{name}: w must be a float32 tensor [M] = [{m}] or None, got "
-                            f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
-        if w.device != data.device:
-            raise ValueError(f"{name}: w is on {w.device}, h on {data.device}")
-
-
-def swiglu_backward_mxfp4_ref(h_data: torch.Tensor, h_scale: torch.Tensor, da: torch.Tensor, w):
-    """h_data uint8 [M, F], h_scale uint8 [M, 2F/32]: the SwiGLU input h = [gate | up] in MXFP4 (two codes
-    a byte, E8M0 scales), da bf16 [M, F], w float32 [M] or None -> swiglu_backward_ref(h in bf16, da, w).
-
-    MXFP4 -> bf16 is exact (every E2M1 value times a power of two 2^-127..2^127 is a bf16 normal or
-    subnormal, or +-Inf where byte 254 overflows; a NaN block, byte 255, is NaN), so this is the SwiGLU
-    gradient of exactly the values the forward saved."""
-    _check_mxfp4_h("swiglu_backward_mxfp4_ref", h_data, h_scale, w, da)
-    return swiglu_backward_ref(dequantize_mxfp4_ref(h_data, h_scale, torch.bfloat16), da, w)
-
-
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
@@ -267,28 +224,10 @@ def _swiglu_grad(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_pairs_as_f32_bits(data_ptr, scale_ptr, off, rows, c, HALF, mask):
-    """MXFP4 h: byte ``off`` holds the two codes of pair word ``off`` of the bf16 h (low nibble first),
-    its block's E8M0 byte is scale[row, c // 16] (16 pairs a 32-element block; rows of HALF / 8 bytes)
-    -> (fp32 bits of the first, of the second): exact (e2m1_decode_scaled), NaN for a byte-255 block."""
-    b = tl.load(data_ptr + off, mask=mask, other=0).to(tl.int32)
-    sb = tl.load(scale_ptr + rows[:, None] * (HALF // 8) + c // 16, mask=mask, other=127).to(tl.int32)
-    nan = sb == 255
-    sb = tl.where(nan, 127, sb)
-    lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, sb))
-    hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b >> 4, sb))
-    return lo, hi
-
-
-@triton.jit
-def _swiglu_backward_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_w,
-                            HAS_W: tl.constexpr, H_MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_W: tl.constexpr):
+def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_w,
+                            HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     # A program owns BLOCK_M whole rows and walks their F columns in BLOCK_W pair words, so dw is a
     # plain register sum (no atomics, deterministic). h, dh: 128 NT pair words a row; da: 64 NT.
-    # H_MXFP4: h arrives as MXFP4 bytes (one byte per pair word, the same index) and scales (hs_ptr),
-    # decoded in registers to the float32 values the bf16 dequantization would give (it is exact), so
-    # backward never writes or reads h in bf16.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     rmask = rows < M
     HALF = NT * 64
@@ -300,12 +239,8 @@ def _swiglu_backward_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT,
         c = c0 + tl.arange(0, BLOCK_W)
         mask = rmask[:, None] & (c < HALF)[None, :]
         h_off = rows[:, None] * (2 * HALF) + c[None, :]
-        if H_MXFP4:
-            g_lo, g_hi = _mxfp4_pairs_as_f32_bits(h_ptr, hs_ptr, h_off, rows, c[None, :], HALF, mask)
-            u_lo, u_hi = _mxfp4_pairs_as_f32_bits(h_ptr, hs_ptr, h_off + HALF, rows, c[None, :] + HALF, HALF, mask)
-        else:
-            g_lo, g_hi = load_pairs_as_f32_bits(h_ptr, h_off, mask, 0)
-            u_lo, u_hi = load_pairs_as_f32_bits(h_ptr, h_off + HALF, mask, 0)
+        g_lo, g_hi = load_pairs_as_f32_bits(h_ptr, h_off, mask, 0)
+        u_lo, u_hi = load_pairs_as_f32_bits(h_ptr, h_off + HALF, mask, 0)
         d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, rows[:, None] * HALF + c[None, :], mask, 0)
         dg_lo, du_lo, t_lo = _swiglu_grad(g_lo, u_lo, d_lo, w, HAS_W)
         dg_hi, du_hi, t_hi = _swiglu_grad(g_hi, u_hi, d_hi, w, HAS_W)
@@ -378,31 +313,8 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w, block_m: int = 2, bloc
     dw = None if w is None else torch.empty(m, dtype=torch.float32, device=h.device)
     if m and f:
         dhw = dh.view(torch.int32)
-        hw = words_view(h, torch.int32)
         _swiglu_backward_kernel[(triton.cdiv(m, block_m),)](
-            hw, hw, words_view(da, torch.int32), dhw if w is None else w, dhw,
+            words_view(h, torch.int32), words_view(da, torch.int32), dhw if w is None else w, dhw,
             dhw if dw is None else dw, m, f // FP8_TILE, 0 if w is None else w.stride(0),
-            HAS_W=w is not None, H_MXFP4=False, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
-    return dh, dw
-
-
-def swiglu_backward_mxfp4(h_data: torch.Tensor, h_scale: torch.Tensor, da: torch.Tensor, w, block_m: int = 2,
-                          block_w: int = 256, num_warps: int = 4):
-    """h_data uint8 [M, F], h_scale uint8 [M, 2F/32] (the SwiGLU input in MXFP4, as the forward's
-    swiglu_quantize wrote it), da bf16 [M, F], w float32 [M] or None -> (dh bf16 [M, 2F], dw float32 [M]
-    or None), one launch that decodes h in registers.
-
-    Bit-identical to swiglu_backward(dequantized h, da, w) (the decode is exact, the math the same
-    code), and so within SWIGLU_MAX_ULP / SWIGLU_DW_RTOL of swiglu_backward_mxfp4_ref. Saves the bf16
-    dequantization pass: 4.25 bits of h read a element instead of 4.25 read + 16 written + 16 read."""
-    _check_mxfp4_h("swiglu_backward_mxfp4", h_data, h_scale, w, da)
-    m, f = h_data.shape
-    dh = torch.empty(m, 2 * f, dtype=torch.bfloat16, device=h_data.device)
-    dw = None if w is None else torch.empty(m, dtype=torch.float32, device=h_data.device)
-    if m and f:
-        dhw = dh.view(torch.int32)
-        _swiglu_backward_kernel[(triton.cdiv(m, block_m),)](
-            h_data, h_scale, words_view(da, torch.int32), dhw if w is None else w, dhw,
-            dhw if dw is None else dw, m, f // FP8_TILE, 0 if w is None else w.stride(0),
-            HAS_W=w is not None, H_MXFP4=True, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
+            HAS_W=w is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
     return dh, dw

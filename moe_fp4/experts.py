@@ -47,7 +47,7 @@ import enum
 import torch
 
 from moe_fp4 import _ops
-from moe_fp4.api import _use_triton, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
+from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
     quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.gemm import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
@@ -95,7 +95,7 @@ class _Kept:
             tensors, spec = keep(label or name, obj, converted_from)
         else:
             label_saved(obj, label or name)
-            tensors, spec = (obj,), (None, 1)   # rebuild() gives the tensor back
+            tensors, spec = (obj,), ((None, 1))
         self.tensors += tensors
         self.specs.append((name, spec))
 
@@ -138,11 +138,8 @@ def _swiglu_quantize(h: torch.Tensor, w, fp4: bool):
     return aq, MXFP4Tensor(*a_mx, (r, f), h.dtype), MXFP4Tensor(*h_mx, tuple(h.shape), h.dtype)
 
 
-def _swiglu_backward(h, da: torch.Tensor, w):
-    """h: bf16 [R, 2F] or its MXFP4Tensor -> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass
-    (an MXFP4 h is decoded inside it: no bf16 copy of h is written)."""
-    if isinstance(h, MXFP4Tensor):
-        return _ops._pick(_swiglu, "swiglu_backward_mxfp4", _use_triton(da))(h.data, h.scale, da, w)
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, w):
+    """-> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass."""
     return _ops._pick(_swiglu, "swiglu_backward", _use_triton(h))(h, da, w)
 
 
@@ -276,7 +273,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
             return dx, dw13, dw2, d_row, None, None, None, None
 
-        h = kept["h"]   # fp4: the MXFP4 SwiGLU input, decoded inside the SwiGLU-backward kernel
+        h = kept["h"]
+        if isinstance(h, MXFP4Tensor):
+            h = dequantize_mxfp4(h, dy.dtype)
         a_kept = kept["a"]
         if a_kept is None:   # recompute_swiglu (fp8): the same kernel on the same h gives the forward's bytes
             a_kept = _swiglu_quantize(h, row_w, False)[0]

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import fields
+from dataclasses import dataclass
 
 import torch
 
