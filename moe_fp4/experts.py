@@ -95,7 +95,7 @@ class _Kept:
             tensors, spec = keep(label or name, obj, converted_from)
         else:
             label_saved(obj, label or name)
-            tensors, spec = (obj,), ((None, 1))
+            tensors, spec = (obj,), (None, 1)   # rebuild() gives the tensor back
         self.tensors += tensors
         self.specs.append((name, spec))
 

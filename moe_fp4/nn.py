@@ -66,6 +66,7 @@ class _Replay:
         self.results: list = []
         self.recorded = False
         self.pos = 0
+        self.scope = None   # the compression scope the first run saw (moe_fp4.hook.current_compression)
 
     def once(self, compute):
         if not self.recorded:

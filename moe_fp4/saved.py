@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import fields
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
