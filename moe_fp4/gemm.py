@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moe_fp4.api import _check_out_dtype
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
@@ -156,9 +158,12 @@ class FP8WeightCache:
     again. The cache holds weights weakly (an entry dies with its weight) and costs, per weight,
     two FP8 copies and their scales: 0.5x the bytes of a float32 weight (``nbytes``).
 
-    torch.optim's optimizers, ``load_state_dict`` and in-place ops on the parameter bump ``_version``.
-    A write through ``w.data`` (``w.data.copy_(...)``) does not: it has a version counter of its own.
-    Code that updates weights that way must call :meth:`clear` after it, or set ``enabled = False``.
+    In-place ops on the parameter and ``load_state_dict`` bump ``_version``; torch.optim's for-loop and
+    foreach optimizers do too, but the fused ones (``AdamW(fused=True)``: ``torch._fused_adamw_``) do
+    not, and neither does a write through ``w.data``. So every torch.optim step also drops the entries
+    of the parameters it stepped (a global optimizer step post-hook, registered with the cache). Code
+    that writes weights any other way (``w.data.copy_(...)``, its own fused kernels) must call
+    :meth:`clear` after it, or set ``enabled = False``.
     """
 
     def __init__(self):
@@ -168,6 +173,24 @@ class FP8WeightCache:
         self.enabled = True
         self.hits = 0
         self.misses = 0
+        # Found on an H100: with AdamW(fused=True) the experts kept the FP8 copies of the first step's
+        # weights for the whole run (fused steps leave _version alone).
+        ref = weakref.ref(self)   # the global hook must not keep a cache alive
+
+        def after_step(optimizer, _args, _kwargs):
+            cache = ref()
+            if cache is not None:
+                cache._after_step(optimizer)
+
+        self._hook = register_optimizer_step_post_hook(after_step)
+
+    def _after_step(self, optimizer) -> None:
+        """Drop the pairs of every parameter the optimizer just stepped."""
+        if not self._entries:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._entries.pop(p, None)
 
     def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
         """w: [N, K] or [E, N, K] -> (W, W^T), quantized now or at the same version of w before."""

@@ -217,6 +217,30 @@ def test_weight_cache_quantizes_once_per_version_and_again_after_a_change():
     assert cache.nbytes == 0                                 # an entry dies with its weight
 
 
+@pytest.mark.parametrize("kw", [dict(fused=True), dict(foreach=True), dict(foreach=False)], ids=str)
+def test_weight_cache_drops_a_pair_after_any_optimizer_step(kw):
+    """A fused AdamW step writes the weights without bumping _version (found on an H100: the experts then
+    kept the first step's FP8 copies for the whole run); every torch.optim step drops the pairs of the
+    parameters it stepped, so the next get() quantizes the new weights."""
+    cache = FP8WeightCache()
+    w = torch.nn.Parameter(torch.randn(2, 128, 256))
+    other = torch.nn.Parameter(torch.randn(128, 128))       # cached, but not in this optimizer
+    opt = torch.optim.AdamW([w], lr=0.1, **kw)
+    first, kept = cache.get(w), cache.get(other)
+    w.grad = torch.randn_like(w)
+    version = w._version
+    opt.step()
+    if kw.get("fused"):
+        assert w._version == version                        # why the version alone cannot be trusted
+    second = cache.get(w)
+    assert second is not first and cache.misses == 3
+    fresh = quantize_fp8_weight_pair(w)
+    for got, want in zip(second, fresh):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    assert cache.get(other) is kept                          # a parameter the optimizer did not step
+
+
 def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monkeypatch, references):
     # fp8 only: fp4 takes the same weight path (the precisions differ in the activations). The cache's
     # bookkeeping, not the kernels: the pure-torch references (conftest's `references`) spare 4 steps of
