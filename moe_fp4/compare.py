@@ -839,11 +839,11 @@ def table(report: dict) -> str:
              f"{'mode':<8} {'tokens/s/GPU':>12} {'step ms':>9} {'peak mem':>10} {'act mem':>10} {'a2a':>7} "
              f"{'loss':>8} {'eval':>8}"]
     lines += [row_line(r) for r in report["modes"].values()]
-    if any(mode != base for mode in report["ratios"]):
+    # Ratios only against a baseline that ran (a run of --modes fp4 alone has none to show).
+    against = {mode: d for mode, d in report["ratios"].items() if mode != base and base in report["modes"]}
+    if against:
         lines.append(f"ratios vs {base}:")
-    for mode, d in report["ratios"].items():
-        if mode == base:
-            continue
+    for mode, d in against.items():
         parts = [f"tokens/s {d.get(f'tokens_per_s_per_gpu_vs_{base}', math.nan):.3f}x"]
         if f"peak_bytes_vs_{base}" in d:
             parts.append(f"peak memory {d[f'peak_bytes_vs_{base}']:.3f}x")

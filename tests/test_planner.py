@@ -249,3 +249,21 @@ def test_cli_max_batch_takes_the_whole_rank_batch_in_one_pass(tmp_path):
     found, row = report["max_batch"]["fp4"], report["modes"]["fp4"]
     assert found["one_pass"] and found["batch_max"] == 4 and found["probe"]["4"] <= 0.02 * GIB, found
     assert (row["batch"], row["micro_batch"], row["accumulate"]) == (4, 4, 1), row
+
+
+def test_table_shows_no_ratios_without_the_baseline():
+    """A run of one mode (here fp4 alone, as when modes are planned in separate calls) prints its row and
+    plan, and no "ratios vs fp8" line of NaNs."""
+    from moe_fp4.compare import ratios, table
+
+    row = {"mode": "fp4", "tokens_per_s_per_gpu": 1000.0, "step_ms": 10.0, "peak_bytes": 2 * GIB,
+           "activation_bytes": GIB, "a2a_share": None, "loss_final": 1.0, "loss_eval": 1.1}
+    report = {"meta": {"device": "GPU", "world": 1, "torch": "t", "triton": "t", "version": "0", "date": "d"},
+              "config": {"hook": False, "budget_gib": 9, "global_batch": 64}, "modes": {"fp4": row},
+              "max_batch": {}, "notes": [],
+              "plans": {"fp4": {"policy": "none", "micro_batch": 22, "passes": 3,
+                                "candidates": [{"policy": "none", "tokens_per_s": 1000.0}]}}}
+    report["ratios"] = ratios(report["modes"])
+    text = table(report)
+    assert "ratios vs" not in text and "nan" not in text
+    assert "fp4      recompute none, micro-batch 22 x 3 passes" in text
