@@ -50,7 +50,13 @@ from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
 from moe_fp4.nn import DISPATCH_FORMAT, Recompute
-from moe_fp4.planner import MAX_SEARCH_PROBES, micro_batch, search_largest_batch  # noqa: F401 (re-exported)
+from moe_fp4.planner import (  # noqa: F401 (re-exported)
+    MAX_SEARCH_PROBES,
+    PLAN_TIMED_STEPS,
+    PLAN_WARMUP_STEPS,
+    micro_batch,
+    search_largest_batch,
+)
 from moe_fp4.saved import saved_bytes
 
 GiB = 2**30
@@ -643,13 +649,6 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
         del model, trainer
         _free(env)
     return batch * cfg.model.seq / step_s, peak
-
-
-# Steps per planner candidate: untimed (kernels compile, the allocator settles), then timed (median). Three
-# timed steps after one warmup gave fp4/fp8 0.82x at one split of the small preset on an H100 where the
-# next budget's same-split pair gave 0.99x: too few for a host-bound step.
-PLAN_WARMUP_STEPS = 2
-PLAN_TIMED_STEPS = 6
 
 
 def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print,
