@@ -24,6 +24,11 @@ step from a freshly built model (two probes give an affine prediction, then brac
 timed run then uses each mode's own largest batch. On CPU the memory of
 a step is estimated (parameters, gradients, optimizer state and saved activations; there is no
 allocator to ask), so CPU budgets are for tests, not measurements.
+
+``recompute``: every mode's recomputation policy (:class:`moe_fp4.nn.Recompute`). ``plan`` (with
+``budget_gib`` and ``global_batch``): per mode, :func:`plan_mode` measures each policy's largest
+micro-batch in the budget and the tokens/s of each distinct split (:mod:`moe_fp4.planner`), and the mode
+trains with the fastest; the report keeps every candidate under "plans".
 """
 
 from __future__ import annotations
