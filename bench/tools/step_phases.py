@@ -97,12 +97,15 @@ def main(argv=None) -> int:
     for policy in a.policies:
         for mode in a.modes:
             cfg = C.CompareConfig(preset=a.preset, modes=(mode,), data="random", recompute=policy, progress=False)
+            oom = False
             try:
                 rows.append(measure(cfg, mode, env, a.batch, a.micro or a.batch, a.warmup, a.steps))
             except torch.OutOfMemoryError:
+                oom = True
+            if oom:   # outside the except block: its traceback no longer holds the model
+                C._free(env)
                 print(f"{mode} {policy}: out of memory at batch {a.batch} in micro-batches of {a.micro or a.batch} "
                       f"({torch.cuda.get_device_name()})", flush=True)
-                C._free(env)
     names = [ph for ph, _ in PHASES] + ["other"]
     print(f"preset {a.preset}, batch {a.batch} in micro-batches of {a.micro or a.batch}; ms per step")
     print(f"{'mode':<5} {'policy':<7} {'step':>7} {'kernels':>8} " + " ".join(f"{n[:13]:>13}" for n in names)
