@@ -3,15 +3,17 @@
 from moe_fp4.api import (
     dequantize_fp8,
     dequantize_mxfp4,
+    dequantize_nvfp4,
     fp8_to_fp8_colwise,
     mxfp4_to_fp8,
     mxfp4_to_fp8_colwise,
     quantize_fp8,
     quantize_fp8_and_mxfp4,
     quantize_mxfp4,
+    quantize_nvfp4,
 )
 from moe_fp4.comm import Received, all_to_all, exchange_role, swap_all_to_all
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.hook import (
     CompressionConfig,
     CompressionHandle,
@@ -39,12 +41,14 @@ __all__ = [
     "CompressionStats",
     "FP8BlockTensor",
     "MXFP4Tensor",
+    "NVFP4Tensor",
     "Received",
     "all_to_all",
     "compress_saved_activations",
     "current_compression",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "dequantize_nvfp4",
     "exchange_role",
     "fp8_to_fp8_colwise",
     "mxfp4_to_fp8",
@@ -53,6 +57,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_and_mxfp4",
     "quantize_mxfp4",
+    "quantize_nvfp4",
     "register_activation_compression",
     "swap_all_to_all",
 ]

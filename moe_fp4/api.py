@@ -16,6 +16,7 @@ from moe_fp4.formats import (
     HIGH_PRECISION_DTYPES,
     FP8BlockTensor,
     MXFP4Tensor,
+    NVFP4Tensor,
     check_fp8_scale_values,
     check_values_enabled,
 )
@@ -144,3 +145,38 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     """
     _check_fp8(t, "fp8_to_fp8_colwise", full_tiles=True)
     return _ops.fp8_to_fp8_colwise(t, use_triton=_use_triton(t.data))
+
+
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize to NVFP4 in 16-element blocks along the last dimension (rules: ``moe_fp4.kernels.nvfp4``).
+
+    x: bf16/fp16/fp32 [..., K] (K % 16 == 0, contiguous); tensor_scale: float32 0-d on x's device, a
+    positive float32 normal (default: max(amax / 2688, 2^-126) of x's finite values)
+    -> NVFP4Tensor (data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale) of x's shape and
+    dtype. Issue 27's first piece: the pure-torch reference runs on every device (no Triton kernel yet).
+    """
+    from moe_fp4.kernels import nvfp4
+
+    _check_high_precision(x, "quantize_nvfp4", nvfp4.NVFP4_BLOCK)
+    if tensor_scale is not None:
+        if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.dtype != torch.float32 or tensor_scale.dim():
+            raise TypeError(f"quantize_nvfp4: tensor_scale must be a float32 0-d tensor, got "
+                            f"{getattr(tensor_scale, 'dtype', type(tensor_scale))}")
+        if tensor_scale.device != x.device:
+            raise ValueError(f"quantize_nvfp4: tensor_scale on {tensor_scale.device}, x on {x.device}")
+        if check_values_enabled(tensor_scale):
+            v = float(tensor_scale)
+            if not (v >= nvfp4.NVFP4_TENSOR_SCALE_MIN and v < float("inf")):
+                raise ValueError(f"quantize_nvfp4: tensor_scale must be a finite float32 normal > 0, got {v!r}")
+    data, scale, s_t = nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale)
+    return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """q: NVFP4Tensor -> dtype tensor of q.shape: e2m1 * e4m3 * s_t in float32, rounded once to dtype;
+    NaN blocks give NaN. The pure-torch reference on every device (no Triton kernel yet)."""
+    from moe_fp4.kernels import nvfp4
+
+    _check_container(q, NVFP4Tensor, "dequantize_nvfp4")
+    _check_out_dtype(dtype, "dequantize_nvfp4")
+    return nvfp4.dequantize_nvfp4_ref(q.data, q.scale, q.tensor_scale, dtype).view(q.shape)

@@ -1,4 +1,5 @@
-"""The two quantized formats: MXFP4 (storage and transport) and FP8 1x128 (GEMM operands).
+"""The quantized formats: MXFP4 (storage and transport), FP8 1x128 (GEMM operands) and NVFP4 (issue 27:
+a reference format so far, no Triton kernel).
 
 Both are frozen dataclasses whose ``__post_init__`` checks every structural invariant (dtypes,
 shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
 from moe_fp4.kernels.numerics import (
     E8M0_NAN,
     FP8_EXP_MAX,
@@ -198,6 +200,67 @@ class FP8BlockTensor:
         scale = torch.empty(self.scale.shape[1], stop - start, dtype=self.scale.dtype, device=self.scale.device).t()
         scale.copy_(self.scale[start:stop])
         return FP8BlockTensor(self.data[start:stop], scale, (stop - start, self.k), self.dtype)
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """A tensor quantized to NVFP4 along its last dimension (rules: ``moe_fp4.kernels.nvfp4``).
+
+    data:  uint8 [M, K/2], row-major; two E2M1 codes a byte, element 2i in the low nibble (as MXFP4).
+    scale: float8_e4m3fn [M, K/16], row-major: one E4M3 scale per 16 elements; the NaN byte 0x7F marks
+           a block that held NaN or Inf.
+    tensor_scale: float32 0-d, on the data's device: s_t = max(amax / 2688, 2^-126).
+    shape: the logical shape to restore ([..., K]). dtype: the dtype before quantization.
+    The value of an element is e2m1 * e4m3 * s_t (4.5 bits an element plus 4 bytes a tensor).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        d, s = _check_data_and_scale(self, torch.uint8, "uint8 (two E2M1 codes per byte)",
+                                     torch.float8_e4m3fn, "float8_e4m3fn (E4M3 block scales)")
+        m, half_k = d.shape
+        k = 2 * half_k
+        if k % NVFP4_BLOCK:
+            _fail(ValueError, f"NVFP4Tensor: K = 2 * data.shape[1] = {k} must be a multiple of {NVFP4_BLOCK}")
+        if tuple(s.shape) != (m, k // NVFP4_BLOCK):
+            _fail(ValueError, f"NVFP4Tensor: scale shape {tuple(s.shape)} must be [M, K/16] = {(m, k // NVFP4_BLOCK)}")
+        if not d.is_contiguous() or not s.is_contiguous():
+            _fail(ValueError, "NVFP4Tensor: data and scale must be contiguous (row-major)")
+        t = self.tensor_scale
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0:
+            _fail(TypeError, f"NVFP4Tensor: tensor_scale must be a float32 0-d tensor, got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != d.device:
+            _fail(ValueError, f"NVFP4Tensor: tensor_scale on {t.device} but data on {d.device}")
+        object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "NVFP4Tensor"))
+
+    @property
+    def m(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return 2 * self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: K/2 data bytes + K/16 scale bytes per row (4.5 bits an element), + 4."""
+        return self.data.numel() + self.scale.numel() + 4
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
+        from moe_fp4.api import dequantize_nvfp4
+
+        return dequantize_nvfp4(self, self.dtype if dtype is None else dtype)
 
 
 def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scale") -> None:

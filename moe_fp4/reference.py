@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import _ops
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.kernels import nvfp4 as _nvfp4
 
 
 def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor) -> MXFP4Tensor:
@@ -50,3 +51,14 @@ def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
 def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     """t: FP8BlockTensor [M, K] -> FP8BlockTensor [K, M] holding t^T in 1x128 tiles along M."""
     return _ops.fp8_to_fp8_colwise(t, use_triton=False)
+
+
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """x: bf16/fp16/fp32 [..., K] (K % 16 == 0) -> NVFP4Tensor of the same logical shape."""
+    data, scale, s_t = _nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale)
+    return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """q: NVFP4Tensor [M, K] -> dtype tensor of q.shape."""
+    return _nvfp4.dequantize_nvfp4_ref(q.data, q.scale, q.tensor_scale, dtype).view(q.shape)

@@ -1,0 +1,197 @@
+"""NVFP4 (issue 27, first piece): the format, its exact reference (moe_fp4.kernels.nvfp4) and the API.
+
+Each rule of the module docstring is checked against an independent brute-force implementation: the
+E4M3 scale and the E2M1 codes are found by searching the whole grids for the nearest value (ties to
+the even code), not by the casts and thresholds the reference uses; dequantization is checked over
+every code and every E4M3 byte. No Triton kernel exists yet, so there is nothing to compare bit for
+bit on the GPU.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import moe_fp4
+import moe_fp4.reference
+from moe_fp4.kernels import nvfp4 as N
+from moe_fp4.metrics import sqnr_db
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# NVFP4's 16-element blocks and E4M3 scales against MXFP4's 32 and powers of two, on 64 x 4096 N(0, 1)
+# (seed 0): measured 20.42 dB against 18.74 dB, a 1.68 dB gain (CPU, the references). Floor 0.5 dB under.
+NVFP4_OVER_MXFP4_MIN_DB = 1.2
+
+
+def e4m3_value(byte: int) -> float:
+    """The value of an E4M3FN byte from its fields (NaN for 0x7F / 0xFF)."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 7
+    if e == 15 and m == 7:
+        return math.nan
+    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+E4M3_POS = [(b, e4m3_value(b)) for b in range(0x7F)]          # every finite non-negative byte, ascending
+
+
+def nearest(grid, value):
+    """(index, value) of the grid point nearest to value; a tie goes to the even index (the even code)."""
+    best = min(range(len(grid)), key=lambda i: (abs(grid[i][1] - value), i % 2))
+    return grid[best]
+
+
+def f32(v) -> float:
+    return float(np.float32(v))
+
+
+def brute_quantize(x: np.ndarray):
+    """The rules, written again: -> (codes [M, K] uint8, scale bytes [M, K/16], s_t float)."""
+    m, k = x.shape
+    fin = np.isfinite(x)
+    amax = float(np.abs(np.where(fin, x, 0)).max()) if x.size else 0.0
+    s_t = max(f32(np.float32(amax) / np.float32(2688.0)), 2.0 ** -126)
+    six_s = f32(np.float32(6.0) * np.float32(s_t))
+    e2m1_grid = [(i, E2M1[i]) for i in range(8)]
+    codes = np.zeros((m, k), np.uint8)
+    scales = np.zeros((m, k // 16), np.uint8)
+    for r in range(m):
+        for b in range(k // 16):
+            blk = x[r, 16 * b:16 * b + 16]
+            if not np.isfinite(blk).all():
+                scales[r, b] = 0x7F
+                continue
+            rat = f32(np.float32(np.abs(blk).max()) / np.float32(six_s))
+            byte, sv = nearest(E4M3_POS, min(rat, 448.0))
+            scales[r, b] = byte
+            eff = f32(np.float32(sv) * np.float32(s_t))
+            for j, v in enumerate(blk):
+                q = 0.0 if eff == 0 else f32(np.float32(v) / np.float32(eff))
+                code, _ = nearest(e2m1_grid, min(abs(q), 6.0))
+                codes[r, 16 * b + j] = code | (8 if np.signbit(v) else 0)
+    return codes, scales, s_t
+
+
+def _unpack(data: torch.Tensor) -> np.ndarray:
+    d = data.numpy()
+    return np.stack([d & 0xF, d >> 4], axis=-1).reshape(d.shape[0], -1)
+
+
+@pytest.mark.parametrize("case", ["normal", "wide rows", "tiny blocks", "ties", "zeros and negative zeros"])
+def test_quantize_matches_the_rules_by_brute_force(case):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 64, generator=g)
+    if case == "wide rows":
+        x = x * torch.exp2(torch.randint(-30, 30, (6, 4), generator=g).float()).repeat_interleave(16, dim=1)
+    elif case == "tiny blocks":
+        x[:, :16] *= 1e-12                                 # scales round to E4M3 subnormals and to zero
+        x[0, 16:32] = 1e-30
+    elif case == "ties":
+        # values on E2M1 midpoints once divided by a power-of-two effective scale
+        x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8).view(1, 64) * 2.0 ** -3
+    elif case == "zeros and negative zeros":
+        x = torch.zeros(2, 32)
+        x[1, 3] = -0.0
+        x[1, 20:] = -1e-3
+    data, scale, s_t = N.quantize_nvfp4_ref(x)
+    codes, scales, s_ref = brute_quantize(x.numpy().astype(np.float32))
+    assert float(s_t) == s_ref
+    assert np.array_equal(scale.view(torch.uint8).numpy(), scales)
+    assert np.array_equal(_unpack(data), codes)
+
+
+def test_non_finite_blocks_are_nan_and_do_not_set_the_tensor_scale():
+    x = torch.randn(3, 48)
+    x[0, 5], x[1, 20], x[2, 47] = float("nan"), float("inf"), float("-inf")
+    data, scale, s_t = N.quantize_nvfp4_ref(x)
+    finite_amax = x[torch.isfinite(x)].abs().max()
+    assert float(s_t) == float((finite_amax / torch.tensor(2688.0)).clamp(min=2.0 ** -126))
+    bad = scale.view(torch.uint8)
+    assert bad[0, 0] == bad[1, 1] == bad[2, 2] == 0x7F and (bad != 0x7F).sum() == 9 - 3
+    out = N.dequantize_nvfp4_ref(data, scale, s_t, torch.float32)
+    nan_blocks = torch.isnan(out).view(3, 3, 16).all(-1)
+    assert nan_blocks.sum() == 3 and not torch.isnan(out).view(3, 3, 16)[~nan_blocks].any()
+    codes, scales, _ = brute_quantize(x.numpy())
+    assert np.array_equal(bad.numpy(), scales) and np.array_equal(_unpack(data), codes)
+
+
+@pytest.mark.parametrize("s_t", [2.0 ** -126, 1.0, 0.37, 3e30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_every_code_and_every_scale_byte(s_t, dtype):
+    """256 rows, one per E4M3 byte, each one block of the 16 codes: e2m1 * e4m3 * s_t in float32 (the
+    product of the first two is exact), rounded once to dtype; NaN bytes give NaN rows."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(256, 1)
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1).view(torch.float8_e4m3fn)
+    ts = torch.tensor(s_t, dtype=torch.float32)
+    out = N.dequantize_nvfp4_ref(data, scale, ts, dtype)
+    want = np.empty((256, 16), np.float64)
+    for b in range(256):
+        sv = e4m3_value(b)
+        want[b] = np.nan if math.isnan(sv) else [f32(E2M1[c] * sv * float(ts)) for c in range(16)]
+    want_t = torch.from_numpy(want).float().to(dtype)
+    nan = torch.isnan(want_t)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].float(), want_t[~nan].float())
+    assert torch.equal(torch.signbit(out[~nan]), torch.signbit(want_t[~nan]))
+
+
+def test_api_round_trip_shapes_and_the_reference_twin():
+    for shape in [(0, 32), (3, 16), (2, 5, 48), (1, 4096)]:
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        q = moe_fp4.quantize_nvfp4(x)
+        assert isinstance(q, moe_fp4.NVFP4Tensor) and q.shape == x.shape and q.dtype == torch.bfloat16
+        m = math.prod(shape[:-1])
+        assert q.nbytes == m * shape[-1] // 2 + m * shape[-1] // 16 + 4
+        y = q.dequantize()
+        assert y.shape == x.shape and y.dtype == torch.bfloat16
+        r = moe_fp4.reference.quantize_nvfp4(x)
+        assert torch.equal(r.data, q.data) and torch.equal(r.scale.view(torch.uint8), q.scale.view(torch.uint8))
+        assert torch.equal(moe_fp4.reference.dequantize_nvfp4(r, torch.float32), moe_fp4.dequantize_nvfp4(q, torch.float32))
+
+
+def test_a_given_tensor_scale_quantizes_a_tensor_in_pieces():
+    x = torch.randn(8, 64)
+    whole = moe_fp4.quantize_nvfp4(x)
+    for part in (x[:3], x[3:]):
+        p = moe_fp4.quantize_nvfp4(part.contiguous(), whole.tensor_scale)
+        rows = slice(0, 3) if part.shape[0] == 3 else slice(3, 8)
+        assert torch.equal(p.data, whole.data[rows]) and torch.equal(p.scale.view(torch.uint8),
+                                                                     whole.scale[rows].view(torch.uint8))
+
+
+def test_more_accurate_than_mxfp4():
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    nv = sqnr_db(x, moe_fp4.quantize_nvfp4(x).dequantize(torch.float32))
+    mx = sqnr_db(x, moe_fp4.quantize_mxfp4(x).dequantize(torch.float32))
+    assert nv - mx >= NVFP4_OVER_MXFP4_MIN_DB, (nv, mx)
+
+
+@pytest.mark.parametrize("make, exc, msg", [
+    (lambda x: (x[:, :40].contiguous(), None), ValueError, "multiple of 16"),
+    (lambda x: (x.double(), None), TypeError, "bfloat16/float16/float32"),
+    (lambda x: (x.t(), None), ValueError, "contiguous"),
+    (lambda x: (x, torch.tensor(1.0, dtype=torch.float64)), TypeError, "float32 0-d"),
+    (lambda x: (x, torch.tensor([1.0])), TypeError, "float32 0-d"),
+    (lambda x: (x, torch.tensor(0.0)), ValueError, "normal > 0"),
+    (lambda x: (x, torch.tensor(float("inf"))), ValueError, "normal > 0"),
+])
+def test_quantize_rejects_bad_input(make, exc, msg):
+    x = torch.randn(48, 48)
+    with pytest.raises(exc, match=msg):
+        moe_fp4.quantize_nvfp4(*make(x))
+
+
+def test_container_checks():
+    q = moe_fp4.quantize_nvfp4(torch.randn(4, 32))
+    with pytest.raises(TypeError, match="scale must be float8_e4m3fn"):
+        moe_fp4.NVFP4Tensor(q.data, q.scale.view(torch.uint8), q.tensor_scale, q.shape)
+    with pytest.raises(ValueError, match=r"scale shape .* must be \[M, K/16\]"):
+        moe_fp4.NVFP4Tensor(q.data, q.scale[:, :1].contiguous(), q.tensor_scale, q.shape)
+    with pytest.raises(TypeError, match="tensor_scale must be a float32 0-d"):
+        moe_fp4.NVFP4Tensor(q.data, q.scale, 1.0, q.shape)
+    with pytest.raises(ValueError, match="logical shape"):
+        moe_fp4.NVFP4Tensor(q.data, q.scale, q.tensor_scale, (4, 16))
+    with pytest.raises(TypeError, match="expected NVFP4Tensor"):
+        moe_fp4.dequantize_nvfp4(moe_fp4.quantize_mxfp4(torch.randn(4, 32)))
