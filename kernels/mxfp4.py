@@ -46,19 +46,22 @@ from moe_fp4.kernels.numerics import (
     ceil_log2_ratio,
     decode_e2m1,
     encode_e2m1,
+    encode_e2m1_stochastic,
     exp2_int,
     mx_scale_exponent,
     pack_nibbles,
+    random_bits,
     unpack_nibbles,
     with_canonical_nan,
 )
 
 
-def _encode_blocks(v: torch.Tensor, exp: torch.Tensor, nan_block: torch.Tensor):
-    """v: float32 [M, K] already scaled by 2^-E; exp: int32 [M, K/32]; nan_block: bool [M, K/32]
+def _encode_blocks(v: torch.Tensor, exp: torch.Tensor, nan_block: torch.Tensor, bits: torch.Tensor | None = None):
+    """v: float32 [M, K] already scaled by 2^-E; exp: int32 [M, K/32]; nan_block: bool [M, K/32];
+    bits: None (round to nearest even) or int64 [M, K] random bits (stochastic rounding)
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]). NaN blocks get scale 0xFF and zero codes."""
     m, k = v.shape
-    codes = encode_e2m1(v).view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    codes = (encode_e2m1(v) if bits is None else encode_e2m1_stochastic(v, bits)).view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
     codes = torch.where(nan_block[..., None], torch.zeros_like(codes), codes).view(m, k)
     scale = torch.where(nan_block, torch.full_like(exp, E8M0_NAN), exp + E8M0_BIAS).to(torch.uint8)
     return pack_nibbles(codes), scale
@@ -91,16 +94,30 @@ def quantize_mxfp4_rowwise_ref(x: torch.Tensor, out=None):
     Per 32-block: E = clamp(ceil(log2(amax/6)), -127, 127) (RCEIL: nothing clips), codes =
     RNE_E2M1(x * 2^-E). A block holding NaN or Inf gets scale 0xFF.
     """
+    v, exp, nan_block = _scaled_blocks(x)
+    return write_out(out, *_encode_blocks(v, exp, nan_block))
+
+
+def _scaled_blocks(x: torch.Tensor):
+    """x: [M, K] -> (v float32 [M, K] = x * 2^-E per 32-block, E int32 [M, K/32] (RCEIL), NaN-block mask)."""
     m, k = x.shape
-    xf = x.float()
-    blocks = xf.view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    blocks = x.float().view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
     nan_block = (~torch.isfinite(blocks)).any(dim=-1)
     amax = torch.where(nan_block[..., None], torch.zeros_like(blocks), blocks.abs()).amax(dim=-1)
     exp = mx_scale_exponent(amax)
     # x * 2^-E is exact: the result is at most 6 and 2^-E in [2^-127, 2^127] is representable.
     # (2^127 * x cannot overflow: E = -127 only when amax <= 6 * 2^-127.)
-    v = blocks * exp2_int(-exp)[..., None]
-    return write_out(out, *_encode_blocks(v.view(m, k), exp, nan_block))
+    return (blocks * exp2_int(-exp)[..., None]).view(m, k), exp, nan_block
+
+
+def quantize_mxfp4_stochastic_ref(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0):
+    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]): the scales of
+    quantize_mxfp4_rowwise_ref, the codes rounded stochastically (``encode_e2m1_stochastic``) with the
+    bits ``random_bits(seed, step, rank, M * K)`` of each element's row-major offset. Unbiased: the mean
+    over (seed, step) of the dequantized values is x (RCEIL scales never clip). No kernel yet."""
+    m, k = x.shape
+    v, exp, nan_block = _scaled_blocks(x)
+    return _encode_blocks(v, exp, nan_block, random_bits(seed, step, rank, m * k, x.device).view(m, k))
 
 
 def quantize_mxfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor):

@@ -11,6 +11,8 @@ scale is the float32 ``2^S``. Every function takes and returns plain tensors.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 MXFP4_BLOCK = 32
@@ -61,6 +63,74 @@ def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
     code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for point, tie_up in _E2M1_TIES:
         code += (a >= point if tie_up else a > point).to(torch.uint8)
+    return code | (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
+
+
+class Rounding(str, enum.Enum):
+    """How a value is put on the E2M1 grid. NEAREST: to nearest, ties to even (``encode_e2m1``).
+    STOCHASTIC: to one of its two neighbours with probability proportional to closeness, from 32 random
+    bits per element (``encode_e2m1_stochastic``): unbiased for |v| <= 6, for gradients (issue 27)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+_MASK32 = 0xFFFFFFFF
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a: a uint32 constant, b: int64 [...] holding uint32 -> (high, low) 32-bit halves of a * b, in
+    int64 without overflow (b split into 16-bit halves)."""
+    bh, bl = b >> 16, b & 0xFFFF
+    p_hi, p_lo = a * bh, a * bl                       # each < 2^48
+    return (p_hi + (p_lo >> 16)) >> 16, (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
+
+
+def philox4x32(seed: int, c0: torch.Tensor, c1, c2, c3, rounds: int = 10):
+    """Philox4x32-10 of counters (c0, c1, c2, c3) (int64 tensors or ints holding uint32) under the 64-bit
+    ``seed`` -> four int64 tensors holding uint32: Triton's ``tl.philox(seed, c0, c1, c2, c3)`` (the key
+    is (seed & 0xFFFFFFFF, seed >> 32)), bit for bit, so a kernel's random bits equal the reference's."""
+    c = [torch.as_tensor(v, dtype=torch.int64, device=c0.device).expand_as(c0) & _MASK32 for v in (c0, c1, c2, c3)]
+    c0, c1, c2, c3 = c
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + PHILOX_KEY_A) & _MASK32, (k1 + PHILOX_KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def random_bits(seed: int, step: int, rank: int, numel: int, device=None) -> torch.Tensor:
+    """The 32 random bits of each of ``numel`` elements (row-major offsets 0..numel-1) -> int64 [numel]
+    holding uint32: the first Philox word of the counter (offset low 32 bits, offset high 32 bits, step,
+    rank) under ``seed``. A run is reproducible from (seed, step, rank); each element, step and rank
+    draws its own bits."""
+    off = torch.arange(numel, dtype=torch.int64, device=device)
+    return philox4x32(seed, off & _MASK32, off >> 32, step, rank)[0]
+
+
+# E2M1's magnitude grid and the spacing above each point (the last, 6, saturates).
+_E2M1_SPACING = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 0.0)
+
+
+def encode_e2m1_stochastic(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """v: float32 [...] already divided by the block scale, bits: int64 [...] of uint32 random bits ->
+    uint8 [...] E2M1 codes. With a = min(|v|, 6), lo the largest grid magnitude <= a and d the spacing
+    above it, the code is lo's, or the next one up when u < (a - lo) / d, u = (bits >> 8) * 2^-24 in
+    [0, 1). Every operation is exact in float32 (a - lo by Sterbenz, d a power of two), so any
+    implementation gives the same bytes for the same bits, and E[value] = a for |v| <= 6. Sign kept (-0
+    for a negative that rounds to 0); NaN inputs encode as +0 (their block is marked NaN by its scale)."""
+    a = torch.where(torch.isnan(v), torch.zeros_like(v), v.abs()).clamp(max=E2M1_MAX)
+    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=v.device)
+    spacing = torch.tensor(_E2M1_SPACING, dtype=torch.float32, device=v.device)
+    lo = (a[..., None] >= mags).sum(-1) - 1                        # index of the largest magnitude <= a
+    d = spacing[lo]
+    frac = torch.where(d > 0, (a - mags[lo]) / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(a))
+    u = (bits >> 8).to(torch.float32) * 2.0 ** -24
+    code = (lo + (u < frac).to(lo.dtype)).to(torch.uint8)
     return code | (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
 
 

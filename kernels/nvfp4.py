@@ -26,11 +26,14 @@ from moe_fp4.kernels.numerics import (
     E2M1_MAX,
     E4M3_MAX,
     E4M3_NAN_BYTE,
+    Rounding,
     decode_e2m1,
     encode_e2m1,
+    encode_e2m1_stochastic,
     encode_e4m3,
     finite_abs,
     pack_nibbles,
+    random_bits,
     unpack_nibbles,
     with_canonical_nan,
 )
@@ -49,11 +52,14 @@ def nvfp4_tensor_scale_ref(x: torch.Tensor) -> torch.Tensor:
     return s.clamp(min=NVFP4_TENSOR_SCALE_MIN)
 
 
-def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None):
+def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
+                       rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0):
     """x: bf16/fp16/fp32 [M, K], K % 16 == 0; tensor_scale: float32 0-d (default: rule 1 from x)
     -> (data uint8 [M, K/2] two E2M1 codes a byte (element 2i in the low nibble), scale float8_e4m3fn
     [M, K/16], tensor_scale float32 0-d). A given tensor_scale lets a tensor be quantized in pieces
-    with one scale (it must be a positive float32 normal)."""
+    with one scale (it must be a positive float32 normal). rounding STOCHASTIC rounds the elements with
+    ``encode_e2m1_stochastic`` and the bits ``random_bits(seed, step, rank, M * K)`` (scales as for
+    NEAREST; unbiased except where an element exceeds 6 S, which rule 2's saturation can cause)."""
     m, k = x.shape
     xf = x.float()
     s_t = nvfp4_tensor_scale_ref(xf) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
@@ -68,7 +74,11 @@ def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None
     safe = torch.where(eff > 0, eff, torch.ones_like(eff))[..., None]
     v = torch.where((eff > 0)[..., None], blocks / safe, blocks * 0.0)     # S = 0: signed zeros
     v = torch.where(nonfinite[..., None], torch.zeros_like(v), v)          # NaN block: codes 0
-    codes = encode_e2m1(v).view(m, k)
+    v = v.view(m, k)
+    if Rounding(rounding) is Rounding.STOCHASTIC:
+        codes = encode_e2m1_stochastic(v, random_bits(seed, step, rank, m * k, x.device).view(m, k))
+    else:
+        codes = encode_e2m1(v)
     return pack_nibbles(codes), code, s_t
 
 

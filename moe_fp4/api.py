@@ -20,7 +20,7 @@ from moe_fp4.formats import (
     check_fp8_scale_values,
     check_values_enabled,
 )
-from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
+from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
 
 # Read once, like triton.jit itself, which decides at decoration time whether to interpret.
@@ -70,17 +70,41 @@ def _check_fp8(t: FP8BlockTensor, fn: str, full_tiles: bool) -> None:
         check_fp8_scale_values(t.scale, f"{fn}: FP8BlockTensor.scale")
 
 
-def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor) -> MXFP4Tensor:
+def _check_rounding(fn: str, rounding, seed, step, rank) -> Rounding:
+    try:
+        rounding = Rounding(rounding)
+    except ValueError:
+        raise ValueError(f"{fn}: rounding must be one of {', '.join(r.value for r in Rounding)}, got {rounding!r}") \
+            from None
+    for name, v in (("seed", seed), ("step", step), ("rank", rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (2**64 if name == "seed" else 2**32):
+            raise TypeError(f"{fn}: {name} must be an int in [0, 2^{64 if name == 'seed' else 32}), got {v!r}")
+    return rounding
+
+
+def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = "nearest", seed: int = 0,
+                   step: int = 0, rank: int = 0) -> MXFP4Tensor:
     """Quantize to MXFP4 in 32-element blocks along the last dimension.
 
     x: bf16/fp16/fp32 [..., K] (K % 32 == 0, contiguous), or an FP8BlockTensor [M, K] (K % 128 == 0),
     which is converted directly on its codes (no BF16/FP32 tensor is formed)
     -> MXFP4Tensor (data uint8 [M, K/2], scale uint8 [M, K/32]) of x's logical shape and dtype.
+    rounding: "nearest" (ties to even), or "stochastic" (bf16/fp16/fp32 input): unbiased, from Philox
+    bits of (seed, step, rank, element offset), reproducible (``kernels.numerics.encode_e2m1_stochastic``;
+    issue 27's first piece: the pure-torch reference on every device, no kernel yet).
     """
+    rounding = _check_rounding("quantize_mxfp4", rounding, seed, step, rank)
     if isinstance(x, FP8BlockTensor):
+        if rounding is Rounding.STOCHASTIC:
+            raise ValueError("quantize_mxfp4: stochastic rounding takes a bf16/fp16/fp32 tensor, not FP8BlockTensor")
         _check_fp8(x, "quantize_mxfp4", full_tiles=True)
     else:
         _check_high_precision(x, "quantize_mxfp4", MXFP4_BLOCK)
+    if rounding is Rounding.STOCHASTIC:
+        from moe_fp4.kernels.mxfp4 import quantize_mxfp4_stochastic_ref
+
+        data, scale = quantize_mxfp4_stochastic_ref(_ops._rows(x), seed, step, rank)
+        return MXFP4Tensor(data, scale, x.shape, x.dtype)
     return _ops.quantize_mxfp4(x, use_triton=_use_triton(x.data if isinstance(x, FP8BlockTensor) else x))
 
 
@@ -147,16 +171,20 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     return _ops.fp8_to_fp8_colwise(t, use_triton=_use_triton(t.data))
 
 
-def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, rounding: str | Rounding = "nearest",
+                   seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
     """Quantize to NVFP4 in 16-element blocks along the last dimension (rules: ``moe_fp4.kernels.nvfp4``).
 
     x: bf16/fp16/fp32 [..., K] (K % 16 == 0, contiguous); tensor_scale: float32 0-d on x's device, a
     positive float32 normal (default: max(amax / 2688, 2^-126) of x's finite values)
     -> NVFP4Tensor (data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale) of x's shape and
-    dtype. Issue 27's first piece: the pure-torch reference runs on every device (no Triton kernel yet).
+    dtype. rounding, seed, step, rank: as for :func:`quantize_mxfp4` (stochastic rounding of the
+    elements; the scales are the same). Issue 27's first piece: the pure-torch reference runs on every
+    device (no Triton kernel yet).
     """
     from moe_fp4.kernels import nvfp4
 
+    rounding = _check_rounding("quantize_nvfp4", rounding, seed, step, rank)
     _check_high_precision(x, "quantize_nvfp4", nvfp4.NVFP4_BLOCK)
     if tensor_scale is not None:
         if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.dtype != torch.float32 or tensor_scale.dim():
@@ -168,7 +196,7 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) ->
             v = float(tensor_scale)
             if not (v >= nvfp4.NVFP4_TENSOR_SCALE_MIN and v < float("inf")):
                 raise ValueError(f"quantize_nvfp4: tensor_scale must be a finite float32 normal > 0, got {v!r}")
-    data, scale, s_t = nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale)
+    data, scale, s_t = nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale, rounding, seed, step, rank)
     return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
 
 
