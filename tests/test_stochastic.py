@@ -28,8 +28,10 @@ def _philox_kernel(out_ptr, c0_ptr, c1_ptr, seed, step, rank, N: tl.constexpr):
     c0 = tl.load(c0_ptr + i).to(tl.uint32)
     c1 = tl.load(c1_ptr + i).to(tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, step + c0 * 0, rank + c0 * 0)
-    for j, r in enumerate((r0, r1, r2, r3)):
-        tl.store(out_ptr + i * 4 + j, r.to(tl.int64))
+    tl.store(out_ptr + i * 4, r0.to(tl.int64))
+    tl.store(out_ptr + i * 4 + 1, r1.to(tl.int64))
+    tl.store(out_ptr + i * 4 + 2, r2.to(tl.int64))
+    tl.store(out_ptr + i * 4 + 3, r3.to(tl.int64))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 0x1234567890ABCDEF, 2**64 - 1])
