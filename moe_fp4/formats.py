@@ -66,8 +66,41 @@ def _check_logical(shape, dtype, m: int, k: int, what: str) -> torch.Size:
     return shape
 
 
+def _check_packed_e2m1(t, block: int, scale_dtype, scale_desc: str) -> tuple[int, int]:
+    """The checks MXFP4Tensor and NVFP4Tensor share: uint8 data [M, K/2] of two E2M1 codes a byte, one
+    scale per ``block`` elements [M, K/block], both row-major; sets the checked logical shape -> (M, K)."""
+    what = type(t).__name__
+    d, s = _check_data_and_scale(t, torch.uint8, "uint8 (two E2M1 codes per byte)", scale_dtype, scale_desc)
+    m, half_k = d.shape
+    k = 2 * half_k
+    if k % block != 0:
+        _fail(ValueError, f"{what}: K = 2 * data.shape[1] = {k} must be a multiple of {block}")
+    if tuple(s.shape) != (m, k // block):
+        _fail(ValueError, f"{what}: scale shape {tuple(s.shape)} must be [M, K/{block}] = {(m, k // block)}")
+    if not d.is_contiguous() or not s.is_contiguous():
+        _fail(ValueError, f"{what}: data and scale must be contiguous (row-major)")
+    object.__setattr__(t, "shape", _check_logical(t.shape, t.dtype, m, k, what))
+    return m, k
+
+
+class _PackedE2M1:
+    """Shape accessors of a container whose ``data`` is uint8 [M, K/2], two E2M1 codes a byte."""
+
+    @property
+    def m(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return 2 * self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
 @dataclass(frozen=True)
-class MXFP4Tensor:
+class MXFP4Tensor(_PackedE2M1):
     """A tensor quantized to MXFP4 along its last dimension.
 
     data:  uint8 [M, K/2], row-major; element 2i in the low nibble, 2i+1 in the high nibble
@@ -84,29 +117,7 @@ class MXFP4Tensor:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        d, s = _check_data_and_scale(self, torch.uint8, "uint8 (two E2M1 codes per byte)",
-                                     torch.uint8, "uint8 (E8M0 bytes)")
-        m, half_k = d.shape
-        k = 2 * half_k
-        if k % MXFP4_BLOCK != 0:
-            _fail(ValueError, f"MXFP4Tensor: K = 2 * data.shape[1] = {k} must be a multiple of {MXFP4_BLOCK}")
-        if tuple(s.shape) != (m, k // MXFP4_BLOCK):
-            _fail(ValueError, f"MXFP4Tensor: scale shape {tuple(s.shape)} must be [M, K/32] = {(m, k // MXFP4_BLOCK)}")
-        if not d.is_contiguous() or not s.is_contiguous():
-            _fail(ValueError, "MXFP4Tensor: data and scale must be contiguous (row-major)")
-        object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "MXFP4Tensor"))
-
-    @property
-    def m(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def k(self) -> int:
-        return 2 * self.data.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
+        _check_packed_e2m1(self, MXFP4_BLOCK, torch.uint8, "uint8 (E8M0 bytes)")
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +214,7 @@ class FP8BlockTensor:
 
 
 @dataclass(frozen=True)
-class NVFP4Tensor:
+class NVFP4Tensor(_PackedE2M1):
     """A tensor quantized to NVFP4 along its last dimension (rules: ``moe_fp4.kernels.nvfp4``).
 
     data:  uint8 [M, K/2], row-major; two E2M1 codes a byte, element 2i in the low nibble (as MXFP4).
@@ -221,35 +232,13 @@ class NVFP4Tensor:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        d, s = _check_data_and_scale(self, torch.uint8, "uint8 (two E2M1 codes per byte)",
-                                     torch.float8_e4m3fn, "float8_e4m3fn (E4M3 block scales)")
-        m, half_k = d.shape
-        k = 2 * half_k
-        if k % NVFP4_BLOCK:
-            _fail(ValueError, f"NVFP4Tensor: K = 2 * data.shape[1] = {k} must be a multiple of {NVFP4_BLOCK}")
-        if tuple(s.shape) != (m, k // NVFP4_BLOCK):
-            _fail(ValueError, f"NVFP4Tensor: scale shape {tuple(s.shape)} must be [M, K/16] = {(m, k // NVFP4_BLOCK)}")
-        if not d.is_contiguous() or not s.is_contiguous():
-            _fail(ValueError, "NVFP4Tensor: data and scale must be contiguous (row-major)")
-        t = self.tensor_scale
+        _check_packed_e2m1(self, NVFP4_BLOCK, torch.float8_e4m3fn, "float8_e4m3fn (E4M3 block scales)")
+        t, d = self.tensor_scale, self.data
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0:
             _fail(TypeError, f"NVFP4Tensor: tensor_scale must be a float32 0-d tensor, got "
                              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
         if t.device != d.device:
             _fail(ValueError, f"NVFP4Tensor: tensor_scale on {t.device} but data on {d.device}")
-        object.__setattr__(self, "shape", _check_logical(self.shape, self.dtype, m, k, "NVFP4Tensor"))
-
-    @property
-    def m(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def k(self) -> int:
-        return 2 * self.data.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     @property
     def nbytes(self) -> int:
