@@ -59,6 +59,7 @@ from moe_fp4.planner import (  # noqa: F401 (re-exported)
     MAX_SEARCH_PROBES,
     PLAN_TIMED_STEPS,
     PLAN_WARMUP_STEPS,
+    largest_micro_batch,
     micro_batch,
     search_largest_batch,
 )
@@ -614,17 +615,16 @@ def _quiet(*_a, **_k) -> None:
     return None
 
 
-def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print,
-                  passes: int = 1) -> dict:
+def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
     """The exact largest batch whose training step fits ``budget`` bytes per device
-    (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes);
-    with ``passes`` > 1 the largest micro-batch whose accumulated step of that many passes fits."""
-    return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b], passes)[b], budget,
+    (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes).
+    With a global batch, :func:`moe_fp4.planner.largest_micro_batch` instead."""
+    return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b])[b], budget,
                                 max(1, cfg.batch // 2), log=lambda *a, **k: log(f"  {mode}:" + a[0][1:], **k))
 
 
-def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, micro: int, warmup: int = 1,
-                  steps: int = 3) -> tuple[float, float | None]:
+def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, micro: int,
+                  warmup: int = PLAN_WARMUP_STEPS, steps: int = PLAN_TIMED_STEPS) -> tuple[float, float | None]:
     """Time ``steps`` training steps of ``batch`` sequences per rank in micro-batches of at most ``micro``
     (after ``warmup`` untimed ones) on a freshly built model -> (tokens/s per GPU of the slowest rank,
     peak bytes of the largest rank; None on CPU). The model is freed afterwards."""
@@ -761,16 +761,13 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
             # earlier passes' gradients (measured on an H100: fp4 at batch 44 of the small preset,
             # 11.89 GiB in one pass, 13.53 GiB in the second of two), unless the rank's whole batch
             # fits in one pass (which that search, on the two-pass curve, would not see).
-            whole = None
             if cfg.global_batch is not None:
-                per_rank = per_rank_batch(cfg.global_batch, env.world)
-                whole = step_bytes(cfg, m, env, corpus, [per_rank])[per_rank]
-            if whole is not None and whole <= cfg.max_batch_gib * GiB:
-                found = {"batch_max": per_rank, "probe": {str(per_rank): whole}, "bytes_per_sequence": None,
-                         "fixed_bytes": None, "exact": True, "one_pass": True}
+                found = largest_micro_batch(
+                    lambda b, passes: step_bytes(cfg, m, env, corpus, [b], passes)[b], cfg.max_batch_gib * GiB,
+                    per_rank_batch(cfg.global_batch, env.world), max(1, cfg.batch // 2),
+                    log=lambda *a, **k: (log if env.lead else _quiet)(f"  {m}:" + a[0][1:], **k))
             else:
-                found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet,
-                                      passes=2 if cfg.global_batch is not None else 1)
+                found = largest_batch(cfg, m, env, corpus, cfg.max_batch_gib * GiB, log if env.lead else _quiet)
             report["max_batch"][m] = found
             if found["batch_max"] == 0:
                 raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "

@@ -115,6 +115,28 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
 
 
 
+def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None) -> dict:
+    """The largest micro-batch of a step of ``batch`` sequences that fits ``budget``. measure(b, passes) ->
+    bytes of a step of ``passes`` micro-batches of b. The whole batch in one pass is measured first; if
+    it does not fit, :func:`search_largest_batch` finds the exact largest b < batch of an accumulated
+    step of two passes (a later pass holds the earlier passes' gradients, so that curve lies above the
+    one-pass step: not one monotone function). -> search_largest_batch's dict, "probe" keyed
+    "B in one pass" for the one-pass measurement, and "one_pass": whether the whole batch fit."""
+    log = log or (lambda *a, **k: None)
+    whole = float(measure(batch, 1))
+    log(f"  the whole batch of {batch} in one pass -> "
+        + (f"{whole / GiB:.2f} GiB (budget {budget / GiB:.2f})" if math.isfinite(whole) else
+           "does not fit (out of memory)"), flush=True)
+    key = f"{batch} in one pass"
+    if whole <= budget or batch == 1:
+        fits = whole <= budget
+        return {"batch_max": batch if fits else 0, "probe": {key: whole}, "bytes_per_sequence": None,
+                "fixed_bytes": None, "exact": True, "one_pass": fits}
+    found = search_largest_batch(lambda b: measure(b, 2), budget, min(max(1, first), batch - 1), most=batch - 1,
+                                 log=lambda msg, **k: log("  two passes:" + msg[1:], **k))
+    return {**found, "probe": {key: whole, **found["probe"]}, "one_pass": False}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does);
@@ -184,19 +206,9 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None) 
         if done is not None:
             out.append(Candidate(policy, 0, why=f"not tried: {done} already takes the batch in one pass"))
             continue
-        whole = float(measure(policy, batch, 1))
-        log(f"  {policy}: the whole batch of {batch} in one pass -> "
-            + (f"{whole / GiB:.2f} GiB (budget {budget_bytes / GiB:.2f})" if math.isfinite(whole) else
-               "does not fit (out of memory)"), flush=True)
-        if whole <= budget_bytes:
-            cap, probes = batch, {f"{batch} in one pass": whole}
-        elif batch == 1:
-            cap, probes = 0, {"1 in one pass": whole}
-        else:
-            found = search_largest_batch(lambda b: measure(policy, b, 2), budget_bytes, min(first, batch - 1),
-                                         most=batch - 1,
-                                         log=lambda msg, **k: log(f"  {policy}, two passes:" + msg[1:], **k))
-            cap, probes = found["batch_max"], {f"{batch} in one pass": whole, **found["probe"]}
+        found = largest_micro_batch(lambda b, passes: measure(policy, b, passes), budget_bytes, batch, first,
+                                    log=lambda msg, **k: log(f"  {policy}" + msg[1:], **k))
+        cap, probes = found["batch_max"], found["probe"]
         if cap < 1:
             out.append(Candidate(policy, 0, why="not even one sequence fits", probes=probes))
             continue
@@ -315,4 +327,4 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
 
 
 __all__ = ["MAX_SEARCH_PROBES", "PLAN_TIMED_STEPS", "PLAN_WARMUP_STEPS", "Candidate", "NothingFits", "Plan", "choose",
-           "micro_batch", "plan", "search_largest_batch"]
+           "largest_micro_batch", "micro_batch", "plan", "search_largest_batch"]

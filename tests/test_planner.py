@@ -247,7 +247,7 @@ def test_cli_max_batch_takes_the_whole_rank_batch_in_one_pass(tmp_path):
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
     found, row = report["max_batch"]["fp4"], report["modes"]["fp4"]
-    assert found["one_pass"] and found["batch_max"] == 4 and found["probe"]["4"] <= 0.02 * GIB, found
+    assert found["one_pass"] and found["batch_max"] == 4 and found["probe"]["4 in one pass"] <= 0.02 * GIB, found
     assert (row["batch"], row["micro_batch"], row["accumulate"]) == (4, 4, 1), row
 
 
