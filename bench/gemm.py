@@ -1,8 +1,9 @@
 """Grouped FP8 GEMMs (moe_fp4's Gluon and Triton engines) against cuBLAS blockwise scaled_mm, in one run.
 
 For each GEMM of the expert layer's step at the dsv3 and small shapes of bench/moe_layer.py, with
-tokens spread evenly over the experts (each group a multiple of 128), or with ``--skew`` one expert
-holding 4x the mean rows:
+tokens spread evenly over the experts (each group a multiple of 128), with ``--skew`` one expert
+holding 4x the mean rows, or with ``--ragged`` each row's expert drawn at random (about half the
+experts then end in a 128-row tile, as with a router's counts):
 
 - ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop,
                dgrad and wgrad, Hopper only; the MXFP4-A row includes its conversion to FP8, and a
@@ -108,6 +109,9 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     if args.skew:   # expert 0 holds 4x the mean, the others share the rest
         big = rows * 4 // e
         counts = [big] + [(rows - big) // (e - 1)] * (e - 1)
+    elif args.ragged:   # each row's expert drawn uniformly (seeded), as a router's counts scatter
+        pick = torch.randint(0, e, (rows,), generator=torch.Generator().manual_seed(0))
+        counts = torch.bincount(pick, minlength=e).tolist()
     else:
         counts = [rows // e // 128 * 128] * e
     counts[-1] += rows - sum(counts)
@@ -242,6 +246,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
     p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
     p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
+    p.add_argument("--ragged", action="store_true",
+                   help="each row's expert drawn uniformly at random (seed 0), every count then padded to a "
+                        "multiple of 128 as the layer pads it: about half the experts end in a 128-row tile")
     p.add_argument("--gemm", nargs="+", help="only these GEMMs (names as in the table, e.g. 'fc1 wgrad')")
     p.add_argument("--wgrad-out", default="float32", choices=["float32", "bfloat16"],
                    help="output dtype of the wgrad rows (Gluon, Triton and cuBLAS; bf16 grouped is bf16): "
@@ -254,7 +261,8 @@ def main() -> None:
     results = []
     for shape in args.shape:
         table, rows, e = gemms(shape)
-        log(f"\n{shape}: {rows} rows over {e} experts{' (skewed: expert 0 has 4x the mean)' if args.skew else ''}")
+        routing = " (skewed: expert 0 has 4x the mean)" if args.skew else " (ragged)" if args.ragged else ""
+        log(f"\n{shape}: {rows} rows over {e} experts{routing}")
         log("| GEMM | R x N x K | gluon TFLOP/s | gluon/cuBLAS | triton TFLOP/s | triton/cuBLAS | cuBLAS TFLOP/s "
             "| torch row-wise grouped TFLOP/s | bf16 grouped TFLOP/s | per-expert loop ms | triton config |")
         log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -163,6 +163,46 @@ if AVAILABLE:
         return a0, a1, b0, b1
 
     @gluon.jit
+    def _stage_wait(ready, decoded, s, it, NUM_STAGES: gl.constexpr, A_MXFP4: gl.constexpr):
+        """Wait until fill ``it`` of stage s is usable: loaded (FP8 A), or decoded (MXFP4 A)."""
+        if A_MXFP4:
+            mbarrier.wait(decoded.index(s), (it // NUM_STAGES) & 1)
+        else:
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+
+    @gluon.jit
+    def _block_scales(s, nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, as_smem,
+                      BASE: gl.constexpr, SUB: gl.constexpr, layout: gl.constexpr, A_MXFP4: gl.constexpr):
+        """The K block in stage s (its stage waited for) -> (s0, s1): s_a * s_b of the wave's two 64-row
+        halves, and the prefetched scales of block nk: (sa0, sa1, sb) in, the next ones out."""
+        if A_MXFP4:   # A's row scales 2^S from the decoder, in the stage; B's prefetched
+            sa = _as_vector(as_smem.index(s), as_smem.type.shape[2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout)) * sb
+            s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout)) * sb
+        else:
+            s0 = sa0 * sb
+            s1 = sa1 * sb
+            sa0 = gl.load(as_ptrs + nk * stride_as_k)
+            sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB))
+        sb = gl.load(bs_ptr + nk)
+        return s0, s1, sa0, sa1, sb
+
+    @gluon.jit
+    def _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1):
+        """A K block whose first two quarter products (ra = A0 B0, rb = A0 B1) are in flight -> the
+        first three quarters promoted, A1 B1 in flight in rb (ra free): each promotion runs while
+        the next quarter's wgmma does."""
+        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+        acc00 += ra * s0[:, None]
+        ra = warpgroup_mma(a1, b0, ra, use_acc=False, is_async=True)
+        rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+        acc01 += rb * s0[:, None]
+        rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+        acc10 += ra * s1[:, None]
+        return acc00, acc01, acc10, ra, rb
+
+    @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                      tiles_m, tiles_n, as_smem, decoded,
@@ -173,14 +213,18 @@ if AVAILABLE:
         # Per K block the four quarter products run through two raw accumulators in turn: while one
         # quarter is promoted (acc += raw * s_a * s_b on the CUDA cores) the next one's wgmma runs, so
         # only the last promotion of a block leaves the tensor cores idle; 4 x 32 + 2 x 32 registers
-        # fit without spills. Its own partition, because Triton puts a partition-wide bar.sync before
-        # every mbarrier wait and arrive: one 8-warp consumer for both waves (9a5e346 and before) was
-        # held in step by that barrier, so neither warpgroup's promotion overlapped the other's wgmma
-        # (4.6 of 11.2 cycles between issues, Nsight Compute); two partitions drift apart and take
-        # turns on the tensor cores.
+        # fit without spills. (Issuing the next block's first wgmma before that promotion keeps a
+        # wgmma in flight across the loop's back edge; ptxas then serializes every wgmma, C7514
+        # "non wgmma instructions reading accumulator registers", for any such schedule tried.)
+        # Its own partition, because Triton puts a partition-wide bar.sync before every mbarrier wait
+        # and arrive: one 8-warp consumer for both waves (9a5e346 and before) was held in step by that
+        # barrier, so neither warpgroup's promotion overlapped the other's wgmma (4.6 of 11.2 cycles
+        # between issues, Nsight Compute); two partitions drift apart and take turns on the tensor cores.
+        # A one-wave tile (an expert's last 128 rows): warpgroup 1 computes nothing, it only releases
+        # the tile's stages, and warpgroup 0 has the tensor cores to itself.
         # A_MXFP4: A's FP8 codes and their scales 2^S come from the decoder (_mxfp4_decoder) through
         # shared memory: the consumer waits on the stage's `decoded` barrier instead of `ready` and
-        # reads the 128 row scales of its wave there, after issuing the block's first wgmmas.
+        # reads the 128 row scales of its wave there.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         HALF: gl.constexpr = d_desc.block_type.shape[1]    # BLOCK_N / 2 columns
         BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
@@ -190,62 +234,50 @@ if AVAILABLE:
         n_store = 0
         for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            row0 = gl.load(tile_row_ptr + mt) + BASE
-            # Wave 1 of a one-wave tile runs too (rows of the next expert, or past R: not stored),
-            # so both partitions release every stage; its scale loads are masked.
-            valid = (gl.load(tile_waves_ptr + mt) == 2) | (WG == 0)
-            live = rows < gl.where(valid, SUB, 0)
-            bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
-                      + (nt * BLOCK_N // 128) * stride_bs_n)
-            as_ptrs = a_scale_ptr + row0 + rows
-            acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)   # acc<row half><column half>
-            # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later,
-            # so its latency never stalls a promotion (loaded just in time, it stalled a third of the
-            # consumers' cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
-            if not A_MXFP4:
-                sa0 = gl.load(as_ptrs, mask=live, other=0.0)
-                sa1 = gl.load(as_ptrs + SUB, mask=live, other=0.0)
-            sb = gl.load(bs_ptr)
-            for kb in range(KB):
-                s = it % NUM_STAGES
-                nk = gl.minimum(kb + 1, KB - 1)
+            if (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2):
+                row0 = gl.load(tile_row_ptr + mt) + BASE
+                bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
+                          + (nt * BLOCK_N // 128) * stride_bs_n)
+                as_ptrs = a_scale_ptr + row0 + rows
+                acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)   # acc<row half><column half>
+                # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas)
+                # later, so its latency never stalls a promotion (loaded just in time, it stalled a
+                # third of the consumers' cycles: bench/tools/gemm_limiters.py). The last block
+                # reloads itself.
                 if A_MXFP4:
-                    sbk = sb
-                    sb = gl.load(bs_ptr + nk)
-                    mbarrier.wait(decoded.index(s), (it // NUM_STAGES) & 1)
+                    sa0 = gl.zeros((SUB,), gl.float32, gl.SliceLayout(1, layout))
+                    sa1 = sa0
                 else:
-                    s0 = sa0 * sb
-                    s1 = sa1 * sb
-                    sa0 = gl.load(as_ptrs + nk * stride_as_k, mask=live, other=0.0)
-                    sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB), mask=live, other=0.0)
-                    sb = gl.load(bs_ptr + nk)
-                    mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
-                ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
-                if A_MXFP4:
-                    sa = _as_vector(as_smem.index(s), as_smem.type.shape[2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-                    s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout)) * sbk
-                    s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout)) * sbk
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc00 += ra * s0[:, None]
-                ra = warpgroup_mma(a1, b0, ra, use_acc=False, is_async=True)
-                rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
-                acc01 += rb * s0[:, None]
-                rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                acc10 += ra * s1[:, None]
-                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
-                acc11 += rb * s1[:, None]
-                it += 1
-            if valid:
+                    sa0 = gl.load(as_ptrs)
+                    sa1 = gl.load(as_ptrs + SUB)
+                sb = gl.load(bs_ptr)
+                for kb in range(KB):
+                    s = it % NUM_STAGES
+                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                    s0, s1, sa0, sa1, sb = _block_scales(s, gl.minimum(kb + 1, KB - 1), sa0, sa1, sb, as_ptrs,
+                                                         bs_ptr, stride_as_k, as_smem, BASE, SUB, layout, A_MXFP4)
+                    a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
+                    ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+                    rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
+                    acc00, acc01, acc10, ra, rb = _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1)
+                    rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+                    mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
+                    acc11 += rb * s1[:, None]
+                    it += 1
                 # This warpgroup's staging buffers: WG * D_BUFS ... of the 2 x D_BUFS.
                 col = nt * BLOCK_N
                 n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
                 n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS, WG * D_BUFS)
                 n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS, WG * D_BUFS)
                 n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + SUB, col + HALF, D_BUFS, WG * D_BUFS)
+            else:
+                # Warpgroup 1 in a one-wave tile: no rows of its own. It still releases every stage,
+                # each after it was filled (the empty barrier counts two arrivals per fill).
+                for kb in range(KB):
+                    s = it % NUM_STAGES
+                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
