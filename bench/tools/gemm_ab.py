@@ -36,6 +36,7 @@ def load_old(path: str):
     """The engine module at ``path`` under its own name (its jit kernels compile apart from the new ones)."""
     spec = importlib.util.spec_from_file_location("gluon_grouped_gemm_old", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
