@@ -253,9 +253,13 @@ if AVAILABLE:
                 sb = gl.load(bs_ptr)
                 for kb in range(KB):
                     s = it % NUM_STAGES
-                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                    if A_MXFP4:   # the row scales come with the stage
+                        _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                    # FP8 A: the next block's scale loads go out before the stage wait, in flight while it waits.
                     s0, s1, sa0, sa1, sb = _block_scales(s, gl.minimum(kb + 1, KB - 1), sa0, sa1, sb, as_ptrs,
                                                          bs_ptr, stride_as_k, as_smem, BASE, SUB, layout, A_MXFP4)
+                    if not A_MXFP4:
+                        _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
                     a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
                     ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
                     rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
