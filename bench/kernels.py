@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -100,8 +101,15 @@ def _fp8_then_mxfp4(x):
     return moe_fp4.quantize_fp8(x), moe_fp4.quantize_mxfp4(x)
 
 
+def _stochastic(fn):
+    """fn with stochastic rounding at a fixed (seed, step, rank), or None where fn is None."""
+    return None if fn is None else functools.partial(fn, rounding="stochastic", seed=1, step=2, rank=3)
+
+
 OPS = [
     _op("bf16_to_mxfp4", "quantize_mxfp4", _bf16),
+    # Stochastic rounding (issue 27): Philox bits in the kernel; its speed against bf16_to_mxfp4's.
+    OpSpec("bf16_to_mxfp4_sr", _bf16, _stochastic(moe_fp4.quantize_mxfp4), _stochastic(twins.quantize_mxfp4)),
     _op("fp8_to_mxfp4", "quantize_mxfp4", _fp8),
     _op("mxfp4_to_bf16", "dequantize_mxfp4", _mxfp4_and_dtype),
     _op("mxfp4_to_fp8", "mxfp4_to_fp8", _mxfp4),

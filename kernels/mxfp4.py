@@ -29,7 +29,9 @@ from moe_fp4.kernels.triton_numerics import (
     max_u16x2_asm,
     mx_encode_bf16_pairs,
     mx_encode_pairs,
+    mx_encode_pairs_stochastic,
     mx_scale_exp,
+    philox_words,
     pair_view,
     pow2_f32,
     use_asm,
@@ -114,7 +116,8 @@ def quantize_mxfp4_stochastic_ref(x: torch.Tensor, seed: int, step: int = 0, ran
     """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]): the scales of
     quantize_mxfp4_rowwise_ref, the codes rounded stochastically (``encode_e2m1_stochastic``) with the
     bits ``random_bits(seed, step, rank, M * K)`` of each element's row-major offset. Unbiased: the mean
-    over (seed, step) of the dequantized values is x (RCEIL scales never clip). No kernel yet."""
+    over (seed, step) of the dequantized values is x (RCEIL scales never clip; up to 2^-16 of the grid
+    spacing, the bits' resolution)."""
     m, k = x.shape
     v, exp, nan_block = _scaled_blocks(x)
     return _encode_blocks(v, exp, nan_block, random_bits(seed, step, rank, m * k, x.device).view(m, k))
@@ -191,6 +194,35 @@ def _quantize_mxfp4_kernel(
         # -127 floor only makes |v| smaller, and the 127 ceiling is unreachable for finite input.
         packed, scale = mx_encode_pairs(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, False)
 
+    tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
+    tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], scale.to(tl.uint8), mask=mask2)
+
+
+@triton.jit
+def _quantize_mxfp4_stochastic_kernel(
+    x_ptr, data_ptr, scale_ptr, M, KB, stride_xm, stride_dm, stride_sm, seed, step, rank,
+    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # _quantize_mxfp4_kernel's scales (its general path, on fp32 bits), the codes rounded stochastically.
+    NB: tl.constexpr = BLOCK_K // 32
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+    lo_abs = lo & 0x7FFFFFFF
+    hi_abs = hi & 0x7FFFFFFF
+    amax_bits = tl.max(tl.maximum(lo_abs, hi_abs), axis=2)
+    nan_blk = amax_bits >= 0x7F800000
+    E = mx_scale_exp(amax_bits)
+    mult = pow2_f32(-tl.minimum(E, 126))
+    # One Philox call per 8 elements (4 pairs): group g = offset // 8 = row * K/8 + 4 kb + pair // 4, and
+    # pair p takes word p % 4 of its group (numerics.random_bits).
+    G: tl.constexpr = 4                                       # Philox groups per 32-block: 32 / SR_GROUP
+    group = (rows[:, None, None] * (KB * G) + (kb * G)[None, :, None] + tl.arange(0, G)[None, None, :])
+    r0, r1, r2, r3 = philox_words(seed, group, step, rank)
+    j = tl.arange(0, 4)[None, None, None, :]
+    words = tl.where(j == 0, r0[:, :, :, None], tl.where(j == 1, r1[:, :, :, None],
+                     tl.where(j == 2, r2[:, :, :, None], r3[:, :, :, None])))
+    words = tl.reshape(words, [BLOCK_M, NB, 16])
+    packed, scale = mx_encode_pairs_stochastic(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, words)
     tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
     tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], scale.to(tl.uint8), mask=mask2)
 
@@ -378,6 +410,33 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 4, block_k:
         IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, ASM=use_asm(x) if asm is None else asm,
         num_warps=num_warps,
     )
+    return data, scale
+
+
+def _u32_as_i32(v: int) -> int:
+    """A uint32 value as the int32 with its bits (a kernel argument Triton types as i32)."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0,
+                              block_m: int = 4, block_k: int = 512, num_warps: int = 4):
+    """quantize_mxfp4_stochastic_ref's contract and bytes: x bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data
+    uint8 [M, K/2], scale uint8 [M, K/32]), the codes rounded stochastically with the Philox bits of
+    (seed, step, rank, element offset) computed in the kernel."""
+    assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
+    m, k = x.shape
+    x = x.contiguous()
+    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if m == 0 or k == 0:
+        return data, scale
+    block_k = min(block_k, triton.next_power_of_2(k))
+    words, kind = pair_view(x)
+    grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    _quantize_mxfp4_stochastic_kernel[grid](
+        words, data, scale, m, k // MXFP4_BLOCK, words.stride(0), data.stride(0), scale.stride(0),
+        seed, _u32_as_i32(step), _u32_as_i32(rank), IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=num_warps)
     return data, scale
 
 

@@ -103,13 +103,24 @@ def philox4x32(seed: int, c0: torch.Tensor, c1, c2, c3, rounds: int = 10):
     return c0, c1, c2, c3
 
 
+# Random bits per element for stochastic rounding. One Philox4x32 call (10 rounds, about 80 integer
+# operations) yields 128 bits: at 16 per element it serves 8 elements, which keeps the encoder near
+# the memory bound (32 bits each would cost 4x the Philox work). 16 bits bound the rounding's bias by
+# 2^-16 of the grid spacing (P(up) = ceil(frac * 2^16) / 2^16); Blackwell's cvt.rs for E2M1 uses 8.
+SR_BITS = 16
+SR_GROUP = 128 // SR_BITS   # elements per Philox call
+
+
 def random_bits(seed: int, step: int, rank: int, numel: int, device=None) -> torch.Tensor:
-    """The 32 random bits of each of ``numel`` elements (row-major offsets 0..numel-1) -> int64 [numel]
-    holding uint32: the first Philox word of the counter (offset low 32 bits, offset high 32 bits, step,
-    rank) under ``seed``. A run is reproducible from (seed, step, rank); each element, step and rank
-    draws its own bits."""
+    """The SR_BITS random bits of each of ``numel`` elements (row-major offsets 0..numel-1) -> int64
+    [numel] in [0, 2^16). Element o takes half (o % 2, the low half first) of word (o % 8) // 2 of
+    Philox4x32-10 under ``seed`` at the counter (g low 32 bits, g high 32 bits, step, rank), g = o // 8.
+    A run is reproducible from (seed, step, rank); each element, step and rank draws its own bits."""
     off = torch.arange(numel, dtype=torch.int64, device=device)
-    return philox4x32(seed, off & _MASK32, off >> 32, step, rank)[0]
+    g = off // SR_GROUP
+    words = torch.stack(philox4x32(seed, g & _MASK32, g >> 32, step, rank), -1) if numel else off[:, None]
+    word = words.gather(-1, ((off % SR_GROUP) // 2)[:, None])[:, 0] if numel else off
+    return (word >> (SR_BITS * (off % 2))) & ((1 << SR_BITS) - 1)
 
 
 # E2M1's magnitude grid and the spacing above each point (the last, 6, saturates).
@@ -117,19 +128,20 @@ _E2M1_SPACING = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 0.0)
 
 
 def encode_e2m1_stochastic(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """v: float32 [...] already divided by the block scale, bits: int64 [...] of uint32 random bits ->
-    uint8 [...] E2M1 codes. With a = min(|v|, 6), lo the largest grid magnitude <= a and d the spacing
-    above it, the code is lo's, or the next one up when u < (a - lo) / d, u = (bits >> 8) * 2^-24 in
-    [0, 1). Every operation is exact in float32 (a - lo by Sterbenz, d a power of two), so any
-    implementation gives the same bytes for the same bits, and E[value] = a for |v| <= 6. Sign kept (-0
-    for a negative that rounds to 0); NaN inputs encode as +0 (their block is marked NaN by its scale)."""
+    """v: float32 [...] already divided by the block scale, bits: int64 [...] of SR_BITS random bits
+    (``random_bits``) -> uint8 [...] E2M1 codes. With a = min(|v|, 6), lo the largest grid magnitude <= a
+    and d the spacing above it, the code is lo's, or the next one up when u < (a - lo) / d, u = bits *
+    2^-16 in [0, 1). Every operation is exact in float32 (a - lo by Sterbenz, d a power of two), so any
+    implementation gives the same bytes for the same bits, and E[value] = a for |v| <= 6 up to 2^-16 d
+    (u's resolution). Sign kept (-0 for a negative that rounds to 0); NaN inputs encode as +0 (their
+    block is marked NaN by its scale)."""
     a = torch.where(torch.isnan(v), torch.zeros_like(v), v.abs()).clamp(max=E2M1_MAX)
     mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=v.device)
     spacing = torch.tensor(_E2M1_SPACING, dtype=torch.float32, device=v.device)
     lo = (a[..., None] >= mags).sum(-1) - 1                        # index of the largest magnitude <= a
     d = spacing[lo]
     frac = torch.where(d > 0, (a - mags[lo]) / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(a))
-    u = (bits >> 8).to(torch.float32) * 2.0 ** -24
+    u = bits.to(torch.float32) * 2.0 ** -SR_BITS
     code = (lo + (u < frac).to(lo.dtype)).to(torch.uint8)
     return code | (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
 

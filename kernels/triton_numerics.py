@@ -157,6 +157,46 @@ def mx_encode_pairs(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mult, SAT: tl.
 
 
 @triton.jit
+def philox_words(seed, group, step, rank):
+    """group: int64 [...] Philox counters (element offset // SR_GROUP); step, rank: int32 scalars (uint32 bit
+    patterns) -> four uint32 [...] words of Philox4x32-10 at (group low, group high, step, rank) under
+    the 64-bit seed: numerics.random_bits's words, 16 random bits for each of 8 elements."""
+    c0 = (group & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (group >> 32).to(tl.uint32)
+    z = c0 * 0
+    return tl.philox(seed, c0, c1, z + step.to(tl.uint32), z + rank.to(tl.uint32))
+
+
+@triton.jit
+def e2m1_sr_mag(a, r):
+    """a: float32 [...] magnitudes in [0, 6] (scaled, finite); r: uint32 [...] 16 random bits -> int32 E2M1
+    magnitude code 0..7, rounded stochastically: numerics.encode_e2m1_stochastic's rule, exact in
+    float32. With c = 0 below 2, 1 in [2, 4), 2 from 4 (the spacing d = 2^(c-1)), t = a / d, the lower
+    neighbour is floor(t) + 2c and frac = t - floor(t) (both exact), and the code moves up when
+    r * 2^-16 < frac. At a = 6: t = 3, frac = 0, code 7."""
+    c = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127), 129) - 127
+    t = a * pow2_f32(1 - c)
+    f = tl.floor(t)
+    up = (r.to(tl.float32) * (1.0 / 65536.0)) < (t - f)
+    return f.to(tl.int32) + 2 * c + up.to(tl.int32)
+
+
+@triton.jit
+def mx_encode_pairs_stochastic(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mult, words):
+    """mx_encode_pairs with stochastic rounding: words uint32 [..., 16], pair i's two elements taking its
+    low (element 2i) and high (element 2i+1) 16 bits -> (packed int32 [..., 16], scale int32 [...]).
+    |x| * mult <= 6 (RCEIL scales), so nothing saturates."""
+    m_e = tl.expand_dims(mult, -1)
+    a_lo = lo_abs.to(tl.float32, bitcast=True) * m_e
+    a_hi = hi_abs.to(tl.float32, bitcast=True) * m_e
+    packed = (e2m1_sr_mag(a_lo, words & 0xFFFF) | (e2m1_sr_mag(a_hi, words >> 16) << 4)
+              | ((lo_bits >> 28) & 8) | ((hi_bits >> 24) & 0x80))
+    packed = tl.where(tl.expand_dims(nan_blk, -1), 0, packed)
+    scale = tl.where(nan_blk, 255, E + 127)
+    return packed, scale
+
+
+@triton.jit
 def bf16_pair_bits(w):
     """int32 BF16 pair word [hi bf16 | lo bf16] -> (lo, hi) int32 fp32 bit patterns of elements 2i
     and 2i+1 (BF16 bits are the fp32 top half)."""

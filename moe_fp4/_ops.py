@@ -16,6 +16,7 @@ from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import transpose as _transpose
+from moe_fp4.kernels.numerics import Rounding
 
 
 def _pick(module, name: str, use_triton: bool):
@@ -27,9 +28,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def quantize_mxfp4(x, use_triton: bool) -> MXFP4Tensor:
+def quantize_mxfp4(x, use_triton: bool, rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0,
+                   rank: int = 0) -> MXFP4Tensor:
     if isinstance(x, FP8BlockTensor):
         data, scale = _pick(_mxfp4, "quantize_mxfp4_from_fp8", use_triton)(x.data, x.scale)
+    elif Rounding(rounding) is Rounding.STOCHASTIC:
+        data, scale = _pick(_mxfp4, "quantize_mxfp4_stochastic", use_triton)(_rows(x), seed, step, rank)
     else:
         data, scale = _pick(_mxfp4, "quantize_mxfp4_rowwise", use_triton)(_rows(x))
     return MXFP4Tensor(data, scale, x.shape, x.dtype)

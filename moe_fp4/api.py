@@ -89,9 +89,9 @@ def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = 
     x: bf16/fp16/fp32 [..., K] (K % 32 == 0, contiguous), or an FP8BlockTensor [M, K] (K % 128 == 0),
     which is converted directly on its codes (no BF16/FP32 tensor is formed)
     -> MXFP4Tensor (data uint8 [M, K/2], scale uint8 [M, K/32]) of x's logical shape and dtype.
-    rounding: "nearest" (ties to even), or "stochastic" (bf16/fp16/fp32 input): unbiased, from Philox
-    bits of (seed, step, rank, element offset), reproducible (``kernels.numerics.encode_e2m1_stochastic``;
-    issue 27's first piece: the pure-torch reference on every device, no kernel yet).
+    rounding: "nearest" (ties to even), or "stochastic" (bf16/fp16/fp32 input): unbiased, from 16 Philox
+    bits per element of (seed, step, rank, element offset), reproducible (``kernels.numerics.random_bits``
+    and ``encode_e2m1_stochastic``; a Triton kernel on CUDA, bit-identical to the reference).
     """
     rounding = _check_rounding("quantize_mxfp4", rounding, seed, step, rank)
     if isinstance(x, FP8BlockTensor):
@@ -100,12 +100,8 @@ def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = 
         _check_fp8(x, "quantize_mxfp4", full_tiles=True)
     else:
         _check_high_precision(x, "quantize_mxfp4", MXFP4_BLOCK)
-    if rounding is Rounding.STOCHASTIC:
-        from moe_fp4.kernels.mxfp4 import quantize_mxfp4_stochastic_ref
-
-        data, scale = quantize_mxfp4_stochastic_ref(_ops._rows(x), seed, step, rank)
-        return MXFP4Tensor(data, scale, x.shape, x.dtype)
-    return _ops.quantize_mxfp4(x, use_triton=_use_triton(x.data if isinstance(x, FP8BlockTensor) else x))
+    return _ops.quantize_mxfp4(x, _use_triton(x.data if isinstance(x, FP8BlockTensor) else x), rounding, seed, step,
+                               rank)
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -11,11 +11,13 @@ import torch
 from moe_fp4 import _ops
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import nvfp4 as _nvfp4
+from moe_fp4.kernels.numerics import Rounding
 
 
-def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor) -> MXFP4Tensor:
+def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = "nearest", seed: int = 0,
+                   step: int = 0, rank: int = 0) -> MXFP4Tensor:
     """x: bf16/fp16/fp32 [..., K] or FP8BlockTensor [M, K] -> MXFP4Tensor of the same logical shape."""
-    return _ops.quantize_mxfp4(x, use_triton=False)
+    return _ops.quantize_mxfp4(x, False, Rounding(rounding), seed, step, rank)
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -53,9 +55,10 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     return _ops.fp8_to_fp8_colwise(t, use_triton=False)
 
 
-def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, rounding: str | Rounding = "nearest",
+                   seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
     """x: bf16/fp16/fp32 [..., K] (K % 16 == 0) -> NVFP4Tensor of the same logical shape."""
-    data, scale, s_t = _nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale)
+    data, scale, s_t = _nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale, Rounding(rounding), seed, step, rank)
     return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
 
 

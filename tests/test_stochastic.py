@@ -1,7 +1,7 @@
 """Stochastic rounding of the E2M1 codes (issue 27, first piece): Triton's Philox reproduced bit for bit
 in torch, the rounding rule against a brute-force reading of it, reproducibility, and unbiasedness of
-MXFP4 and NVFP4 against nearest rounding's bias. References only: no kernel yet (the Philox check runs
-Triton's own ``tl.philox`` under the interpreter on CPU, or compiled on a GPU)."""
+MXFP4 and NVFP4 against nearest rounding's bias, and the MXFP4 kernel bit for bit against its reference
+(the Philox check runs Triton's own ``tl.philox`` under the interpreter on CPU, or compiled on a GPU)."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 import moe_fp4
+import moe_fp4.reference
 from moe_fp4.kernels.numerics import encode_e2m1_stochastic, philox4x32, random_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,21 +54,33 @@ def test_random_bits_are_reproducible_and_distinct_per_step_and_rank():
     assert torch.equal(a, random_bits(5, 0, 0, 4096))
     for other in (random_bits(5, 1, 0, 4096), random_bits(5, 0, 1, 4096), random_bits(6, 0, 0, 4096)):
         assert (a != other).float().mean() > 0.99
-    u = (a >> 8).double() * 2.0 ** -24
-    assert abs(u.mean().item() - 0.5) < 0.02 and (a >= 0).all() and (a < 2**32).all()
+    u = a.double() * 2.0 ** -16
+    assert abs(u.mean().item() - 0.5) < 0.02 and (a >= 0).all() and (a < 2**16).all()
+
+
+def test_random_bits_are_halves_of_philox_words_eight_elements_a_call():
+    # Element o: half o % 2 (low first) of word (o % 8) // 2 at the counter (o // 8, 0, step, rank).
+    n = 8 * 40 + 3
+    bits = random_bits(2**40 + 9, 6, 2**32 - 1, n)
+    g = torch.arange(n) // 8
+    words = torch.stack(philox4x32(2**40 + 9, g, g * 0, 6, 2**32 - 1), -1)
+    o = torch.arange(n)
+    want = (words[o, (o % 8) // 2] >> (16 * (o % 2))) & 0xFFFF
+    assert torch.equal(bits, want)
+    assert random_bits(1, 0, 0, 0).numel() == 0
 
 
 def test_the_rounding_rule_by_brute_force():
     """Every element: the lower grid neighbour, or the upper one when u < (a - lo) / (hi - lo)."""
     g = torch.Generator().manual_seed(3)
     v = torch.cat([torch.randn(3000, generator=g) * 3, torch.tensor([0.0, -0.0, 6.0, -7.5, 0.25, 5.0, 1e-30])])
-    bits = torch.randint(0, 2**32, v.shape, generator=g, dtype=torch.int64)
-    bits[:8] = torch.tensor([0, 2**32 - 1, 2**31, 255, 256, 2**24, 12345678, 2**32 - 256])
+    bits = torch.randint(0, 2**16, v.shape, generator=g, dtype=torch.int64)
+    bits[:8] = torch.tensor([0, 2**16 - 1, 2**15, 255, 256, 1, 12345, 2**16 - 256])
     got = encode_e2m1_stochastic(v, bits)
     for x, b, c in zip(v.tolist(), bits.tolist(), got.tolist()):
         a = min(abs(x), 6.0)
         lo = max(i for i, m in enumerate(MAGS) if m <= a)
-        up = lo < 7 and np.float32((b >> 8) * 2.0 ** -24) < np.float32((a - MAGS[lo]) / (MAGS[lo + 1] - MAGS[lo]))
+        up = lo < 7 and np.float32(b * 2.0 ** -16) < np.float32((a - MAGS[lo]) / (MAGS[lo + 1] - MAGS[lo]))
         want = (lo + int(up)) | (8 if np.signbit(x) else 0)
         assert c == want, (x, b, c, want)
 
@@ -121,3 +134,45 @@ def test_stochastic_api_reproducible_and_validated():
         moe_fp4.quantize_nvfp4(x, rounding="stochastic", seed=-1)
     with pytest.raises(ValueError, match="stochastic rounding takes"):
         moe_fp4.quantize_mxfp4(moe_fp4.quantize_fp8(torch.randn(8, 128)), rounding="stochastic")
+
+
+def _hard_rows(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    """[m, k] values over many binades, with a NaN block, an Inf block, a zero block, a block at float32's
+    smallest scales and one at its largest (rows permitting)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-30, 30, (m, k // 32), generator=g).float()
+                                                    ).repeat_interleave(32, dim=1)
+    if m >= 2 and k >= 96:
+        x[0, 5] = float("nan")
+        x[0, 40] = float("-inf")
+        x[0, 64:96] = 0.0
+        x[1, :32] = torch.randn(32, generator=g) * 2.0 ** -130    # subnormal: the -127 exponent floor
+        x[1, 32:64] = torch.randn(32, generator=g) * 2.0 ** 120
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 96), (5, 1024), (1, 32), (3, 2080)])
+def test_mxfp4_stochastic_kernel_equals_its_reference_bit_for_bit(dtype, shape):
+    from moe_fp4.kernels.mxfp4 import quantize_mxfp4_stochastic, quantize_mxfp4_stochastic_ref
+
+    x = _hard_rows(*shape, dtype, seed=shape[1]).to(DEVICE)
+    if dtype == torch.float16:
+        x = torch.nan_to_num(x.float(), posinf=float("inf"), neginf=float("-inf")).clamp(-6e4, 6e4).to(dtype)
+        x[0, 5] = float("nan")
+    for seed, step, rank in [(0, 0, 0), (2**64 - 1, 2**32 - 1, 2**31 + 5), (12345, 7, 1)]:
+        got = quantize_mxfp4_stochastic(x, seed, step, rank)
+        want = quantize_mxfp4_stochastic_ref(x, seed, step, rank)
+        assert torch.equal(got[1], want[1]), "scales"
+        assert torch.equal(got[0], want[0]), (got[0] != want[0]).sum()
+
+
+def test_mxfp4_stochastic_kernel_empty_and_through_the_api():
+    from moe_fp4.kernels.mxfp4 import quantize_mxfp4_stochastic
+
+    d, s = quantize_mxfp4_stochastic(torch.zeros(0, 64, device=DEVICE), 1, 2, 3)
+    assert d.shape == (0, 32) and s.shape == (0, 2)
+    x = torch.randn(4, 3, 64, device=DEVICE, dtype=torch.bfloat16)
+    q = moe_fp4.quantize_mxfp4(x, rounding="stochastic", seed=3, step=1, rank=2)
+    r = moe_fp4.reference.quantize_mxfp4(x, rounding="stochastic", seed=3, step=1, rank=2)
+    assert q.shape == x.shape and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
