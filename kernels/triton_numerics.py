@@ -163,8 +163,8 @@ def philox_words(seed, group, step, rank):
     the 64-bit seed: numerics.random_bits's words, 16 random bits for each of 8 elements."""
     c0 = (group & 0xFFFFFFFF).to(tl.uint32)
     c1 = (group >> 32).to(tl.uint32)
-    z = c0 * 0
-    return tl.philox(seed, c0, c1, z + step.to(tl.uint32), z + rank.to(tl.uint32))
+    z = c0 * 0   # step and rank may arrive as compile-time ints (Triton specializes 1): added to a uint32 zero
+    return tl.philox(seed, c0, c1, (z + step).to(tl.uint32), (z + rank).to(tl.uint32))
 
 
 @triton.jit
