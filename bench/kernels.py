@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 import moe_fp4
-from moe_fp4 import FP8BlockTensor, MXFP4Tensor
+from moe_fp4 import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4 import reference as twins
 
 DEFAULT_TOKENS = [4096, 16384, 32768, 65536]
@@ -110,6 +110,10 @@ OPS = [
     _op("bf16_to_mxfp4", "quantize_mxfp4", _bf16),
     # Stochastic rounding (issue 27): Philox bits in the kernel; its speed against bf16_to_mxfp4's.
     OpSpec("bf16_to_mxfp4_sr", _bf16, _stochastic(moe_fp4.quantize_mxfp4), _stochastic(twins.quantize_mxfp4)),
+    # NVFP4 (issue 27): the tensor scale's amax is torch's (its own passes over x), the blocks one kernel.
+    _op("bf16_to_nvfp4", "quantize_nvfp4", _bf16),
+    OpSpec("bf16_to_nvfp4_sr", _bf16, _stochastic(moe_fp4.quantize_nvfp4), _stochastic(twins.quantize_nvfp4)),
+    _op("nvfp4_to_bf16", "dequantize_nvfp4", lambda x: (moe_fp4.quantize_nvfp4(x), torch.bfloat16)),
     _op("fp8_to_mxfp4", "quantize_mxfp4", _fp8),
     _op("mxfp4_to_bf16", "dequantize_mxfp4", _mxfp4_and_dtype),
     _op("mxfp4_to_fp8", "mxfp4_to_fp8", _mxfp4),
@@ -125,7 +129,7 @@ OP_NAMES = [op.name for op in OPS]
 
 def nbytes(obj: Any) -> int:
     """Bytes held by an op's argument or output (containers: data + scales); 0 for non-tensors."""
-    if isinstance(obj, (MXFP4Tensor, FP8BlockTensor)):
+    if isinstance(obj, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)):
         return obj.nbytes
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -136,7 +140,7 @@ def nbytes(obj: Any) -> int:
 
 def clone(obj: Any) -> Any:
     """A copy at new addresses (same strides: FP8 scales stay M-major)."""
-    if isinstance(obj, (MXFP4Tensor, FP8BlockTensor)):
+    if isinstance(obj, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)):
         return dataclasses.replace(obj, data=obj.data.clone(), scale=obj.scale.clone())
     if isinstance(obj, torch.Tensor):
         return obj.clone()
@@ -157,9 +161,12 @@ def mismatches(out: Any, ref: Any, where: str = "out") -> list[str]:
     """Every way `out` differs from `ref` bit for bit (empty list: identical)."""
     if type(out) is not type(ref):
         return [f"{where}: {type(out).__name__} instead of {type(ref).__name__}"]
-    if isinstance(out, (MXFP4Tensor, FP8BlockTensor)):
+    if isinstance(out, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)):
         shape = [] if out.shape == ref.shape else [f"{where}.shape {tuple(out.shape)} != {tuple(ref.shape)}"]
-        return shape + mismatches(out.data, ref.data, f"{where}.data") + mismatches(out.scale, ref.scale, f"{where}.scale")
+        extra = (mismatches(out.tensor_scale, ref.tensor_scale, f"{where}.tensor_scale")
+                 if isinstance(out, NVFP4Tensor) else [])
+        return (shape + mismatches(out.data, ref.data, f"{where}.data")
+                + mismatches(out.scale, ref.scale, f"{where}.scale") + extra)
     if isinstance(out, (tuple, list)):
         if len(out) != len(ref):
             return [f"{where}: {len(out)} outputs instead of {len(ref)}"]

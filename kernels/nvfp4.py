@@ -1,7 +1,9 @@
 """NVFP4 (issue 27): E2M1 values, one E4M3 scale per 16 elements, one float32 scale per tensor.
 
-The exact pure-torch references: the definition the Triton kernels (not written yet) will be tested
-against bit for bit, as for MXFP4. The rules, in float32 unless said otherwise (DESIGN.md section 3):
+Triton kernels (``quantize_nvfp4``, ``dequantize_nvfp4``), their launchers, and the exact pure-torch
+references ``*_ref`` with the same signatures, which the kernels equal bit for bit (tests/test_nvfp4.py),
+as for MXFP4. The tensor scale (rule 1, one reduction over the tensor) is torch's in both; the kernels
+take it as a float32 0-d tensor. The rules, in float32 unless said otherwise (DESIGN.md section 2):
 
 1. tensor scale: s_t = max(amax_t / 2688, 2^-126), one float32 division; amax_t is the largest |x| over
    the finite elements (NaN and +-Inf ignored, 0 for a tensor with none). 2688 = 448 * 6 maps amax_t onto
@@ -21,6 +23,8 @@ against bit for bit, as for MXFP4. The rules, in float32 unless said otherwise (
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from moe_fp4.kernels.numerics import (
     E2M1_MAX,
@@ -35,7 +39,20 @@ from moe_fp4.kernels.numerics import (
     pack_nibbles,
     random_bits,
     unpack_nibbles,
+    NAN_BITS,
     with_canonical_nan,
+)
+from moe_fp4.kernels.triton_numerics import (
+    bf16_rne_bits,
+    e2m1_rne_mag,
+    e2m1_sr_mag,
+    e4m3_rne,
+    e4m3_to_f32_bits,
+    load_pairs_as_f32_bits,
+    pair_view,
+    philox_words,
+    row_column_grid,
+    row_column_program,
 )
 
 NVFP4_BLOCK = 16
@@ -93,3 +110,162 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
     nan = torch.isnan(sv)
     out = (vals * torch.where(nan, torch.zeros_like(sv), sv)[..., None]) * tensor_scale.to(torch.float32)
     return with_canonical_nan(out.to(dtype), nan[..., None]).view(m, k)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _nvfp4_block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """This program's [BLOCK_M rows, NB 16-element blocks] as pair words [BLOCK_M, NB, 8] (grid:
+    row_column_grid) -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1], pair-word
+    column [1, NB, 8])."""
+    rb, cb = row_column_program()
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    kb = cb * NB + tl.arange(0, NB)
+    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
+    pair = (kb * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    return rows, kb, mask2, mask2[:, :, None], pair
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(
+    x_ptr, data_ptr, scale_ptr, st_ptr, M, KB, stride_xm, stride_dm, stride_sm, seed, step, rank,
+    IN_KIND: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Rules 2 and 3 of the module docstring per 16-element block; divisions are div_rn (Triton's "/" on
+    # float32 is an approximate division on the GPU).
+    NB: tl.constexpr = BLOCK_K // 16
+    rows, kb, mask2, mask3, pair = _nvfp4_block_program(M, KB, BLOCK_M, NB)
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+    lo_abs = lo & 0x7FFFFFFF
+    hi_abs = hi & 0x7FFFFFFF
+    nonfinite = tl.max(tl.maximum(lo_abs, hi_abs), axis=2) >= 0x7F800000          # [BM, NB]
+    # The block maximum over its finite values, on the bits (monotone in |x| for finite values).
+    fin_lo = tl.where(lo_abs >= 0x7F800000, 0, lo_abs)
+    fin_hi = tl.where(hi_abs >= 0x7F800000, 0, hi_abs)
+    amax = tl.max(tl.maximum(fin_lo, fin_hi), axis=2).to(tl.float32, bitcast=True)
+    s_t = tl.load(st_ptr)
+    # r = amax / fl(6 s_t), saturated at 448 (a given tensor scale far below rule 1's can make it Inf).
+    code = e4m3_rne(tl.minimum(tl.math.div_rn(amax, 6.0 * s_t), 448.0))
+    code = tl.where(nonfinite, 0x7F, code)
+    eff = e4m3_to_f32_bits(tl.where(nonfinite, 0, code)).to(tl.float32, bitcast=True) * s_t   # S
+    eff3 = tl.expand_dims(eff, -1)
+    pos = eff3 > 0
+    safe = tl.where(pos, eff3, 1.0)
+    a_lo = tl.where(pos, tl.math.div_rn(lo_abs.to(tl.float32, bitcast=True), safe), 0.0)
+    a_hi = tl.where(pos, tl.math.div_rn(hi_abs.to(tl.float32, bitcast=True), safe), 0.0)
+    if STOCHASTIC:
+        # numerics.random_bits: one Philox call per 8 elements; a block's 8 pairs are 2 groups, and
+        # pair p takes word p % 4 of group 2 kb + p // 4 (in the row: K/8 groups a row).
+        g = rows[:, None, None] * (KB * 2) + (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        r0, r1, r2, r3 = philox_words(seed, g, step, rank)
+        j = tl.arange(0, 4)[None, None, None, :]
+        words = tl.where(j == 0, r0[:, :, :, None], tl.where(j == 1, r1[:, :, :, None],
+                         tl.where(j == 2, r2[:, :, :, None], r3[:, :, :, None])))
+        words = tl.reshape(words, [BLOCK_M, NB, 8])
+        m_lo = e2m1_sr_mag(tl.minimum(a_lo, 6.0), words & 0xFFFF)
+        m_hi = e2m1_sr_mag(tl.minimum(a_hi, 6.0), words >> 16)
+    else:
+        m_lo = e2m1_rne_mag(a_lo.to(tl.int32, bitcast=True), True)
+        m_hi = e2m1_rne_mag(a_hi.to(tl.int32, bitcast=True), True)
+    packed = m_lo | (m_hi << 4) | ((lo >> 28) & 8) | ((hi >> 24) & 0x80)
+    packed = tl.where(tl.expand_dims(nonfinite, -1), 0, packed)
+    tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
+    tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], code.to(tl.uint8), mask=mask2)
+
+
+@triton.jit
+def _dequantize_nvfp4_kernel(
+    data_ptr, scale_ptr, st_ptr, out_ptr, M, KB, stride_dm, stride_sm, stride_om,
+    OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Rule 4: fl(fl(e2m1 * e4m3) * s_t) (the first product exact), rounded once to the output dtype.
+    NB: tl.constexpr = BLOCK_K // 16
+    rows, kb, mask2, mask3, pair = _nvfp4_block_program(M, KB, BLOCK_M, NB)
+    b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
+    code = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
+    nan = tl.expand_dims((code & 0x7F) == 0x7F, -1)
+    sv = tl.expand_dims(e4m3_to_f32_bits(tl.where((code & 0x7F) == 0x7F, 0, code)).to(tl.float32, bitcast=True), -1)
+    s_t = tl.load(st_ptr)
+    lo = _nvfp4_out_bits(_e2m1_value(b & 15) * sv * s_t, nan, OUT_KIND, NAN_BITS)
+    hi = _nvfp4_out_bits(_e2m1_value(b >> 4) * sv * s_t, nan, OUT_KIND, NAN_BITS)
+    if OUT_KIND == 2:
+        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    else:
+        word = (hi << 16) | lo
+    tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask3)
+
+
+@triton.jit
+def _e2m1_value(c):
+    """int32 E2M1 code 0..15 -> float32 value (exact): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    m = c & 7
+    # 2^(e-1) * (2 + mantissa) / 2 for the normal codes (m >= 2), m / 2 for 0 and 0.5.
+    e = m >> 1
+    mant = (m & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * mant) * (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    mag = tl.where(m >= 2, normal, 0.5 * m.to(tl.float32))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _nvfp4_out_bits(v, nan, OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr):
+    """float32 v -> int32 holding the output dtype's bits (bf16 and fp16 rounded to nearest even)."""
+    if OUT_KIND == 0:
+        out = (bf16_rne_bits(v) >> 16) & 0xFFFF
+    elif OUT_KIND == 1:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        out = v.to(tl.int32, bitcast=True)
+    return tl.where(nan, NAN_BITS, out)
+
+
+def _u32_as_i32(v: int) -> int:
+    """A uint32 value as the int32 with its bits (a kernel argument Triton types as i32)."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
+                   rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0,
+                   block_m: int = 4, block_k: int = 512, num_warps: int = 4):
+    """quantize_nvfp4_ref's contract and bytes (x bf16/fp16/fp32 [M, K], K % 16 == 0 -> (data uint8
+    [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d)), the blocks in one Triton pass;
+    the tensor scale (rule 1) from torch when not given."""
+    m, k = x.shape
+    x = x.contiguous()
+    s_t = nvfp4_tensor_scale_ref(x) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
+    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if m and k:
+        block_k = min(block_k, triton.next_power_of_2(k))
+        words, kind = pair_view(x)
+        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        _quantize_nvfp4_kernel[grid](
+            words, data, scale, s_t.reshape(1), m, k // NVFP4_BLOCK, words.stride(0), data.stride(0),
+            scale.stride(0), seed, _u32_as_i32(step), _u32_as_i32(rank), IN_KIND=kind,
+            STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
+            num_warps=num_warps)
+    return data, scale.view(torch.float8_e4m3fn), s_t
+
+
+_OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, dtype: torch.dtype,
+                     block_m: int = 4, block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """dequantize_nvfp4_ref's contract and bits: data uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
+    tensor_scale float32 0-d -> dtype [M, K] (bf16, fp16 or fp32)."""
+    m, half_k = data.shape
+    k = 2 * half_k
+    out = torch.empty(m, k, dtype=dtype, device=data.device)
+    if m and k:
+        block_k = min(block_k, triton.next_power_of_2(k))
+        words, kind = pair_view(out)
+        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        _dequantize_nvfp4_kernel[grid](
+            data, scale.view(torch.uint8), tensor_scale.to(torch.float32).reshape(1), words, m, k // NVFP4_BLOCK,
+            data.stride(0), scale.stride(0), words.stride(0), OUT_KIND=_OUT_KIND[dtype],
+            NAN_BITS=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+    return out

@@ -12,9 +12,10 @@ import math
 
 import torch
 
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
+from moe_fp4.kernels import nvfp4 as _nvfp4
 from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.kernels.numerics import Rounding
 
@@ -41,6 +42,16 @@ def quantize_mxfp4(x, use_triton: bool, rounding: Rounding = Rounding.NEAREST, s
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype, use_triton: bool) -> torch.Tensor:
     return _pick(_mxfp4, "dequantize_mxfp4", use_triton)(q.data, q.scale, dtype).view(q.shape)
+
+
+def quantize_nvfp4(x: torch.Tensor, tensor_scale, use_triton: bool, rounding: Rounding = Rounding.NEAREST,
+                   seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
+    data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4", use_triton)(_rows(x), tensor_scale, rounding, seed, step, rank)
+    return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype, use_triton: bool) -> torch.Tensor:
+    return _pick(_nvfp4, "dequantize_nvfp4", use_triton)(q.data, q.scale, q.tensor_scale, dtype).view(q.shape)
 
 
 def quantize_fp8(x: torch.Tensor, use_triton: bool) -> FP8BlockTensor:

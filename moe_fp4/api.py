@@ -175,8 +175,8 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, ro
     positive float32 normal (default: max(amax / 2688, 2^-126) of x's finite values)
     -> NVFP4Tensor (data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale) of x's shape and
     dtype. rounding, seed, step, rank: as for :func:`quantize_mxfp4` (stochastic rounding of the
-    elements; the scales are the same). Issue 27's first piece: the pure-torch reference runs on every
-    device (no Triton kernel yet).
+    elements; the scales are the same). A Triton kernel on CUDA (the blocks in one pass; the tensor
+    scale from torch), bit-identical to the pure-torch reference.
     """
     from moe_fp4.kernels import nvfp4
 
@@ -192,15 +192,12 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, ro
             v = float(tensor_scale)
             if not (v >= nvfp4.NVFP4_TENSOR_SCALE_MIN and v < float("inf")):
                 raise ValueError(f"quantize_nvfp4: tensor_scale must be a finite float32 normal > 0, got {v!r}")
-    data, scale, s_t = nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale, rounding, seed, step, rank)
-    return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+    return _ops.quantize_nvfp4(x, tensor_scale, _use_triton(x), rounding, seed, step, rank)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: NVFP4Tensor -> dtype tensor of q.shape: e2m1 * e4m3 * s_t in float32, rounded once to dtype;
-    NaN blocks give NaN. The pure-torch reference on every device (no Triton kernel yet)."""
-    from moe_fp4.kernels import nvfp4
-
+    NaN blocks give NaN. A Triton kernel on CUDA, bit-identical to the pure-torch reference."""
     _check_container(q, NVFP4Tensor, "dequantize_nvfp4")
     _check_out_dtype(dtype, "dequantize_nvfp4")
-    return nvfp4.dequantize_nvfp4_ref(q.data, q.scale, q.tensor_scale, dtype).view(q.shape)
+    return _ops.dequantize_nvfp4(q, dtype, _use_triton(q.data))

@@ -10,7 +10,6 @@ import torch
 
 from moe_fp4 import _ops
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
-from moe_fp4.kernels import nvfp4 as _nvfp4
 from moe_fp4.kernels.numerics import Rounding
 
 
@@ -58,10 +57,9 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
 def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, rounding: str | Rounding = "nearest",
                    seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
     """x: bf16/fp16/fp32 [..., K] (K % 16 == 0) -> NVFP4Tensor of the same logical shape."""
-    data, scale, s_t = _nvfp4.quantize_nvfp4_ref(_ops._rows(x), tensor_scale, Rounding(rounding), seed, step, rank)
-    return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+    return _ops.quantize_nvfp4(x, tensor_scale, False, Rounding(rounding), seed, step, rank)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: NVFP4Tensor [M, K] -> dtype tensor of q.shape."""
-    return _nvfp4.dequantize_nvfp4_ref(q.data, q.scale, q.tensor_scale, dtype).view(q.shape)
+    return _ops.dequantize_nvfp4(q, dtype, False)

@@ -3,8 +3,8 @@
 Each rule of the module docstring is checked against an independent brute-force implementation: the
 E4M3 scale and the E2M1 codes are found by searching the whole grids for the nearest value (ties to
 the even code), not by the casts and thresholds the reference uses; dequantization is checked over
-every code and every E4M3 byte. No Triton kernel exists yet, so there is nothing to compare bit for
-bit on the GPU.
+every code and every E4M3 byte. The Triton kernels are then compared with the reference bit for bit
+(under the interpreter on CPU, compiled on a GPU).
 """
 
 import math
@@ -195,3 +195,63 @@ def test_container_checks():
         moe_fp4.NVFP4Tensor(q.data, q.scale, q.tensor_scale, (4, 16))
     with pytest.raises(TypeError, match="expected NVFP4Tensor"):
         moe_fp4.dequantize_nvfp4(moe_fp4.quantize_mxfp4(torch.randn(4, 32)))
+
+
+# ----------------------------------------------------------------------------------- the kernels
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hard_nvfp4(m: int, k: int, seed: int) -> torch.Tensor:
+    """[m, k] over many binades per 16-block, with NaN / Inf / zero / negative-zero / tiny blocks and E2M1
+    midpoints (rows permitting)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-20, 20, (m, k // 16), generator=g).float()
+                                                    ).repeat_interleave(16, dim=1)
+    if m >= 3 and k >= 64:
+        x[0, 3] = float("nan")
+        x[0, 17] = float("inf")
+        x[0, 32:48] = -0.0
+        x[1, :16] *= 1e-12                        # scales round to E4M3 subnormals and to zero
+        x[1, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)   # E2M1 midpoints
+        x[2, 48:64] = 1e-30
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 1040), (1, 16)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantize_kernel_equals_the_reference_bit_for_bit(dtype, shape, rounding):
+    x = _hard_nvfp4(*shape, seed=shape[1]).to(dtype).to(DEVICE)
+    for seed, step, rank in ([(0, 0, 0)] if rounding == "nearest" else
+                             [(0, 0, 0), (2**64 - 1, 2**32 - 1, 2**31 + 5), (99, 1, 1)]):
+        got = N.quantize_nvfp4(x, None, N.Rounding(rounding), seed, step, rank)
+        want = N.quantize_nvfp4_ref(x, None, N.Rounding(rounding), seed, step, rank)
+        assert torch.equal(got[2], want[2]), "tensor scale"
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), "block scales"
+        assert torch.equal(got[0], want[0]), (got[0] != want[0]).sum()
+
+
+@pytest.mark.parametrize("s_t", [2.0 ** -126, 0.37, 3e30])
+def test_quantize_kernel_with_a_given_tensor_scale(s_t):
+    # A given scale far from rule 1's: block ratios saturate at 448 (3e-30... 2^-126) or vanish (3e30).
+    x = _hard_nvfp4(4, 128, seed=5).to(DEVICE)
+    ts = torch.tensor(s_t, dtype=torch.float32, device=DEVICE)
+    got, want = N.quantize_nvfp4(x, ts), N.quantize_nvfp4_ref(x, ts)
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)) and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("s_t", [2.0 ** -126, 1.0, 0.37, 3e30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_kernel_every_code_and_every_scale_byte(s_t, dtype):
+    codes = torch.arange(16, dtype=torch.uint8).repeat(256, 1)
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(DEVICE)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1).view(torch.float8_e4m3fn).to(DEVICE)
+    ts = torch.tensor(s_t, dtype=torch.float32, device=DEVICE)
+    got, want = N.dequantize_nvfp4(data, scale, ts, dtype), N.dequantize_nvfp4_ref(data, scale, ts, dtype)
+    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+def test_kernels_on_empty_tensors():
+    d, s, t = N.quantize_nvfp4(torch.zeros(0, 32, device=DEVICE))
+    assert d.shape == (0, 16) and s.shape == (0, 2) and t.dim() == 0
+    assert N.dequantize_nvfp4(d, s, t, torch.bfloat16).shape == (0, 32)
