@@ -207,7 +207,9 @@ def _e2m1_value(c):
     mant = (m & 1).to(tl.float32)
     normal = (1.0 + 0.5 * mant) * (1 << tl.maximum(e - 1, 0)).to(tl.float32)
     mag = tl.where(m >= 2, normal, 0.5 * m.to(tl.float32))
-    return tl.where((c & 8) != 0, -mag, mag)
+    # The sign as a bit: Triton's unary minus is 0 - x, which turns code 8 (-0) into +0 on the GPU (the
+    # interpreter's numpy negation kept -0; the GPU test caught it).
+    return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
