@@ -171,21 +171,25 @@ if AVAILABLE:
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
 
     @gluon.jit
-    def _block_scales(s, nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, as_smem,
-                      BASE: gl.constexpr, SUB: gl.constexpr, layout: gl.constexpr, A_MXFP4: gl.constexpr):
-        """The K block in stage s (its stage waited for) -> (s0, s1): s_a * s_b of the wave's two 64-row
-        halves, and the prefetched scales of block nk: (sa0, sa1, sb) in, the next ones out."""
-        if A_MXFP4:   # A's row scales 2^S from the decoder, in the stage; B's prefetched
-            sa = _as_vector(as_smem.index(s), as_smem.type.shape[2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout)) * sb
-            s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout)) * sb
-        else:
-            s0 = sa0 * sb
-            s1 = sa1 * sb
-            sa0 = gl.load(as_ptrs + nk * stride_as_k)
-            sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB))
+    def _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB: gl.constexpr):
+        """An FP8 A's K block -> (s0, s1): s_a * s_b of the wave's two 64-row halves, from the scales
+        prefetched one block ahead (sa0, sa1, sb), and block nk's, loaded now: (sa0, sa1, sb) out."""
+        s0 = sa0 * sb
+        s1 = sa1 * sb
+        sa0 = gl.load(as_ptrs + nk * stride_as_k)
+        sa1 = gl.load(as_ptrs + (nk * stride_as_k + SUB))
         sb = gl.load(bs_ptr + nk)
         return s0, s1, sa0, sa1, sb
+
+    @gluon.jit
+    def _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE: gl.constexpr, SUB: gl.constexpr,
+                            layout: gl.constexpr):
+        """An MXFP4 A's K block in stage s (decoded) -> (s0, s1) as _fp8_block_scales, A's row scales 2^S
+        read from the stage, B's prefetched (sb); block nk's B scale out."""
+        sa = _as_vector(as_smem.index(s), as_smem.type.shape[2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout)) * sb
+        s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout)) * sb
+        return s0, s1, gl.load(bs_ptr + nk)
 
     @gluon.jit
     def _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1):
@@ -234,7 +238,13 @@ if AVAILABLE:
         n_store = 0
         for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            if (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2):
+            valid = (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2)
+            run = valid
+            if A_MXFP4:
+                # With the decoder's registers taken the branch below spills inside the K loop (Triton
+                # 3.9): an MXFP4 A's second wave runs in a one-wave tile and is not stored, as before.
+                run = True
+            if run:
                 row0 = gl.load(tile_row_ptr + mt) + BASE
                 bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
                           + (nt * BLOCK_N // 128) * stride_bs_n)
@@ -244,36 +254,35 @@ if AVAILABLE:
                 # later, so its latency never stalls a promotion (loaded just in time, it stalled a
                 # third of the consumers' cycles: bench/tools/gemm_limiters.py). The last block
                 # reloads itself.
-                if A_MXFP4:
-                    sa0 = gl.zeros((SUB,), gl.float32, gl.SliceLayout(1, layout))
-                    sa1 = sa0
-                else:
+                if not A_MXFP4:   # (an MXFP4 A's row scales come with each stage: no registers carried)
                     sa0 = gl.load(as_ptrs)
                     sa1 = gl.load(as_ptrs + SUB)
                 sb = gl.load(bs_ptr)
                 for kb in range(KB):
                     s = it % NUM_STAGES
-                    if A_MXFP4:   # the row scales come with the stage
-                        _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
-                    # FP8 A: the next block's scale loads go out before the stage wait, in flight while it waits.
-                    s0, s1, sa0, sa1, sb = _block_scales(s, gl.minimum(kb + 1, KB - 1), sa0, sa1, sb, as_ptrs,
-                                                         bs_ptr, stride_as_k, as_smem, BASE, SUB, layout, A_MXFP4)
+                    nk = gl.minimum(kb + 1, KB - 1)
                     if not A_MXFP4:
-                        _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                        # The next block's scale loads go out before the stage wait, in flight while it waits.
+                        s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
+                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
                     a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
                     ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
                     rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
+                    if A_MXFP4:   # read from the stage while its first wgmmas run
+                        s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
                     acc00, acc01, acc10, ra, rb = _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1)
                     rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
                     mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
                     acc11 += rb * s1[:, None]
                     it += 1
-                # This warpgroup's staging buffers: WG * D_BUFS ... of the 2 x D_BUFS.
-                col = nt * BLOCK_N
-                n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS, WG * D_BUFS)
-                n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + SUB, col + HALF, D_BUFS, WG * D_BUFS)
+                if valid:
+                    # This warpgroup's staging buffers: WG * D_BUFS ... of the 2 x D_BUFS.
+                    col = nt * BLOCK_N
+                    n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + SUB, col + HALF, D_BUFS,
+                                             WG * D_BUFS)
             else:
                 # Warpgroup 1 in a one-wave tile: no rows of its own. It still releases every stage,
                 # each after it was filled (the empty barrier counts two arrivals per fill).

@@ -255,3 +255,24 @@ def test_kernels_on_empty_tensors():
     d, s, t = N.quantize_nvfp4(torch.zeros(0, 32, device=DEVICE))
     assert d.shape == (0, 16) and s.shape == (0, 2) and t.dim() == 0
     assert N.dequantize_nvfp4(d, s, t, torch.bfloat16).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["normal", "non-finite", "zeros", "tiny", "huge", "empty"])
+def test_tensor_scale_kernel_equals_the_reference(dtype, case):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 48, generator=g) * 3.7
+    if case == "non-finite":
+        x[3, 5], x[20, 7], x[36, 47] = float("nan"), float("inf"), float("-inf")
+    elif case == "zeros":
+        x.zero_()
+    elif case == "tiny":
+        x = x * 1e-38          # amax / 2688 below 2^-126: the floor (and fp16/bf16 flush these to 0)
+    elif case == "huge":
+        x = x * (6e4 / 12 if dtype == torch.float16 else 1e37)
+    elif case == "empty":
+        x = x[:0]
+    x = x.to(dtype).to(DEVICE)
+    got, want = N.nvfp4_tensor_scale(x), N.nvfp4_tensor_scale_ref(x)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert torch.equal(got.view(1).view(torch.int32), want.view(1).view(torch.int32)), (got, want)
