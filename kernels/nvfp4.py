@@ -3,7 +3,8 @@
 Triton kernels (``quantize_nvfp4``, ``dequantize_nvfp4``), their launchers, and the exact pure-torch
 references ``*_ref`` with the same signatures, which the kernels equal bit for bit (tests/test_nvfp4.py),
 as for MXFP4. The tensor scale (rule 1) takes one pass of its own (``nvfp4_tensor_scale``, the finite
-amax); the block kernel reads it as a float32 0-d tensor. The rules, in float32 unless said otherwise (DESIGN.md section 2):
+amax); the block kernel reads it as a float32 0-d tensor. The rules, in float32 unless said otherwise
+(DESIGN.md section 2):
 
 1. tensor scale: s_t = max(amax_t / 2688, 2^-126), one float32 division; amax_t is the largest |x| over
    the finite elements (NaN and +-Inf ignored, 0 for a tensor with none). 2688 = 448 * 6 maps amax_t onto
@@ -101,14 +102,16 @@ def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None
 
 def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor,
                          dtype: torch.dtype) -> torch.Tensor:
-    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d -> dtype [M, K]
-    (rule 4)."""
+    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d, or [M] (one per row:
+    rows received from several senders) -> dtype [M, K] (rule 4)."""
     m, half_k = data.shape
     k = 2 * half_k
     vals = decode_e2m1(unpack_nibbles(data)).view(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sv = scale.float()
     nan = torch.isnan(sv)
-    out = (vals * torch.where(nan, torch.zeros_like(sv), sv)[..., None]) * tensor_scale.to(torch.float32)
+    s_t = tensor_scale.to(torch.float32)
+    s_t = s_t.reshape(m, 1, 1) if s_t.dim() else s_t
+    out = (vals * torch.where(nan, torch.zeros_like(sv), sv)[..., None]) * s_t
     return with_canonical_nan(out.to(dtype), nan[..., None]).view(m, k)
 
 
@@ -197,7 +200,7 @@ def _quantize_nvfp4_kernel(
 
 @triton.jit
 def _dequantize_nvfp4_kernel(
-    data_ptr, scale_ptr, st_ptr, out_ptr, M, KB, stride_dm, stride_sm, stride_om,
+    data_ptr, scale_ptr, st_ptr, out_ptr, M, KB, stride_dm, stride_sm, stride_om, stride_st,
     OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Rule 4: fl(fl(e2m1 * e4m3) * s_t) (the first product exact), rounded once to the output dtype.
@@ -207,7 +210,7 @@ def _dequantize_nvfp4_kernel(
     code = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
     nan = tl.expand_dims((code & 0x7F) == 0x7F, -1)
     sv = tl.expand_dims(e4m3_to_f32_bits(tl.where((code & 0x7F) == 0x7F, 0, code)).to(tl.float32, bitcast=True), -1)
-    s_t = tl.load(st_ptr)
+    s_t = tl.load(st_ptr + rows * stride_st, mask=rows < M, other=1.0)[:, None, None]   # stride 0: one scale
     lo = _nvfp4_out_bits(_e2m1_value(b & 15) * sv * s_t, nan, OUT_KIND, NAN_BITS)
     hi = _nvfp4_out_bits(_e2m1_value(b >> 4) * sv * s_t, nan, OUT_KIND, NAN_BITS)
     if OUT_KIND == 2:
@@ -293,16 +296,17 @@ _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, dtype: torch.dtype,
                      block_m: int = 4, block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """dequantize_nvfp4_ref's contract and bits: data uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
-    tensor_scale float32 0-d -> dtype [M, K] (bf16, fp16 or fp32)."""
+    tensor_scale float32 0-d or [M] (per row) -> dtype [M, K] (bf16, fp16 or fp32)."""
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=dtype, device=data.device)
     if m and k:
+        s_t = tensor_scale.to(torch.float32).reshape(-1).contiguous()
         block_k = min(block_k, triton.next_power_of_2(k))
         words, kind = pair_view(out)
         grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
         _dequantize_nvfp4_kernel[grid](
-            data, scale.view(torch.uint8), tensor_scale.to(torch.float32).reshape(1), words, m, k // NVFP4_BLOCK,
-            data.stride(0), scale.stride(0), words.stride(0), OUT_KIND=_OUT_KIND[dtype],
+            data, scale.view(torch.uint8), s_t, words, m, k // NVFP4_BLOCK,
+            data.stride(0), scale.stride(0), words.stride(0), 1 if tensor_scale.dim() else 0, OUT_KIND=_OUT_KIND[dtype],
             NAN_BITS=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
     return out

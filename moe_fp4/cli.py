@@ -98,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
     c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
                    help="with torchrun (expert parallelism): wire formats of the other exchanges, ROLE one of "
-                        "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, native (default: bf16 "
-                        "for all three; the dispatch travels in each mode's format: bf16, fp8, mxfp4)")
+                        "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, native, and for "
+                        "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) (default: bf16 for all three; the "
+                        "dispatch travels in each mode's format: bf16, fp8, mxfp4)")
     c.add_argument("--hook", action="store_true",
                    help="a Hugging Face MoE model with and without activation compression")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
@@ -219,6 +220,9 @@ def parse_wire(text: str) -> dict[str, str]:
             raise ValueError(f"--wire: {item!r} is not ROLE=FMT with ROLE one of {', '.join(WIRE_ROLES)}")
         if fmt not in formats:
             raise ValueError(f"--wire: {role}={fmt!r}: the format must be one of {', '.join(formats)}")
+        if role == "combine" and fmt.endswith("-sr"):
+            raise ValueError(f"--wire: combine={fmt} rounds stochastically, which is for gradients only; "
+                             f"use it for dispatch_grad or combine_grad")
         if role in out:
             raise ValueError(f"--wire: {role} is given twice")
         out[role] = fmt

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
-from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, pack, unpack
+from moe_fp4.wire import HIDDEN_MULTIPLE, STOCHASTIC, OutputFormat, WireFormat, pack, unpack
 
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _FORMAT_CODE = {f: i for i, f in enumerate(WireFormat)}
@@ -124,6 +124,16 @@ class ExchangePlan:
                             OutputFormat.BF16, "gradient", self.ledger)
 
 
+def check_value_formats(owner: str, **formats) -> None:
+    """Raise ValueError if a values (forward) exchange is given a stochastic format: those are for
+    gradients (their rounding is unbiased, not nearest)."""
+    for name, fmt in formats.items():
+        if WireFormat(fmt) in STOCHASTIC:
+            raise ValueError(f"{owner}: {name}={WireFormat(fmt).value} rounds stochastically, which is for "
+                             f"gradients only; use it for {name}_grad, and a nearest format "
+                             f"({WireFormat(fmt).value.removesuffix('-sr')}) for {name}")
+
+
 def _splits(sizes, n: int, world: int, what: str) -> tuple[tuple[int, ...] | None, str | None]:
     """-> (splits, problem): None sizes mean n / world rows each (n must divide)."""
     if sizes is None or len(sizes) == 0:
@@ -141,6 +151,9 @@ def _splits(sizes, n: int, world: int, what: str) -> tuple[tuple[int, ...] | Non
 def _local_problem(x, n: int, hidden: int, dtype, forward, backward, output, group, in_sizes) -> str | None:
     if dtype not in HIGH_PRECISION_DTYPES:
         return f"x must be bfloat16, float16 or float32 (or an FP8BlockTensor / MXFP4Tensor), got {dtype}"
+    if forward in STOCHASTIC:
+        return (f"the {forward.value} wire format rounds stochastically, for gradients only: give it as the "
+                f"backward format")
     for fmt in (forward, backward):
         if hidden % HIDDEN_MULTIPLE[fmt]:
             return f"the row size H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[fmt]} for the {fmt.value} wire format"
@@ -220,7 +233,7 @@ def plan_exchange(x, output_split_sizes, input_split_sizes, group, forward, back
 
 def run_exchange(x, plan: ExchangePlan):
     """Pack x in plan.forward, exchange, unpack to plan.output (no autograd, no checks)."""
-    send = pack(x, plan.forward)
+    send = pack(x, plan.forward, rank=dist.get_rank(plan.group) if plan.forward in STOCHASTIC else 0)
     if plan.ledger is not None:
         plan.ledger(plan.direction, plan.forward, send.numel())
     wire = exchange_rows(send, plan.input_splits, plan.output_splits, plan.group)
@@ -350,6 +363,7 @@ class SwapConfig:
     def __post_init__(self):
         for name in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
             object.__setattr__(self, name, WireFormat(getattr(self, name)))
+        check_value_formats(type(self).__name__, dispatch=self.dispatch, combine=self.combine)
         object.__setattr__(self, "unmarked", Role(self.unmarked))
 
     def formats(self, role: Role) -> tuple[WireFormat, WireFormat]:

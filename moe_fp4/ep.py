@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_fp4.comm import exchange_rows, grad_carrier, resolve_group
+from moe_fp4.comm import check_value_formats, exchange_rows, grad_carrier, resolve_group
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN
-from moe_fp4.wire import HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, unpack, views
+from moe_fp4.wire import DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, \
+    unpack, views
 
 TOKEN_ALIGN = 128
 
@@ -44,9 +45,12 @@ class EPConfig:
     """Expert parallelism for the MoE layer.
 
     group: the EP process group (None: the default group); its size must divide the expert count.
-    combine: wire format of the combine (expert outputs back to their tokens).
-    dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks).
-    combine_grad: wire format of the combine's gradient (backward, to the experts' ranks).
+    combine: wire format of the combine (expert outputs back to their tokens): bf16, fp8, mxfp4, nvfp4
+    or native.
+    dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks); those of
+    combine, or mxfp4-sr / nvfp4-sr (stochastic rounding, unbiased: for gradients only).
+    combine_grad: wire format of the combine's gradient (backward, to the experts' ranks); as
+    dispatch_grad.
     The dispatch itself travels in the layer precision's format: mxfp4 (fp4), fp8 (fp8), bf16 (bf16).
     """
 
@@ -58,6 +62,7 @@ class EPConfig:
     def __post_init__(self):
         for name in ("combine", "dispatch_grad", "combine_grad"):
             object.__setattr__(self, name, WireFormat(getattr(self, name)))
+        check_value_formats("EPConfig", combine=self.combine)
 
     @property
     def process_group(self):
@@ -219,7 +224,7 @@ class _Dispatch(torch.autograd.Function):
             g.index_add_(0, route.src_row, g_rows.float())
         off = _meta_offset(fmt, hidden, ctx.dtype)
         wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=g.device)
-        pack(g[:r].to(ctx.dtype), fmt, out=wire)
+        pack(g[:r].to(ctx.dtype), fmt, out=wire, rank=plan.rank)
         wire[:, off:].view(torch.float32)[:] = g_w
         back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group)
         dx_rows = unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype).float()
@@ -250,7 +255,7 @@ class _Combine(torch.autograd.Function):
         route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
         hidden = g.shape[1]
         g_send = g.index_select(0, plan.src_token).contiguous()
-        got = exchange_rows(pack(g_send, fmt), plan.send_splits, plan.recv_splits, plan.group)
+        got = exchange_rows(pack(g_send, fmt, rank=plan.rank), plan.send_splits, plan.recv_splits, plan.group)
         recv = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
         if route is None:
             return recv, None, None, None, None
@@ -294,8 +299,13 @@ class Dispatched:
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan: DispatchPlan,
              fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16, expand: bool = True) -> Dispatched:
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
-    backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" on the wire."""
+    backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" | "native" on the wire (with ``expand=False``
+    also "nvfp4", decoded on arrival); grad_fmt: any format, the -sr ones included."""
     fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    check_value_formats("dispatch", fmt=fmt)
+    if expand and fmt not in DISPATCH_FORMATS:
+        raise ValueError(f"dispatch: fmt={fmt.value} cannot feed the expert GEMMs (no {fmt.value} -> FP8 conversion "
+                         f"yet); use one of {', '.join(f.value for f in DISPATCH_FORMATS)}, or expand=False")
     _check_hidden(x.shape[1], (fmt, grad_fmt), "dispatch")
     xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand)
     if not expand:
@@ -311,6 +321,7 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
     weights -> bf16 [T, H]: for each token the sum of its k experts' weighted outputs (one
     collective; backward: one collective). Nothing is saved for backward."""
     fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    check_value_formats("combine", fmt=fmt)
     _check_hidden(y.shape[1], (fmt, grad_fmt), "combine")
     return _Combine.apply(y, sent.route, plan, fmt, grad_fmt)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
+from moe_fp4.comm import check_value_formats
 from moe_fp4.ep import combine, dispatch, plan_dispatch
 from moe_fp4.wire import WireFormat
 
@@ -40,6 +41,7 @@ class HFEPFormats:
     def __post_init__(self):
         for name in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
             object.__setattr__(self, name, WireFormat(getattr(self, name)))
+        check_value_formats("HFEPFormats", dispatch=self.dispatch, combine=self.combine)
 
 
 class MoeFp4EP(EPImplementation):

@@ -3,6 +3,7 @@
 | format  | row bytes (hidden H)            | layout                                            |
 | ------- | ------------------------------- | ------------------------------------------------- |
 | `mxfp4` | H/2 + H/32 (7168: 3808)         | `[E2M1 codes, 2 per byte | E8M0 scale per 32]`      |
+| `nvfp4` | H/2 + H/16 + 4 (7168: 4036)     | `[E2M1 codes | E4M3 scale per 16 | float32 tensor scale]` |
 | `fp8`   | H + 4 H/128 (7168: 7392)        | `[E4M3 codes | float32 power-of-two scale per 128]` |
 | `bf16`  | 2 H (7168: 14336)               | the values rounded to bfloat16 (nearest even)      |
 | `native`| H * itemsize (7168 fp32: 28672) | the values in the tensor's own dtype, unchanged    |
@@ -15,6 +16,12 @@ the same strided views). On CPU without ``TRITON_INTERPRET=1`` the pure-torch tw
 A wire format means what it says: ``bf16`` puts bfloat16 on the wire whatever the tensor's dtype (a
 float32 tensor is rounded to bfloat16 and comes back as float32 holding those values); ``native``
 passes the tensor's own dtype through (for bfloat16 tensors the two send the same bytes).
+
+``mxfp4-sr`` and ``nvfp4-sr`` are the same rows with the E2M1 codes rounded stochastically (issue 27):
+for gradients, unbiased. Their random bits come from (seed, step, rank, element): the seed set by
+:func:`seed_stochastic_rounding` (0 by default), the step a counter of stochastic packs in this process
+(every rank counts the same exchanges), the rank the sender's. An NVFP4 row carries its sender's tensor
+scale, so rows from several ranks decode each with its own.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ import torch
 
 from moe_fp4._ops import _pick
 from moe_fp4.api import _use_triton, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
-from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
+from moe_fp4.kernels import nvfp4 as _nvfp4
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref, m_major
-from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
+from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
 
 class WireFormat(str, enum.Enum):
@@ -39,6 +47,9 @@ class WireFormat(str, enum.Enum):
     FP8 = "fp8"      # E4M3 in 1x128 tiles with float32 power-of-two scales: 8.25 bits
     BF16 = "bf16"    # bfloat16 (round to nearest even), back to the tensor's dtype on arrival: 16 bits
     NATIVE = "native"  # unchanged, in the tensor's own dtype (float32: 32 bits)
+    NVFP4 = "nvfp4"  # E2M1, an E4M3 scale per 16, the sender's float32 tensor scale per row: 4.5 bits + 4 bytes
+    MXFP4_SR = "mxfp4-sr"  # mxfp4 rows, the codes rounded stochastically (gradients)
+    NVFP4_SR = "nvfp4-sr"  # nvfp4 rows, the codes rounded stochastically (gradients)
 
 
 class OutputFormat(str, enum.Enum):
@@ -50,9 +61,39 @@ class OutputFormat(str, enum.Enum):
 
 
 # Block the hidden size must be a multiple of, per wire format.
-HIDDEN_MULTIPLE = {WireFormat.MXFP4: MXFP4_BLOCK, WireFormat.FP8: FP8_TILE, WireFormat.BF16: 1, WireFormat.NATIVE: 1}
+HIDDEN_MULTIPLE = {WireFormat.MXFP4: MXFP4_BLOCK, WireFormat.FP8: FP8_TILE, WireFormat.BF16: 1, WireFormat.NATIVE: 1,
+                   WireFormat.NVFP4: _nvfp4.NVFP4_BLOCK, WireFormat.MXFP4_SR: MXFP4_BLOCK,
+                   WireFormat.NVFP4_SR: _nvfp4.NVFP4_BLOCK}
 # Wire formats that send the values unquantized (no scales).
 UNQUANTIZED = (WireFormat.BF16, WireFormat.NATIVE)
+# Stochastically rounded formats: for gradients only (configs reject them for values), and the
+# nearest-rounding format whose rows they share.
+STOCHASTIC = {WireFormat.MXFP4_SR: WireFormat.MXFP4, WireFormat.NVFP4_SR: WireFormat.NVFP4}
+# The formats a layer's dispatch (values into the expert GEMMs) can travel in.
+DISPATCH_FORMATS = (WireFormat.MXFP4, WireFormat.FP8, WireFormat.BF16, WireFormat.NATIVE)
+
+_SR = {"seed": 0, "step": 0}
+
+
+def seed_stochastic_rounding(seed: int) -> None:
+    """Seed the stochastic wire formats' random bits (an int in [0, 2^64)) and restart their step count:
+    a run that calls this with the same seed before the same exchanges sends the same bytes."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise TypeError(f"seed_stochastic_rounding: seed must be an int in [0, 2^64), got {seed!r}")
+    _SR["seed"], _SR["step"] = seed, 0
+
+
+def _next_sr_step() -> tuple[int, int]:
+    """-> (seed, step) for the next stochastic pack; steps count from 0 and wrap at 2^32."""
+    step = _SR["step"]
+    _SR["step"] = (step + 1) % 2**32
+    return _SR["seed"], step
+
+
+def base_format(fmt: WireFormat) -> WireFormat:
+    """The format whose rows ``fmt`` sends (mxfp4-sr -> mxfp4, nvfp4-sr -> nvfp4, others themselves)."""
+    fmt = WireFormat(fmt)
+    return STOCHASTIC.get(fmt, fmt)
 
 
 def wire_dtype(fmt: WireFormat, dtype: torch.dtype) -> torch.dtype | None:
@@ -65,9 +106,11 @@ def wire_dtype(fmt: WireFormat, dtype: torch.dtype) -> torch.dtype | None:
 
 def row_bytes(fmt: WireFormat, hidden: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes per row on the wire for ``hidden`` values of ``dtype`` (dtype matters for native only)."""
-    fmt = WireFormat(fmt)
+    fmt = base_format(fmt)
     if fmt is WireFormat.MXFP4:
         return hidden // 2 + hidden // MXFP4_BLOCK
+    if fmt is WireFormat.NVFP4:
+        return hidden // 2 + hidden // _nvfp4.NVFP4_BLOCK + 4
     if fmt is WireFormat.FP8:
         return hidden + 4 * (hidden // FP8_TILE)
     return hidden * wire_dtype(fmt, dtype).itemsize
@@ -75,14 +118,18 @@ def row_bytes(fmt: WireFormat, hidden: int, dtype: torch.dtype = torch.bfloat16)
 
 def views(wire: torch.Tensor, fmt: WireFormat, hidden: int, dtype: torch.dtype = torch.bfloat16):
     """wire: uint8 [N, >= row_bytes] -> the payload columns as typed, row-strided views:
-    mxfp4 (codes uint8 [N, H/2], scales uint8 [N, H/32]); fp8 (codes float8_e4m3fn [N, H], scales
-    float32 [N, H/128]); bf16 (values bfloat16 [N, H], None); native (values dtype [N, H], None). The
-    row stride must suit the widest view (a multiple of 4 bytes for fp8 scales, of the itemsize for
-    the unquantized ones)."""
-    fmt = WireFormat(fmt)
+    mxfp4 (codes uint8 [N, H/2], scales uint8 [N, H/32]); nvfp4 (codes uint8 [N, H/2], scales uint8
+    [N, H/16 + 4]: the E4M3 bytes, then the 4 bytes of the float32 tensor scale); fp8 (codes
+    float8_e4m3fn [N, H], scales float32 [N, H/128]); bf16 (values bfloat16 [N, H], None); native
+    (values dtype [N, H], None); the -sr formats as their rows'. The row stride must suit the widest
+    view (a multiple of 4 bytes for fp8 scales, of the itemsize for the unquantized ones)."""
+    fmt = base_format(fmt)
     if fmt is WireFormat.MXFP4:
         half = hidden // 2
         return wire[:, :half], wire[:, half:half + hidden // MXFP4_BLOCK]
+    if fmt is WireFormat.NVFP4:
+        half = hidden // 2
+        return wire[:, :half], wire[:, half:half + hidden // _nvfp4.NVFP4_BLOCK + 4]
     if fmt is WireFormat.FP8:
         codes = wire[:, :hidden].view(torch.float8_e4m3fn)
         return codes, wire[:, hidden:hidden + 4 * (hidden // FP8_TILE)].view(torch.float32)
@@ -91,22 +138,53 @@ def views(wire: torch.Tensor, fmt: WireFormat, hidden: int, dtype: torch.dtype =
 
 
 def _float_rows(x) -> torch.Tensor:
-    if isinstance(x, (MXFP4Tensor, FP8BlockTensor)):
-        return x.dequantize().reshape(x.m, x.k)
+    if isinstance(x, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)):
+        return x.dequantize(x.dtype).reshape(x.m, x.k)
     return x
 
 
-def pack(x, fmt: WireFormat, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: float [N, H] (contiguous), FP8BlockTensor [N, H] or MXFP4Tensor [N, H] -> uint8 [N, B] wire rows.
+def _pack_stochastic_or_nvfp4(x, fmt: WireFormat, out: torch.Tensor, rank: int) -> torch.Tensor:
+    """pack for nvfp4, mxfp4-sr and nvfp4-sr: quantize (a kernel on CUDA), then copy into the rows.
+    Containers are decoded to floats first (no direct FP8 / MXFP4 -> NVFP4 conversion yet)."""
+    hidden = x.k if isinstance(x, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)) else x.shape[1]
+    base = base_format(fmt)
+    dst = views(out, fmt, hidden)
+    if isinstance(x, NVFP4Tensor) and fmt is WireFormat.NVFP4:
+        data, scale, s_t = x.data, x.scale, x.tensor_scale     # already in the wire's format: copied
+    else:
+        rows = _float_rows(x)
+        sr = fmt in STOCHASTIC
+        seed, step = _next_sr_step() if sr else (0, 0)
+        rounding = Rounding.STOCHASTIC if sr else Rounding.NEAREST
+        if base is WireFormat.MXFP4:
+            q = quantize_mxfp4(rows, rounding, seed, step, rank)
+            dst[0].copy_(q.data)
+            dst[1].copy_(q.scale)
+            return out
+        data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4", _use_triton(rows))(rows, None, rounding, seed, step, rank)
+    nb = hidden // _nvfp4.NVFP4_BLOCK
+    dst[0].copy_(data)
+    dst[1][:, :nb].copy_(scale.view(torch.uint8))
+    dst[1][:, nb:].copy_(s_t.reshape(1).view(torch.uint8).expand(dst[1].shape[0], 4))
+    return out
+
+
+def pack(x, fmt: WireFormat, out: torch.Tensor | None = None, rank: int = 0) -> torch.Tensor:
+    """x: float [N, H] (contiguous), FP8BlockTensor, MXFP4Tensor or NVFP4Tensor [N, H] -> uint8 [N, B]
+    wire rows.
 
     A float input is quantized into the rows in one pass; a container of the wire's own format is
-    copied as is (no re-quantization); other containers are converted directly (FP8 <-> MXFP4).
-    ``out``: an existing uint8 [N, >= B] buffer (the EP layer appends routing data after column B);
-    without it a new [N, B] buffer is returned (for an unquantized wire whose dtype x already has: a
-    view of x, no copy).
+    copied as is (no re-quantization); other containers are converted directly (FP8 <-> MXFP4) or, for
+    the nvfp4 and -sr formats, decoded and quantized again. ``out``: an existing uint8 [N, >= B] buffer
+    (the EP layer appends routing data after column B); without it a new [N, B] buffer is returned
+    (for an unquantized wire whose dtype x already has: a view of x, no copy). ``rank``: the sender's
+    rank in the exchange's group, one of the stochastic formats' random-bit counters.
     """
     fmt = WireFormat(fmt)
-    n, hidden = (x.m, x.k) if isinstance(x, (MXFP4Tensor, FP8BlockTensor)) else x.shape
+    if isinstance(x, NVFP4Tensor) and base_format(fmt) is not WireFormat.NVFP4:
+        return pack(_float_rows(x), fmt, out, rank)        # decoded, then as a float tensor
+    containers = (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)
+    n, hidden = (x.m, x.k) if isinstance(x, containers) else x.shape
     dtype = x.dtype
     if fmt in UNQUANTIZED:
         rows = _float_rows(x)
@@ -117,6 +195,8 @@ def pack(x, fmt: WireFormat, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(n, row_bytes(fmt, hidden), dtype=torch.uint8,
                           device=x.device if isinstance(x, torch.Tensor) else x.data.device)
+    if fmt in STOCHASTIC or fmt is WireFormat.NVFP4:
+        return _pack_stochastic_or_nvfp4(x, fmt, out, rank)
     dst = views(out, fmt, hidden)
     if fmt is WireFormat.MXFP4:
         own, other_to_own, kernels, name = MXFP4Tensor, quantize_mxfp4, _mxfp4, "quantize_mxfp4_rowwise"
@@ -139,12 +219,22 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
     One pass from the strided wire views where the formats differ (MXFP4 -> bf16, MXFP4 -> FP8,
     FP8 -> MXFP4); a copy into contiguous containers where they agree.
     """
-    fmt, output = WireFormat(fmt), OutputFormat(output)
+    fmt, output = base_format(fmt), OutputFormat(output)
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"unpack: dtype must be bfloat16, float16 or float32, got {dtype}")
     n = wire.shape[0]
     d, s = views(wire, fmt, hidden, dtype)
     tri = _use_triton(wire)
+    if fmt is WireFormat.NVFP4:
+        nb = hidden // _nvfp4.NVFP4_BLOCK
+        # Each row decodes with its sender's tensor scale (bytes to float32 through a contiguous copy:
+        # the wire's rows need not be 4-byte aligned there).
+        s_t = s[:, nb:].contiguous().view(torch.float32).reshape(n)
+        rows = _pick(_nvfp4, "dequantize_nvfp4", tri)(d.contiguous(), s[:, :nb].contiguous().view(torch.float8_e4m3fn),
+                                                      s_t, dtype)
+        if output is OutputFormat.BF16:
+            return rows
+        return quantize_fp8(rows) if output is OutputFormat.FP8 else quantize_mxfp4(rows)
     if fmt in UNQUANTIZED:
         rows = d.to(dtype).contiguous()   # bf16 wire -> the tensor's dtype (exact)
         if output is OutputFormat.BF16:
@@ -167,5 +257,5 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
     return MXFP4Tensor(md, ms, (n, hidden), dtype)
 
 
-__all__ = ["HIDDEN_MULTIPLE", "UNQUANTIZED", "OutputFormat", "WireFormat", "pack", "row_bytes", "unpack", "views",
-           "wire_dtype"]
+__all__ = ["DISPATCH_FORMATS", "HIDDEN_MULTIPLE", "STOCHASTIC", "UNQUANTIZED", "OutputFormat", "WireFormat",
+           "base_format", "pack", "row_bytes", "seed_stochastic_rounding", "unpack", "views", "wire_dtype"]

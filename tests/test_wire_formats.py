@@ -1,0 +1,145 @@
+"""Issue 27's wire formats: nvfp4 (per-row tensor scale) and the stochastic mxfp4-sr / nvfp4-sr for
+gradients. Row layout and bytes, round trips against the quantizers, reproducibility from the seed,
+the configs that refuse a stochastic format for values, and a 2-rank gloo exchange whose gradients
+travel in each new format (rows tagged by their sender)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+H = 64
+
+
+def test_row_bytes_and_views():
+    from moe_fp4 import wire as W
+
+    assert W.row_bytes("nvfp4", 7168) == 3584 + 448 + 4 == W.row_bytes("nvfp4-sr", 7168)
+    assert W.row_bytes("mxfp4-sr", 7168) == W.row_bytes("mxfp4", 7168) == 3808
+    assert W.HIDDEN_MULTIPLE[W.WireFormat("nvfp4")] == 16 and W.HIDDEN_MULTIPLE[W.WireFormat("mxfp4-sr")] == 32
+    wire = torch.zeros(3, W.row_bytes("nvfp4", H), dtype=torch.uint8)
+    d, s = W.views(wire, "nvfp4", H)
+    assert d.shape == (3, H // 2) and s.shape == (3, H // 16 + 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_rows_round_trip_with_each_senders_tensor_scale(dtype):
+    import moe_fp4
+    from moe_fp4 import wire as W
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, H, generator=g).to(dtype), (torch.randn(4, H, generator=g) * 1e4).to(dtype)
+    rows = torch.cat([W.pack(a, "nvfp4"), W.pack(b, "nvfp4")])      # two senders, two tensor scales
+    got = W.unpack(rows, "nvfp4", H, "bf16", dtype)
+    want = torch.cat([moe_fp4.quantize_nvfp4(a).dequantize(dtype), moe_fp4.quantize_nvfp4(b).dequantize(dtype)])
+    assert torch.equal(got.view(torch.uint8) if dtype == torch.float32 else got.view(torch.int16),
+                       want.view(torch.uint8) if dtype == torch.float32 else want.view(torch.int16))
+    # An NVFP4Tensor of the wire's format is copied as it is.
+    q = moe_fp4.quantize_nvfp4(a)
+    assert torch.equal(W.pack(q, "nvfp4"), W.pack(a, "nvfp4"))
+    # Other outputs: through the float rows.
+    m = W.unpack(rows, "nvfp4", H, "mxfp4", dtype)
+    assert torch.equal(m.data, moe_fp4.quantize_mxfp4(want).data)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4-sr", "nvfp4-sr"])
+def test_stochastic_rows_reproducible_from_the_seed_and_distinct_per_rank(fmt):
+    import moe_fp4
+    from moe_fp4 import wire as W
+
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(2))
+    W.seed_stochastic_rounding(11)
+    first, second = W.pack(x, fmt, rank=1), W.pack(x, fmt, rank=1)       # steps 0 and 1
+    W.seed_stochastic_rounding(11)
+    assert torch.equal(W.pack(x, fmt, rank=1), first)                    # the same seed: the same bytes
+    assert not torch.equal(second, first)                                # the next step draws new bits
+    W.seed_stochastic_rounding(11)
+    assert not torch.equal(W.pack(x, fmt, rank=0), first)                # each rank its own bits
+    # The bytes are the quantizer's at (seed, step 0, rank 1).
+    quant = moe_fp4.quantize_mxfp4 if fmt == "mxfp4-sr" else moe_fp4.quantize_nvfp4
+    q = quant(x, rounding="stochastic", seed=11, step=0, rank=1)
+    d, _ = W.views(first, fmt, H)
+    assert torch.equal(d, q.data)
+    W.seed_stochastic_rounding(0)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        W.seed_stochastic_rounding(-1)
+
+
+def test_stochastic_formats_are_refused_for_values():
+    from moe_fp4.cli import parse_wire
+    from moe_fp4.comm import SwapConfig
+    from moe_fp4.ep import EPConfig
+    from moe_fp4.hf import HFEPFormats
+
+    for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr"),
+                 lambda: HFEPFormats(combine="nvfp4-sr")):
+        with pytest.raises(ValueError, match="for gradients only"):
+            make()
+    assert EPConfig(combine="nvfp4", dispatch_grad="mxfp4-sr", combine_grad="nvfp4-sr").combine_grad.value == "nvfp4-sr"
+    assert parse_wire("combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr") == {
+        "combine": "nvfp4", "dispatch_grad": "mxfp4-sr", "combine_grad": "nvfp4-sr"}
+    with pytest.raises(ValueError, match="for gradients only"):
+        parse_wire("combine=mxfp4-sr")
+
+
+def _exchange_case(rank: int, world: int):
+    """Rank r sends S[r][d] rows to rank d; forward bf16 (exact routing, tags in columns 0-1), backward
+    in each new format. The gradient a rank receives from rank d is d's whole send buffer of loss
+    weights quantized by d (its tensor scale, its rank in the random bits, step 0 after the reseed),
+    then routed: rebuilt here from every rank's seeds."""
+    import moe_fp4
+    from moe_fp4 import wire as W
+    from moe_fp4.comm import all_to_all
+
+    torch.set_num_threads(1)
+    S = [[1, 3], [2, 2]]
+    recv = [S[s][rank] for s in range(world)]
+
+    def rows(r):
+        x = torch.randn(sum(S[r]), H, generator=torch.Generator().manual_seed(100 + r))
+        x[:, 0], x[:, 1] = r + 1, torch.arange(sum(S[r])) + 1.0
+        return x.to(torch.bfloat16)
+
+    def weights(d):   # the loss weights on rank d's received rows: d's gradient send buffer
+        return torch.randn(sum(S[s][d] for s in range(world)), H, generator=torch.Generator().manual_seed(200 + d)) \
+            * (1.0 if d == 0 else 300.0)
+
+    out = {}
+    for fmt in ("nvfp4", "mxfp4-sr", "nvfp4-sr"):
+        x = rows(rank).clone().requires_grad_()
+        W.seed_stochastic_rounding(5)
+        y = all_to_all(x, recv, S[rank], forward="bf16", backward=fmt)
+        assert [(int(a), int(b)) for a, b in y[:, :2].float().tolist()] == \
+            [(s + 1, sum(S[s][:rank]) + j + 1) for s in range(world) for j in range(S[s][rank])]
+        (y.float() * weights(rank)).sum().backward()
+        # Expected: each sender d packs its buffer (rows in the order of its sources) at step 0.
+        parts = []
+        for d in range(world):
+            W.seed_stochastic_rounding(5)
+            back = W.unpack(W.pack(weights(d).to(torch.bfloat16), fmt, rank=d), fmt, H, "bf16", torch.bfloat16)
+            start = sum(S[s][d] for s in range(rank))
+            parts.append(back[start:start + S[rank][d]])
+        want = torch.cat(parts)
+        out[fmt] = bool(torch.equal(x.grad.view(torch.int16), want.view(torch.int16)))
+    # nvfp4 values: each receiver decodes the rows of each sender with that sender's tensor scale.
+    x = rows(rank)
+    y = all_to_all(x, recv, S[rank], forward="nvfp4", backward="bf16")
+    parts = []
+    for s in range(world):
+        got = moe_fp4.quantize_nvfp4(rows(s)).dequantize(torch.bfloat16)
+        parts.append(got[sum(S[s][:rank]):sum(S[s][:rank]) + S[s][rank]])
+    out["nvfp4 values"] = bool(torch.equal(y.view(torch.int16), torch.cat(parts).view(torch.int16)))
+    with pytest.raises(ValueError, match="for gradients only"):
+        all_to_all(x, recv, S[rank], forward="mxfp4-sr")
+    W.seed_stochastic_rounding(0)
+    return out
+
+
+def test_two_ranks_exchange_gradients_in_each_new_format():
+    results = run_ranks(_exchange_case, 2)
+    for rank, res in enumerate(results):
+        assert set(res) == {"nvfp4", "mxfp4-sr", "nvfp4-sr", "nvfp4 values"}, res
+        for key, value in res.items():
+            assert value, (rank, key, res)
