@@ -276,3 +276,17 @@ def test_tensor_scale_kernel_equals_the_reference(dtype, case):
     got, want = N.nvfp4_tensor_scale(x), N.nvfp4_tensor_scale_ref(x)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert torch.equal(got.view(1).view(torch.int32), want.view(1).view(torch.int32)), (got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel_with_a_tensor_scale_per_row(dtype):
+    # Rows received from several senders, each with its sender's tensor scale (the nvfp4 wire).
+    g = torch.Generator().manual_seed(4)
+    parts = [N.quantize_nvfp4_ref(torch.randn(3, 48, generator=g) * f) for f in (1e-3, 1.0, 5e4)]
+    data = torch.cat([p[0] for p in parts]).to(DEVICE)
+    scale = torch.cat([p[1] for p in parts]).to(DEVICE)
+    s_t = torch.cat([p[2].reshape(1).expand(3) for p in parts]).to(DEVICE)
+    got, want = N.dequantize_nvfp4(data, scale, s_t, dtype), N.dequantize_nvfp4_ref(data, scale, s_t, dtype)
+    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+    each = torch.cat([N.dequantize_nvfp4_ref(p[0], p[1], p[2], dtype) for p in parts]).to(DEVICE)
+    assert torch.equal(want.view(-1).view(torch.uint8), each.view(-1).view(torch.uint8))
