@@ -71,10 +71,8 @@ def test_stochastic_formats_are_refused_for_values():
     from moe_fp4.cli import parse_wire
     from moe_fp4.comm import SwapConfig
     from moe_fp4.ep import EPConfig
-    from moe_fp4.hf import HFEPFormats
 
-    for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr"),
-                 lambda: HFEPFormats(combine="nvfp4-sr")):
+    for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr")):
         with pytest.raises(ValueError, match="for gradients only"):
             make()
     assert EPConfig(combine="nvfp4", dispatch_grad="mxfp4-sr", combine_grad="nvfp4-sr").combine_grad.value == "nvfp4-sr"
@@ -82,6 +80,15 @@ def test_stochastic_formats_are_refused_for_values():
         "combine": "nvfp4", "dispatch_grad": "mxfp4-sr", "combine_grad": "nvfp4-sr"}
     with pytest.raises(ValueError, match="for gradients only"):
         parse_wire("combine=mxfp4-sr")
+
+
+def test_the_hugging_face_formats_refuse_them_too():
+    pytest.importorskip("transformers.distributed.expert_parallel")
+    from moe_fp4.hf import HFEPFormats
+
+    with pytest.raises(ValueError, match="for gradients only"):
+        HFEPFormats(combine="nvfp4-sr")
+    assert HFEPFormats(dispatch="nvfp4", dispatch_grad="nvfp4-sr").dispatch_grad.value == "nvfp4-sr"
 
 
 def _exchange_case(rank: int, world: int):
