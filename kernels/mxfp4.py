@@ -18,6 +18,7 @@ from moe_fp4.kernels.triton_numerics import (
     row_chunks,
     row_column_grid,
     row_column_program,
+    store_pair_words,
     bytes_0246,
     bytes_0246_asm,
     ceil_log2_ratio_bits,
@@ -255,11 +256,7 @@ def _dequantize_mxfp4_kernel(
     s3 = s[:, :, None]
     lo = _f32_bits_to_out(e2m1_decode_scaled(b & 15, s3), nan, OUT_KIND, NAN_BITS)
     hi = _f32_bits_to_out(e2m1_decode_scaled(b >> 4, s3), nan, OUT_KIND, NAN_BITS)
-    if OUT_KIND == 2:
-        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
-    else:
-        word = (hi << 16) | lo
-    tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask3)
+    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_KIND)
 
 
 @triton.jit

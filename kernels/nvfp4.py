@@ -54,6 +54,7 @@ from moe_fp4.kernels.triton_numerics import (
     philox_words,
     row_column_grid,
     row_column_program,
+    store_pair_words,
 )
 
 NVFP4_BLOCK = 16
@@ -213,11 +214,7 @@ def _dequantize_nvfp4_kernel(
     s_t = tl.load(st_ptr + rows * stride_st, mask=rows < M, other=1.0)[:, None, None]   # stride 0: one scale
     lo = _nvfp4_out_bits(_e2m1_value(b & 15) * sv * s_t, nan, OUT_KIND, NAN_BITS)
     hi = _nvfp4_out_bits(_e2m1_value(b >> 4) * sv * s_t, nan, OUT_KIND, NAN_BITS)
-    if OUT_KIND == 2:
-        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
-    else:
-        word = (hi << 16) | lo
-    tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask3)
+    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_KIND)
 
 
 @triton.jit

@@ -197,6 +197,17 @@ def mx_encode_pairs_stochastic(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mul
 
 
 @triton.jit
+def store_pair_words(ptr, offs, lo, hi, mask, OUT_KIND: tl.constexpr):
+    """Store elements 2i and 2i+1, given as int32 bit patterns of the output dtype (lo, hi), as one pair
+    word each: int64 [hi fp32 | lo fp32] for float32 output (OUT_KIND 2), int32 [hi | lo] for 16-bit."""
+    if OUT_KIND == 2:
+        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    else:
+        word = (hi << 16) | lo
+    tl.store(ptr + offs, word, mask=mask)
+
+
+@triton.jit
 def bf16_pair_bits(w):
     """int32 BF16 pair word [hi bf16 | lo bf16] -> (lo, hi) int32 fp32 bit patterns of elements 2i
     and 2i+1 (BF16 bits are the fp32 top half)."""

@@ -57,6 +57,13 @@ def make_input(shape, kind: str, dtype=torch.float32, seed: int = 0, device="cpu
     return x.to(dtype).to(device)
 
 
+def binade_blocks(m: int, k: int, block: int, span: int, g: torch.Generator) -> torch.Tensor:
+    """float32 [m, k] N(0, 1) values, each ``block`` consecutive columns of a row scaled by its own 2^e,
+    e uniform in [-span, span): blocks over many binades, for quantizer tests."""
+    e = torch.randint(-span, span, (m, k // block), generator=g).float()
+    return torch.randn(m, k, generator=g) * torch.exp2(e).repeat_interleave(block, dim=1)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Raw-byte equality (NaN == NaN when the bits agree; +0 != -0)."""
     if a.shape != b.shape or a.dtype != b.dtype:

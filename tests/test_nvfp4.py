@@ -15,6 +15,7 @@ import torch
 
 import moe_fp4
 import moe_fp4.reference
+from helpers import binade_blocks
 from moe_fp4.kernels import nvfp4 as N
 from moe_fp4.metrics import sqnr_db
 
@@ -204,9 +205,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _hard_nvfp4(m: int, k: int, seed: int) -> torch.Tensor:
     """[m, k] over many binades per 16-block, with NaN / Inf / zero / negative-zero / tiny blocks and E2M1
     midpoints (rows permitting)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-20, 20, (m, k // 16), generator=g).float()
-                                                    ).repeat_interleave(16, dim=1)
+    x = binade_blocks(m, k, 16, 20, torch.Generator().manual_seed(seed))
     if m >= 3 and k >= 64:
         x[0, 3] = float("nan")
         x[0, 17] = float("inf")

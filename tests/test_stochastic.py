@@ -11,6 +11,7 @@ import triton.language as tl
 
 import moe_fp4
 import moe_fp4.reference
+from helpers import binade_blocks
 from moe_fp4.kernels.numerics import encode_e2m1_stochastic, philox4x32, random_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,8 +141,7 @@ def _hard_rows(m: int, k: int, dtype, seed: int) -> torch.Tensor:
     """[m, k] values over many binades, with a NaN block, an Inf block, a zero block, a block at float32's
     smallest scales and one at its largest (rows permitting)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-30, 30, (m, k // 32), generator=g).float()
-                                                    ).repeat_interleave(32, dim=1)
+    x = binade_blocks(m, k, 32, 30, g)
     if m >= 2 and k >= 96:
         x[0, 5] = float("nan")
         x[0, 40] = float("-inf")
