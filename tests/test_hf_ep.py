@@ -251,9 +251,9 @@ def _spies(calls: dict, wire: list):
         calls[type(self).__name__] = calls.get(type(self).__name__, 0) + 1
         return real_call(self, *args, **kwargs)
 
-    def spy_pack(x, fmt, out=None):
+    def spy_pack(x, fmt, out=None, **kwargs):
         wire.append(WireFormat(fmt).value)
-        return real_pack(x, fmt, out=out)
+        return real_pack(x, fmt, out=out, **kwargs)
 
     hf.MoeFp4EP.__call__, ep.pack = counting_call, spy_pack
     try:
@@ -279,9 +279,9 @@ def _ep_worker(rank, world):
     quantized_shapes: list[tuple] = []
     real_quantize = hook._quantize
 
-    def spy_quantize(t):
+    def spy_quantize(t, *args):
         quantized_shapes.append(tuple(t.shape))
-        return real_quantize(t)
+        return real_quantize(t, *args)
 
     hook._quantize = spy_quantize
     try:
