@@ -1,6 +1,8 @@
 """The all-to-all wire format (moe_fp4.wire): pack -> unpack equals the direct API conversion bit for
 bit, for every wire format and every output, on plain, special-value and empty inputs; row sizes;
-containers travel unchanged; a wider ``out`` buffer keeps its extra columns. Single process."""
+containers travel unchanged; a wider ``out`` buffer keeps its extra columns. Single process. The
+stochastic formats are packed right after ``seed_stochastic_rounding(SR_SEED)`` (``_pack``), so their
+bytes are the quantizers' at (SR_SEED, step 0, rank 0)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,20 @@ import torch
 
 import moe_fp4
 from helpers import INPUT_KINDS, make_input, same_bits, torch_references
-from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, pack, row_bytes, unpack, views
+from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, row_bytes, seed_stochastic_rounding, unpack, views
+from moe_fp4.wire import pack as _wire_pack
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWS, HIDDEN = 6, 256   # small: the kernels run in the Triton interpreter on CPU
 FILL = 0xA5             # marker byte for columns pack must not touch
+SR_SEED = 17
+SR = {"rounding": "stochastic", "seed": SR_SEED, "step": 0, "rank": 0}
+
+
+def pack(x, fmt, out=None):
+    """wire.pack at step 0 of the stochastic formats' count (each call draws the same bits)."""
+    seed_stochastic_rounding(SR_SEED)
+    return _wire_pack(x, fmt, out=out)
 
 
 def _special(x: torch.Tensor) -> torch.Tensor:
@@ -34,9 +45,13 @@ def _input(kind: str, dtype, seed: int = 0) -> torch.Tensor:
 
 
 def _container_bytes(c) -> torch.Tensor:
-    """A container's rows in the DESIGN wire layout: [codes | scales] (FP8 scales as float32 bytes)."""
+    """A container's rows in the DESIGN wire layout: [codes | scales] (FP8 scales as float32 bytes; NVFP4:
+    [codes | E4M3 scales | the tensor scale's 4 bytes])."""
     if isinstance(c, moe_fp4.MXFP4Tensor):
         return torch.cat([c.data, c.scale], dim=1)
+    if isinstance(c, moe_fp4.NVFP4Tensor):
+        s_t = c.tensor_scale.reshape(1).view(torch.uint8).expand(c.data.shape[0], 4)
+        return torch.cat([c.data, c.scale.view(torch.uint8), s_t], dim=1)
     return torch.cat([c.data.view(torch.uint8), c.scale.contiguous().view(torch.uint8)], dim=1)
 
 
@@ -44,8 +59,8 @@ def _wire_bytes(fmt: WireFormat, x: torch.Tensor) -> torch.Tensor:
     """The wire rows as the DESIGN table defines them, assembled from the API's containers (its pure-torch
     twins, helpers.torch_references: on CPU only pack / unpack run the kernels in the interpreter)."""
     with torch_references():
-        if fmt is WireFormat.MXFP4:
-            return _container_bytes(moe_fp4.quantize_mxfp4(x))
+        if fmt in (WireFormat.MXFP4, WireFormat.NVFP4, WireFormat.MXFP4_SR, WireFormat.NVFP4_SR):
+            return _container_bytes(_fp4(fmt, x))
         if fmt is WireFormat.FP8:
             return _container_bytes(moe_fp4.quantize_fp8(x))
         if fmt is WireFormat.BF16:
@@ -60,11 +75,19 @@ def _direct(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
         return _direct_api(fmt, output, x)
 
 
+def _fp4(fmt: WireFormat, x: torch.Tensor):
+    """The container a 4-bit wire format sends for x (stochastic: at SR_SEED, step 0, rank 0)."""
+    quant = moe_fp4.quantize_nvfp4 if fmt in (WireFormat.NVFP4, WireFormat.NVFP4_SR) else moe_fp4.quantize_mxfp4
+    return quant(x, **SR) if fmt in (WireFormat.MXFP4_SR, WireFormat.NVFP4_SR) else quant(x)
+
+
 def _direct_api(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
-    if fmt is WireFormat.MXFP4:
-        q = moe_fp4.quantize_mxfp4(x)
+    if fmt in (WireFormat.MXFP4, WireFormat.MXFP4_SR):
+        q = _fp4(fmt, x)
         return {OutputFormat.BF16: lambda: q.dequantize(), OutputFormat.FP8: lambda: moe_fp4.mxfp4_to_fp8(q),
                 OutputFormat.MXFP4: lambda: q}[output]()
+    if fmt in (WireFormat.NVFP4, WireFormat.NVFP4_SR):
+        x = _fp4(fmt, x).dequantize()          # what arrives: the NVFP4 values in the tensor's dtype
     if fmt is WireFormat.FP8:
         f = moe_fp4.quantize_fp8(x)
         return {OutputFormat.BF16: lambda: f.dequantize(), OutputFormat.FP8: lambda: f,
@@ -113,7 +136,9 @@ def test_row_bytes_match_design():
     for h in (128, 256, 384, 7168):
         q, f = moe_fp4.quantize_mxfp4(torch.ones(1, h)), moe_fp4.quantize_fp8(torch.ones(1, h))
         assert row_bytes("mxfp4", h) == q.nbytes and row_bytes("fp8", h) == f.nbytes
-    assert HIDDEN_MULTIPLE == {WireFormat.MXFP4: 32, WireFormat.FP8: 128, WireFormat.BF16: 1, WireFormat.NATIVE: 1}
+    assert HIDDEN_MULTIPLE == {WireFormat.MXFP4: 32, WireFormat.FP8: 128, WireFormat.BF16: 1, WireFormat.NATIVE: 1,
+                               WireFormat.NVFP4: 16, WireFormat.MXFP4_SR: 32, WireFormat.NVFP4_SR: 16}
+    assert row_bytes("nvfp4", 7168) == row_bytes("nvfp4-sr", 7168) == moe_fp4.quantize_nvfp4(torch.ones(1, 7168)).nbytes
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
