@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                         "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, native, and for "
                         "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) (default: bf16 for all three; the "
                         "dispatch travels in each mode's format: bf16, fp8, mxfp4)")
+    c.add_argument("--simulate-wire", action="store_true",
+                   help="on one process: apply the round trip of each exchange's wire format (the dispatch in the "
+                        "mode's format, --wire's for the others) where expert parallelism would send it, to study "
+                        "the wire's numerics without a second GPU")
     c.add_argument("--hook", action="store_true",
                    help="a Hugging Face MoE model with and without activation compression")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
@@ -250,8 +254,14 @@ def _check(a: argparse.Namespace, cuda: bool):
 
         per_rank_batch(cfg.global_batch, world)
     wire = parse_wire(a.wire)
-    if wire and world == 1:
-        raise ValueError("--wire sets the expert-parallel exchanges: run it under torchrun with 2 or more ranks")
+    if a.simulate_wire and world > 1:
+        raise ValueError("--simulate-wire applies the wire formats on one process; under torchrun the exchanges "
+                         "are real: drop --simulate-wire")
+    if a.simulate_wire and a.hook:
+        raise ValueError("--simulate-wire applies to moe_fp4's model, not to --hook's Hugging Face model")
+    if wire and world == 1 and not a.simulate_wire:
+        raise ValueError("--wire sets the expert-parallel exchanges: run it under torchrun with 2 or more ranks, "
+                         "or add --simulate-wire to apply its formats' round trips on one process")
     if world > 1:
         if a.hook:
             raise ValueError("--hook compares a Hugging Face model on one device; run it without torchrun")
@@ -286,7 +296,10 @@ def compare(a: argparse.Namespace, err) -> int:
     if a.slow_link and world == 1:
         print("note: --slow-link changes only NCCL between processes; it has no effect on one process", flush=True)
     device, rank, world = _distributed(a.slow_link)
-    env = Env(device, rank, world, EPConfig(**parse_wire(a.wire)) if world > 1 else None)
+    ep = None
+    if world > 1 or a.simulate_wire:
+        ep = EPConfig(**parse_wire(a.wire), simulate=world == 1)
+    env = Env(device, rank, world, ep)
     try:
         report = run(cfg, env)
     except ValueError as e:

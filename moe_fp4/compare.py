@@ -385,7 +385,7 @@ def build(cfg: CompareConfig, mode: str, env: Env):
             handle = moe_fp4.register_activation_compression(model)
         return model, _hf_shifted_loss, (), handle
     model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed, recompute=cfg.recompute)
-    return model, _lm_loss, model.expert_parameters() if env.ep is not None else (), None
+    return model, _lm_loss, model.expert_parameters() if env.ep is not None and not env.ep.simulate else (), None
 
 
 def _batches(cfg: CompareConfig, env: Env, corpus, held_out: bool = False):
@@ -709,7 +709,8 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     if env.ep is not None:
         # What each exchange sends: the dispatch in the mode's format, the rest as EPConfig says.
         meta["wire"] = {"dispatch": {m: DISPATCH_FORMAT[Precision(m)].value for m in cfg.modes if m in MODES},
-                        **{k: getattr(env.ep, k).value for k in ("combine", "dispatch_grad", "combine_grad")}}
+                        **{k: getattr(env.ep, k).value for k in ("combine", "dispatch_grad", "combine_grad")},
+                        "simulated": env.ep.simulate}
     report = {"meta": meta, "config": {**asdict(cfg), "model": asdict(mc)}, "notes": [], "modes": {},
               "max_batch": {}}
     if not env.cuda:

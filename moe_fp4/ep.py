@@ -51,6 +51,12 @@ class EPConfig:
     combine, or mxfp4-sr / nvfp4-sr (stochastic rounding, unbiased: for gradients only).
     combine_grad: wire format of the combine's gradient (backward, to the experts' ranks); as
     dispatch_grad.
+    simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and
+    applies each exchange's round trip where EP would send it (the dispatch in the precision's format
+    on the expert input, its gradient in dispatch_grad; the combine on the layer's routed output, its
+    gradient in combine_grad): the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows
+    and the combine gradient are those EP sends; the combine and dispatch-gradient rows are sums over
+    all of a token's experts, where EP sends one partial sum per rank.
     The dispatch itself travels in the layer precision's format: mxfp4 (fp4), fp8 (fp8), bf16 (bf16).
     """
 
@@ -58,6 +64,7 @@ class EPConfig:
     combine: WireFormat = WireFormat.BF16
     dispatch_grad: WireFormat = WireFormat.BF16
     combine_grad: WireFormat = WireFormat.BF16
+    simulate: bool = False
 
     def __post_init__(self):
         for name in ("combine", "dispatch_grad", "combine_grad"):
@@ -234,6 +241,27 @@ class _Dispatch(torch.autograd.Function):
         return dx.to(ctx.dtype), dw, None, None, None, None, None
 
 
+class _Simulated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat):
+        ctx.grad_fmt = grad_fmt
+        return unpack(pack(x.contiguous(), fmt), fmt, x.shape[1], OutputFormat.BF16, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        fmt = ctx.grad_fmt
+        return unpack(pack(g.contiguous(), fmt), fmt, g.shape[1], OutputFormat.BF16, g.dtype), None, None
+
+
+def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat) -> torch.Tensor:
+    """x: [N, H] -> x as it arrives through the ``fmt`` wire, its gradient as it arrives through
+    ``grad_fmt`` (EPConfig.simulate: an exchange's numerics without a second process)."""
+    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    check_value_formats("simulate_exchange", fmt=fmt)
+    _check_hidden(x.shape[1], (fmt, grad_fmt), "simulate_exchange")
+    return _Simulated.apply(x, fmt, grad_fmt)
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
@@ -326,4 +354,5 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
     return _Combine.apply(y, sent.route, plan, fmt, grad_fmt)
 
 
-__all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch"]
+__all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch",
+           "simulate_exchange"]

@@ -221,7 +221,8 @@ class DecoderLM(nn.Module):
                 p.normal_(0.0, std if name.endswith(("wqkv", "w13", "weight", "embed", "head")) else fan_in ** -0.5,
                           generator=gen)
         for layer, m in enumerate(self.moe_layers()):
-            first = 0 if m.ep is None else torch.distributed.get_rank(m.ep.process_group) * m.num_local_experts
+            sharded = m.ep is not None and not m.ep.simulate
+            first = torch.distributed.get_rank(m.ep.process_group) * m.num_local_experts if sharded else 0
             for e in range(m.num_local_experts):
                 g = torch.Generator(dev).manual_seed(seed * 1_000_003 + (layer + 1) * 65_537 + first + e)
                 m.w13[e].normal_(0.0, std, generator=g)

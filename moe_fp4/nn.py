@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch
+from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch, simulate_exchange
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
 from moe_fp4.hook import as_current, current_compression
@@ -283,7 +283,7 @@ class MoE(nn.Module):
         self.ep = ep
         c, kw = config, {"dtype": dtype, "device": device}
         world = 1
-        if ep is not None:
+        if ep is not None and not ep.simulate:
             world = torch.distributed.get_world_size(ep.process_group)
             if c.num_experts % world:
                 raise ValueError(f"MoE: {c.num_experts} experts do not divide over an EP group of {world} ranks")
@@ -367,14 +367,19 @@ class MoE(nn.Module):
                                       recompute_swiglu=self._swiglu_recompute)[:t]
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.ep is not None:
+        sim = self.ep if self.ep is not None and self.ep.simulate else None
+        if self.ep is not None and sim is None:
             y = self._routed_ep(x2)
         else:
             routing = self.route(x2)
-            y_perm = grouped_swiglu_experts(permute(x2, routing), self.w13, self.w2, routing.padded_counts,
+            # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
+            xd = x2 if sim is None else simulate_exchange(x2, DISPATCH_FORMAT[self.precision], sim.dispatch_grad)
+            y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
                                             self.precision, row_weights=row_weights(routing),
                                             recompute_swiglu=self._swiglu_recompute)
             y = unpermute(y_perm, routing)
+            if sim is not None:
+                y = simulate_exchange(y, sim.combine, sim.combine_grad)
         if self.shared_w13 is not None:
             y = y + self._shared(x2)
         return y

@@ -177,7 +177,7 @@ def test_cli_ep_torchrun(tmp_path, nproc):
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
     assert report["meta"]["wire"] == {"dispatch": {"fp8": "fp8", "fp4": "mxfp4"}, "combine": "mxfp4",
-                                      "dispatch_grad": "fp8", "combine_grad": "bf16"}
+                                      "dispatch_grad": "fp8", "combine_grad": "bf16", "simulated": False}
     assert list(report["modes"]) == ["fp8", "fp4"]
     for mode, row in report["modes"].items():
         assert isinstance(row["a2a_ms"], float) and row["a2a_ms"] > 0, row
@@ -203,6 +203,22 @@ def test_cli_wire_argument():
             parse_wire(bad)
     run = _cli(["compare", "--preset", "tiny", "--steps", 1, "--wire", "combine=fp8", "--no-progress"])
     assert run.returncode == 2 and "--wire sets the expert-parallel exchanges: run it under torchrun" in run.stderr
+    with pytest.raises(ValueError, match="for gradients only"):
+        parse_wire("combine=nvfp4-sr")
+
+
+def test_cli_simulate_wire(tmp_path):
+    # Every exchange in 4 bits, stochastic gradients, on one process.
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--modes", "fp4", "--simulate-wire", "--wire",
+                "combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr", "--out", tmp_path, "--no-progress",
+                "--no-plots"])
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["meta"]["wire"] == {"dispatch": {"fp4": "mxfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
+                                      "combine_grad": "nvfp4-sr", "simulated": True}
+    _finite_losses(report["modes"]["fp4"])
+    run = _cli(["compare", "--preset", "tiny", "--steps", 1, "--simulate-wire", "--hook", "--no-progress"])
+    assert run.returncode == 2 and "--simulate-wire applies to moe_fp4's model" in run.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Issue 27's wire formats: nvfp4 (per-row tensor scale) and the stochastic mxfp4-sr / nvfp4-sr for
 gradients. Row layout and bytes, round trips against the quantizers, reproducibility from the seed,
-the configs that refuse a stochastic format for values, and a 2-rank gloo exchange whose gradients
-travel in each new format (rows tagged by their sender)."""
+the configs that refuse a stochastic format for values, a 2-rank gloo exchange whose gradients travel
+in each new format (rows tagged by their sender), and EPConfig(simulate=True): the exchanges' round
+trips in one process."""
 
 from __future__ import annotations
 
@@ -150,3 +151,65 @@ def test_two_ranks_exchange_gradients_in_each_new_format():
         assert set(res) == {"nvfp4", "mxfp4-sr", "nvfp4-sr", "nvfp4 values"}, res
         for key, value in res.items():
             assert value, (rank, key, res)
+
+
+# ----------------------------------------------------------------------------- EPConfig(simulate=True)
+
+def _moe_pair(precision: str, **formats):
+    from moe_fp4.ep import EPConfig
+    from moe_fp4.nn import MoE, MoEConfig
+
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=0)
+    torch.manual_seed(0)
+    ref = MoE(cfg, precision=precision)
+    sim = MoE(cfg, precision=precision, ep=EPConfig(simulate=True, **formats))
+    sim.load_state_dict(ref.state_dict())
+    return ref, sim
+
+
+@pytest.mark.parametrize("precision,dispatch", [("bf16", "bf16"), ("fp8", "fp8"), ("fp4", "mxfp4")])
+def test_simulated_exchanges_forward(precision, dispatch):
+    """The layer with EPConfig(simulate=True): the router reads the local rows, the experts the rows as the
+    dispatch delivers them (the precision's format), and the output is the combine's round trip."""
+    from moe_fp4 import wire as W
+
+    ref, sim = _moe_pair(precision, combine="nvfp4")
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    routing = ref.route(x)
+    ref.route = lambda _rows: routing                      # the local rows' routing, as the simulation
+    arrived = W.unpack(W.pack(x, dispatch), dispatch, 128, "bf16", torch.bfloat16)
+    y_ref = ref(arrived)
+    want = W.unpack(W.pack(y_ref.contiguous(), "nvfp4"), "nvfp4", 128, "bf16", torch.bfloat16)
+    assert torch.equal(sim(x).view(torch.int16), want.view(torch.int16))
+
+
+def test_simulated_exchanges_backward():
+    from moe_fp4 import wire as W
+
+    # Unquantized gradient formats: the same gradients as without simulation (bf16 layer, bf16 rows).
+    ref, sim = _moe_pair("bf16")
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(24, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ref(xr).backward(g)
+    sim(xs).backward(g)
+    assert torch.equal(xs.grad.view(torch.int16), xr.grad.view(torch.int16))
+    # Stochastic gradient formats: reproducible from the seed, close to the exact gradient.
+    _, sim = _moe_pair("fp4", dispatch_grad="mxfp4-sr", combine_grad="nvfp4-sr")
+    grads = []
+    for _ in range(2):
+        W.seed_stochastic_rounding(9)
+        xs = x.clone().requires_grad_()
+        sim(xs).backward(g)
+        grads.append(xs.grad)
+    W.seed_stochastic_rounding(0)
+    assert torch.equal(grads[0].view(torch.int16), grads[1].view(torch.int16))
+    from moe_fp4.metrics import sqnr_db
+
+    assert sqnr_db(xr.grad.float(), grads[0].float()) > SIMULATED_GRAD_SQNR_MIN_DB
+
+
+# The input gradient of this fp4 layer with mxfp4-sr / nvfp4-sr gradient rows against the bf16 layer's:
+# measured 10.44 dB (CPU, the seeds above; the same fp4 layer with bf16 gradient rows: 13.30 dB). The
+# floor sits 2.4 dB under.
+SIMULATED_GRAD_SQNR_MIN_DB = 8.0
