@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
     c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
-                   help="with torchrun (expert parallelism): wire formats of the other exchanges, ROLE one of "
+                   help="with torchrun (expert parallelism) or --simulate-wire: wire formats of the other "
+                        "exchanges, ROLE one of "
                         "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, native, and for "
                         "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) (default: bf16 for all three; the "
                         "dispatch travels in each mode's format: bf16, fp8, mxfp4)")

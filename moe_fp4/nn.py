@@ -271,7 +271,9 @@ class MoE(nn.Module):
     E_local = E / world experts each (rank r: experts r*E_local ... (r+1)*E_local - 1); tokens go
     to their experts' ranks and back through :mod:`moe_fp4.ep` (MXFP4 dispatch in fp4, FP8 in fp8,
     bf16 in bf16). The router and the shared expert are replicated and run on local tokens; reduce
-    their gradients over the data-parallel replicas as usual. Without ``ep``, E_local = E.
+    their gradients over the data-parallel replicas as usual. Without ``ep``, E_local = E; with
+    ``EPConfig(simulate=True)`` too, and each exchange's wire round trip is applied where EP would send
+    it (no process group).
     """
 
     def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
