@@ -32,7 +32,8 @@ from moe_fp4.kernels.triton_numerics import (
     mx_encode_pairs,
     mx_encode_pairs_stochastic,
     mx_scale_exp,
-    philox_words,
+    philox_pair_words,
+    u32_as_i32,
     pair_view,
     pow2_f32,
     use_asm,
@@ -214,15 +215,7 @@ def _quantize_mxfp4_stochastic_kernel(
     nan_blk = amax_bits >= 0x7F800000
     E = mx_scale_exp(amax_bits)
     mult = pow2_f32(-tl.minimum(E, 126))
-    # One Philox call per 8 elements (4 pairs): group g = offset // 8 = row * K/8 + 4 kb + pair // 4, and
-    # pair p takes word p % 4 of its group (numerics.random_bits).
-    G: tl.constexpr = 4                                       # Philox groups per 32-block: 32 / SR_GROUP
-    group = (rows[:, None, None] * (KB * G) + (kb * G)[None, :, None] + tl.arange(0, G)[None, None, :])
-    r0, r1, r2, r3 = philox_words(seed, group, step, rank)
-    j = tl.arange(0, 4)[None, None, None, :]
-    words = tl.where(j == 0, r0[:, :, :, None], tl.where(j == 1, r1[:, :, :, None],
-                     tl.where(j == 2, r2[:, :, :, None], r3[:, :, :, None])))
-    words = tl.reshape(words, [BLOCK_M, NB, 16])
+    words = philox_pair_words(seed, step, rank, rows, kb, KB, 16)
     packed, scale = mx_encode_pairs_stochastic(lo, hi, lo_abs, hi_abs, E, nan_blk, mult, words)
     tl.store(data_ptr + rows[:, None, None] * stride_dm + pair, packed.to(tl.uint8), mask=mask3)
     tl.store(scale_ptr + rows[:, None] * stride_sm + kb[None, :], scale.to(tl.uint8), mask=mask2)
@@ -410,11 +403,6 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 4, block_k:
     return data, scale
 
 
-def _u32_as_i32(v: int) -> int:
-    """A uint32 value as the int32 with its bits (a kernel argument Triton types as i32)."""
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0,
                               block_m: int = 4, block_k: int = 512, num_warps: int = 4):
     """quantize_mxfp4_stochastic_ref's contract and bytes: x bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data
@@ -432,7 +420,7 @@ def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: i
     grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_mxfp4_stochastic_kernel[grid](
         words, data, scale, m, k // MXFP4_BLOCK, words.stride(0), data.stride(0), scale.stride(0),
-        seed, _u32_as_i32(step), _u32_as_i32(rank), IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k,
+        seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=num_warps)
     return data, scale
 

@@ -51,10 +51,11 @@ from moe_fp4.kernels.triton_numerics import (
     e4m3_to_f32_bits,
     load_pairs_as_f32_bits,
     pair_view,
-    philox_words,
+    philox_pair_words,
     row_column_grid,
     row_column_program,
     store_pair_words,
+    u32_as_i32,
 )
 
 NVFP4_BLOCK = 16
@@ -180,14 +181,7 @@ def _quantize_nvfp4_kernel(
     a_lo = tl.where(pos, tl.math.div_rn(lo_abs.to(tl.float32, bitcast=True), safe), 0.0)
     a_hi = tl.where(pos, tl.math.div_rn(hi_abs.to(tl.float32, bitcast=True), safe), 0.0)
     if STOCHASTIC:
-        # numerics.random_bits: one Philox call per 8 elements; a block's 8 pairs are 2 groups, and
-        # pair p takes word p % 4 of group 2 kb + p // 4 (in the row: K/8 groups a row).
-        g = rows[:, None, None] * (KB * 2) + (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        r0, r1, r2, r3 = philox_words(seed, g, step, rank)
-        j = tl.arange(0, 4)[None, None, None, :]
-        words = tl.where(j == 0, r0[:, :, :, None], tl.where(j == 1, r1[:, :, :, None],
-                         tl.where(j == 2, r2[:, :, :, None], r3[:, :, :, None])))
-        words = tl.reshape(words, [BLOCK_M, NB, 8])
+        words = philox_pair_words(seed, step, rank, rows, kb, KB, 8)
         m_lo = e2m1_sr_mag(tl.minimum(a_lo, 6.0), words & 0xFFFF)
         m_hi = e2m1_sr_mag(tl.minimum(a_hi, 6.0), words >> 16)
     else:
@@ -243,11 +237,6 @@ def _nvfp4_out_bits(v, nan, OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr):
     return tl.where(nan, NAN_BITS, out)
 
 
-def _u32_as_i32(v: int) -> int:
-    """A uint32 value as the int32 with its bits (a kernel argument Triton types as i32)."""
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 def nvfp4_tensor_scale(x: torch.Tensor, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
     """nvfp4_tensor_scale_ref's contract and bits (x bf16/fp16/fp32 [M, K], contiguous, K even -> float32
     0-d): the finite amax in one Triton pass (an int32 atomic max of float32 bits), then rule 1's
@@ -281,7 +270,7 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
         grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
         _quantize_nvfp4_kernel[grid](
             words, data, scale, s_t.reshape(1), m, k // NVFP4_BLOCK, words.stride(0), data.stride(0),
-            scale.stride(0), seed, _u32_as_i32(step), _u32_as_i32(rank), IN_KIND=kind,
+            scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind,
             STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=num_warps)
     return data, scale.view(torch.float8_e4m3fn), s_t

@@ -168,6 +168,27 @@ def philox_words(seed, group, step, rank):
 
 
 @triton.jit
+def philox_pair_words(seed, step, rank, rows, kb, KB, PAIRS: tl.constexpr):
+    """rows int64 [BM], kb [NB]: blocks of 2 PAIRS elements of a row-major [M, K] tensor (K = 2 PAIRS KB)
+    -> uint32 [BM, NB, PAIRS]: per pair p of a block, the Philox word whose low / high halves are the
+    random bits of its elements 2p / 2p + 1 (numerics.random_bits: one call per 8 elements, pair p
+    taking word p % 4 of group (row K + 2 PAIRS kb + 2 p) / 8)."""
+    G: tl.constexpr = PAIRS // 4                               # Philox groups (calls) per block
+    group = rows[:, None, None] * (KB * G) + (kb * G)[None, :, None] + tl.arange(0, G)[None, None, :]
+    r0, r1, r2, r3 = philox_words(seed, group, step, rank)
+    j = tl.arange(0, 4)[None, None, None, :]
+    words = tl.where(j == 0, r0[:, :, :, None], tl.where(j == 1, r1[:, :, :, None],
+                     tl.where(j == 2, r2[:, :, :, None], r3[:, :, :, None])))
+    return tl.reshape(words, [rows.shape[0], kb.shape[0], PAIRS])
+
+
+def u32_as_i32(v: int) -> int:
+    """A uint32 value as the int32 with its bits (a kernel argument Triton types as i32; philox_words
+    reads it back as uint32)."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+@triton.jit
 def e2m1_sr_mag(a, r):
     """a: float32 [...] magnitudes in [0, 6] (scaled, finite); r: uint32 [...] 16 random bits -> int32 E2M1
     magnitude code 0..7, rounded stochastically: numerics.encode_e2m1_stochastic's rule, exact in
