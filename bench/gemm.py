@@ -104,18 +104,25 @@ def gemms(shape: str):
             ("fc2 wgrad", "wgrad", h, f), ("fc1 wgrad", "wgrad", 2 * f, h)], t * k, e
 
 
-def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
-    """One GEMM: [rows, k_dim] x per-expert [n_dim, k_dim]^T (nt), or dW [n_dim, k_dim] over rows (wgrad)."""
-    if args.skew:   # expert 0 holds 4x the mean, the others share the rest
+def route_counts(rows: int, e: int, routing: str) -> list[int]:
+    """-> E row counts, each a multiple of 128 (as the layer pads them), for ``rows`` (token, expert) pairs:
+    "balanced" (the mean each), "skew" (expert 0 holds 4x the mean, the others share the rest) or
+    "ragged" (each row's expert drawn uniformly, seed 0, as a router's counts scatter)."""
+    if routing == "skew":
         big = rows * 4 // e
         counts = [big] + [(rows - big) // (e - 1)] * (e - 1)
-    elif args.ragged:   # each row's expert drawn uniformly (seeded), as a router's counts scatter
+    elif routing == "ragged":
         pick = torch.randint(0, e, (rows,), generator=torch.Generator().manual_seed(0))
         counts = torch.bincount(pick, minlength=e).tolist()
     else:
         counts = [rows // e // 128 * 128] * e
     counts[-1] += rows - sum(counts)
-    counts = [c + (-c) % 128 for c in counts]
+    return [c + (-c) % 128 for c in counts]
+
+
+def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
+    """One GEMM: [rows, k_dim] x per-expert [n_dim, k_dim]^T (nt), or dW [n_dim, k_dim] over rows (wgrad)."""
+    counts = route_counts(rows, e, "skew" if args.skew else "ragged" if args.ragged else "balanced")
     r = sum(counts)
     dev = "cuda"
     flop = 2 * r * n_dim * k_dim

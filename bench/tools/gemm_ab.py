@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for gemm.py
 
-from gemm import SHAPES, gemms, sm90_run, timed, write_results  # noqa: E402
+from gemm import SHAPES, gemms, route_counts, sm90_run, timed, write_results  # noqa: E402
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as NEW  # noqa: E402
@@ -39,20 +39,6 @@ def load_old(path: str):
     sys.modules[spec.name] = mod   # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
-
-
-def route(rows: int, e: int, routing: str) -> list[int]:
-    """-> E counts, multiples of 128, as bench/gemm.py draws them."""
-    if routing == "skew":
-        big = rows * 4 // e
-        counts = [big] + [(rows - big) // (e - 1)] * (e - 1)
-    elif routing == "ragged":
-        pick = torch.randint(0, e, (rows,), generator=torch.Generator().manual_seed(0))
-        counts = torch.bincount(pick, minlength=e).tolist()
-    else:
-        counts = [rows // e // 128 * 128] * e
-    counts[-1] += rows - sum(counts)
-    return [c + (-c) % 128 for c in counts]
 
 
 def operands(kind: str, k_dim: int, n_dim: int, counts: list[int], e: int):
@@ -88,7 +74,7 @@ def main() -> None:
     for shape in args.shape:
         table, rows, e = gemms(shape)
         for routing in args.routing:
-            counts = route(rows, e, routing)
+            counts = route_counts(rows, e, routing)
             one_wave = sum(1 for c in counts if c % 256)
             for name, kind, k_dim, n_dim in table:
                 if (args.gemm and name not in args.gemm) or kind == "nt_mxfp4":
