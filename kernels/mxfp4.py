@@ -114,15 +114,17 @@ def _scaled_blocks(x: torch.Tensor):
     return (blocks * exp2_int(-exp)[..., None]).view(m, k), exp, nan_block
 
 
-def quantize_mxfp4_stochastic_ref(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0):
-    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]): the scales of
+def quantize_mxfp4_stochastic_ref(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0, out=None):
+    """x: bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data uint8 [M, K/2], scale uint8 [M, K/32]), or written
+    into ``out`` = (data, scale) views of those shapes with unit column stride (a wire's rows): the scales of
     quantize_mxfp4_rowwise_ref, the codes rounded stochastically (``encode_e2m1_stochastic``) with the
     bits ``random_bits(seed, step, rank, M * K)`` of each element's row-major offset. Unbiased: the mean
     over (seed, step) of the dequantized values is x (RCEIL scales never clip; up to 2^-16 of the grid
     spacing, the bits' resolution)."""
     m, k = x.shape
     v, exp, nan_block = _scaled_blocks(x)
-    return _encode_blocks(v, exp, nan_block, random_bits(seed, step, rank, m * k, x.device).view(m, k))
+    bits = random_bits(seed, step, rank, m * k, x.device).view(m, k)
+    return write_out(out, *_encode_blocks(v, exp, nan_block, bits))
 
 
 def quantize_mxfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor):
@@ -403,16 +405,20 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 4, block_k:
     return data, scale
 
 
-def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0,
+def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: int = 0, out=None,
                               block_m: int = 4, block_k: int = 512, num_warps: int = 4):
     """quantize_mxfp4_stochastic_ref's contract and bytes: x bf16/fp16/fp32 [M, K], K % 32 == 0 -> (data
-    uint8 [M, K/2], scale uint8 [M, K/32]), the codes rounded stochastically with the Philox bits of
-    (seed, step, rank, element offset) computed in the kernel."""
+    uint8 [M, K/2], scale uint8 [M, K/32]) or written into ``out``'s views in the same pass, the codes
+    rounded stochastically with the Philox bits of (seed, step, rank, element offset) computed in the
+    kernel."""
     assert x.dim() == 2 and x.shape[1] % MXFP4_BLOCK == 0, x.shape
     m, k = x.shape
     x = x.contiguous()
-    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if out is None:
+        data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    else:
+        data, scale = check_row_views(out, m, k // 2, k // MXFP4_BLOCK, torch.uint8, torch.uint8)
     if m == 0 or k == 0:
         return data, scale
     block_k = min(block_k, triton.next_power_of_2(k))

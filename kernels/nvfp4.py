@@ -43,6 +43,7 @@ from moe_fp4.kernels.numerics import (
     NAN_BITS,
     with_canonical_nan,
 )
+from moe_fp4.kernels.mxfp4 import check_row_views, write_out
 from moe_fp4.kernels.triton_numerics import (
     bf16_rne_bits,
     e2m1_rne_mag,
@@ -73,13 +74,16 @@ def nvfp4_tensor_scale_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
-                       rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0):
+                       rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0,
+                       out=None):
     """x: bf16/fp16/fp32 [M, K], K % 16 == 0; tensor_scale: float32 0-d (default: rule 1 from x)
     -> (data uint8 [M, K/2] two E2M1 codes a byte (element 2i in the low nibble), scale float8_e4m3fn
     [M, K/16], tensor_scale float32 0-d). A given tensor_scale lets a tensor be quantized in pieces
     with one scale (it must be a positive float32 normal). rounding STOCHASTIC rounds the elements with
     ``encode_e2m1_stochastic`` and the bits ``random_bits(seed, step, rank, M * K)`` (scales as for
-    NEAREST; unbiased except where an element exceeds 6 S, which rule 2's saturation can cause)."""
+    NEAREST; unbiased except where an element exceeds 6 S, which rule 2's saturation can cause). ``out``:
+    (data uint8 [M, K/2], scale uint8 [M, K/16]) views with unit column stride to write the codes and
+    the E4M3 bytes into (a wire's rows); they are returned in place of new tensors."""
     m, k = x.shape
     xf = x.float()
     s_t = nvfp4_tensor_scale_ref(xf) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
@@ -99,6 +103,8 @@ def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None
         codes = encode_e2m1_stochastic(v, random_bits(seed, step, rank, m * k, x.device).view(m, k))
     else:
         codes = encode_e2m1(v)
+    if out is not None:
+        return (*write_out(out, pack_nibbles(codes), code.view(torch.uint8)), s_t)
     return pack_nibbles(codes), code, s_t
 
 
@@ -255,15 +261,18 @@ def nvfp4_tensor_scale(x: torch.Tensor, block: int = 4096, num_warps: int = 8) -
 
 def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
                    rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0,
-                   block_m: int = 4, block_k: int = 512, num_warps: int = 4):
+                   out=None, block_m: int = 4, block_k: int = 512, num_warps: int = 4):
     """quantize_nvfp4_ref's contract and bytes (x bf16/fp16/fp32 [M, K], K % 16 == 0 -> (data uint8
     [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d)), the blocks in one Triton pass;
     the tensor scale (rule 1) from nvfp4_tensor_scale when not given."""
     m, k = x.shape
     x = x.contiguous()
     s_t = nvfp4_tensor_scale(x) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
-    data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    if out is None:
+        data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=x.device)
+    else:   # written in place: the kernel takes row strides
+        data, scale = check_row_views(out, m, k // 2, k // NVFP4_BLOCK, torch.uint8, torch.uint8)
     if m and k:
         block_k = min(block_k, triton.next_power_of_2(k))
         words, kind = pair_view(x)
@@ -273,7 +282,7 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
             scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind,
             STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=num_warps)
-    return data, scale.view(torch.float8_e4m3fn), s_t
+    return data, scale if out is not None else scale.view(torch.float8_e4m3fn), s_t
 
 
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}

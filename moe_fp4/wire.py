@@ -144,27 +144,25 @@ def _float_rows(x) -> torch.Tensor:
 
 
 def _pack_stochastic_or_nvfp4(x, fmt: WireFormat, out: torch.Tensor, rank: int) -> torch.Tensor:
-    """pack for nvfp4, mxfp4-sr and nvfp4-sr: quantize (a kernel on CUDA), then copy into the rows.
-    Containers are decoded to floats first (no direct FP8 / MXFP4 -> NVFP4 conversion yet)."""
+    """pack for nvfp4, mxfp4-sr and nvfp4-sr: the quantizer writes straight into the rows (a kernel on
+    CUDA). Containers are decoded to floats first (no direct FP8 / MXFP4 -> NVFP4 conversion yet)."""
     hidden = x.k if isinstance(x, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)) else x.shape[1]
-    base = base_format(fmt)
     dst = views(out, fmt, hidden)
+    nb = hidden // _nvfp4.NVFP4_BLOCK
     if isinstance(x, NVFP4Tensor) and fmt is WireFormat.NVFP4:
-        data, scale, s_t = x.data, x.scale, x.tensor_scale     # already in the wire's format: copied
+        dst[0].copy_(x.data)                                   # already in the wire's format: copied
+        dst[1][:, :nb].copy_(x.scale.view(torch.uint8))
+        s_t = x.tensor_scale
     else:
         rows = _float_rows(x)
-        sr = fmt in STOCHASTIC
-        seed, step = _next_sr_step() if sr else (0, 0)
-        rounding = Rounding.STOCHASTIC if sr else Rounding.NEAREST
-        if base is WireFormat.MXFP4:
-            q = quantize_mxfp4(rows, rounding, seed, step, rank)
-            dst[0].copy_(q.data)
-            dst[1].copy_(q.scale)
+        seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
+        tri = _use_triton(rows)
+        if fmt is WireFormat.MXFP4_SR:
+            _pick(_mxfp4, "quantize_mxfp4_stochastic", tri)(rows, seed, step, rank, out=dst)
             return out
-        data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4", _use_triton(rows))(rows, None, rounding, seed, step, rank)
-    nb = hidden // _nvfp4.NVFP4_BLOCK
-    dst[0].copy_(data)
-    dst[1][:, :nb].copy_(scale.view(torch.uint8))
+        rounding = Rounding.STOCHASTIC if fmt in STOCHASTIC else Rounding.NEAREST
+        s_t = _pick(_nvfp4, "quantize_nvfp4", tri)(rows, None, rounding, seed, step, rank,
+                                                   out=(dst[0], dst[1][:, :nb]))[2]
     dst[1][:, nb:].copy_(s_t.reshape(1).view(torch.uint8).expand(dst[1].shape[0], 4))
     return out
 
@@ -230,8 +228,7 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
         # Each row decodes with its sender's tensor scale (bytes to float32 through a contiguous copy:
         # the wire's rows need not be 4-byte aligned there).
         s_t = s[:, nb:].contiguous().view(torch.float32).reshape(n)
-        rows = _pick(_nvfp4, "dequantize_nvfp4", tri)(d.contiguous(), s[:, :nb].contiguous().view(torch.float8_e4m3fn),
-                                                      s_t, dtype)
+        rows = _pick(_nvfp4, "dequantize_nvfp4", tri)(d, s[:, :nb].view(torch.float8_e4m3fn), s_t, dtype)
         if output is OutputFormat.BF16:
             return rows
         return quantize_fp8(rows) if output is OutputFormat.FP8 else quantize_mxfp4(rows)
