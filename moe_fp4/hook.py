@@ -78,6 +78,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from moe_fp4.api import quantize_mxfp4, quantize_nvfp4
 from moe_fp4.formats import HIGH_PRECISION_DTYPES
 from moe_fp4.kernels.numerics import MXFP4_BLOCK
+from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
 from moe_fp4.saved import kept_tag, note_packed
 
 ModulePredicate = Callable[[str, nn.Module], bool]
@@ -96,8 +97,8 @@ class StorageFormat(str, enum.Enum):
     NVFP4 = "nvfp4"   # E2M1 + an E4M3 scale per 16 + a float32 per tensor: 9 bytes a block
 
 
-# Per storage format: (block elements, stored bytes per block).
-_STORED = {StorageFormat.MXFP4: (MXFP4_BLOCK, 17), StorageFormat.NVFP4: (16, 9)}
+# Elements per block of each storage format; a block stores half a byte an element and one scale byte.
+_BLOCK = {StorageFormat.MXFP4: MXFP4_BLOCK, StorageFormat.NVFP4: NVFP4_BLOCK}
 
 
 class SkipReason(str, enum.Enum):
@@ -451,9 +452,9 @@ def _skip_reason(t: torch.Tensor, config: CompressionConfig, param_ptrs=frozense
     if t.numel() < config.min_numel:
         return SkipReason.SMALL
     k = t.shape[-1]
-    block, bytes_per_block = _STORED[config.storage]
+    block = _BLOCK[config.storage]
     rows = t.numel() // k
-    if rows * -(-k // block) * bytes_per_block + (4 if config.storage is StorageFormat.NVFP4 else 0) \
+    if rows * -(-k // block) * (block // 2 + 1) + (4 if config.storage is StorageFormat.NVFP4 else 0) \
             >= t.numel() * t.element_size():
         return SkipReason.NO_SAVING
     if config.check_finite and not bool(torch.isfinite(t).all()):
@@ -465,7 +466,7 @@ def _quantize(t: torch.Tensor, storage: StorageFormat = StorageFormat.MXFP4) -> 
     x = t.detach()
     k = x.shape[-1]
     x = x.reshape(-1, k)
-    pad = -k % _STORED[storage][0]
+    pad = -k % _BLOCK[storage]
     x = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
     q = quantize_nvfp4(x) if storage is StorageFormat.NVFP4 else quantize_mxfp4(x)
     return _Packed(q, t.shape, t.dtype, k)
