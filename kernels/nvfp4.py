@@ -19,6 +19,20 @@ amax); the block kernel reads it as a float32 0-d tensor. The rules, in float32 
    subnormal, 2^-10) has S = 0 and stores signed zeros; a NaN block stores codes 0.
 4. dequantize: fl(fl(e2m1 * e4m3) * s_t) in float32 (the first product is exact), rounded once to the
    output dtype; a NaN block gives NaN (the canonical bits of ``NAN_BITS``).
+
+FP8 1x128 (E4M3 codes, power-of-two float32 scale per 128 columns) on either side, each defined as the
+composition of the exact conversions, which a kernel fuses into one pass over the codes:
+
+5. FP8 -> NVFP4 (``quantize_nvfp4_from_fp8``): rules 1-3 applied to the FP8 tensor's values code * 2^S,
+   which float32 holds exactly (a NaN byte is NaN); = ``quantize_nvfp4_ref(dequantize_fp8_ref(., .,
+   float32))``. Nothing is lost that quantizing the values would not lose.
+6. NVFP4 -> FP8 (``nvfp4_to_fp8_rowwise``, the GEMM operand): the FP8 1x128 rule
+   (``quantize_fp8_rowwise_ref``: S = ceil(log2(tile amax / 448)), RNE into E4M3) applied to rule 4's
+   float32 values; = ``quantize_fp8_rowwise_ref(dequantize_nvfp4_ref(., ., ., float32))``. Not exact in
+   general: an element is e2m1 * e4m3 * s_t, up to 24 significant bits for an arbitrary tensor scale,
+   and E4M3 keeps 4; each element then moves by at most half an E4M3 step (2^-4 of its value in the
+   normal range), and blocks more than about 17 binades below the tile's largest round into E4M3's
+   subnormals or to zero. How often and how far on real activations: bench/RESULTS.md (issue 27).
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from moe_fp4.kernels.numerics import (
     NAN_BITS,
     with_canonical_nan,
 )
+from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import check_row_views, write_out
 from moe_fp4.kernels.triton_numerics import (
     bf16_rne_bits,
@@ -50,6 +65,7 @@ from moe_fp4.kernels.triton_numerics import (
     e2m1_sr_mag,
     e4m3_rne,
     e4m3_to_f32_bits,
+    fp8_encode_tiles,
     load_pairs_as_f32_bits,
     pair_view,
     philox_pair_words,
@@ -57,6 +73,8 @@ from moe_fp4.kernels.triton_numerics import (
     row_column_program,
     store_pair_words,
     u32_as_i32,
+    use_asm,
+    words_view,
 )
 
 NVFP4_BLOCK = 16
@@ -123,6 +141,27 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
     return with_canonical_nan(out.to(dtype), nan[..., None]).view(m, k)
 
 
+def nvfp4_tensor_scale_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data float8_e4m3fn [M, K], scale float32 [M, K/128] -> float32 0-d: rule 1 over the FP8 values."""
+    return nvfp4_tensor_scale_ref(dequantize_fp8_ref(data, scale, torch.float32))
+
+
+def quantize_nvfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None = None,
+                                rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0,
+                                out=None):
+    """Rule 5: data float8_e4m3fn [M, K], scale float32 [M, K/128] (FP8 1x128, K % 128 == 0) ->
+    quantize_nvfp4_ref of its float32 values (exact), with the same other arguments and results."""
+    return quantize_nvfp4_ref(dequantize_fp8_ref(data, scale, torch.float32), tensor_scale, rounding, seed, step,
+                              rank, out)
+
+
+def nvfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
+    """Rule 6: data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d or [M] (K %
+    128 == 0) -> (data float8_e4m3fn [M, K], scale float32 [M, K/128] M-major): the FP8 1x128
+    quantization of the float32 dequantization (NaN blocks give the NaN byte 0x7F)."""
+    return quantize_fp8_rowwise_ref(dequantize_nvfp4_ref(data, scale, tensor_scale, torch.float32))
+
+
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
@@ -153,6 +192,37 @@ def _finite_amax_kernel(x_ptr, amax_ptr, N, IN_KIND: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
+def fp8_pairs_as_f32_bits(w, s):
+    """w: int32 holding int16 pair words of two E4M3 bytes (element 2i in the low byte), s: float32 tile
+    scales 2^S broadcastable to w -> (lo, hi) int32 fp32 bits of code * 2^S (exact, as
+    dequantize_fp8_ref; a NaN byte gives NaN)."""
+    b_lo = w & 0xFF
+    b_hi = (w >> 8) & 0xFF
+    lo = (e4m3_to_f32_bits(b_lo).to(tl.float32, bitcast=True) * s).to(tl.int32, bitcast=True)
+    hi = (e4m3_to_f32_bits(b_hi).to(tl.float32, bitcast=True) * s).to(tl.int32, bitcast=True)
+    return tl.where((b_lo & 0x7F) == 0x7F, 0x7FC00000, lo), tl.where((b_hi & 0x7F) == 0x7F, 0x7FC00000, hi)
+
+
+@triton.jit
+def _fp8_finite_amax_kernel(w_ptr, s_ptr, amax_ptr, M, NT, stride_wm, stride_sm, stride_st,
+                            BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    # Rule 1's amax over FP8 1x128 values (code * 2^S): the largest finite |value| as float32 bits, one
+    # atomic max per program (as _finite_amax_kernel). A program covers [BLOCK_M, TILES] tiles.
+    rb, cb = row_column_program()
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = cb * TILES + tl.arange(0, TILES)
+    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    pair = (t * 64)[None, :, None] + tl.arange(0, 64)[None, None, :]
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wm + pair, mask=mask_t[:, :, None], other=0).to(tl.int32)
+    ts = tl.load(s_ptr + rows[:, None] * stride_sm + t[None, :] * stride_st, mask=mask_t, other=1.0)
+    lo, hi = fp8_pairs_as_f32_bits(w, tl.expand_dims(ts, -1))
+    lo = lo & 0x7FFFFFFF
+    hi = hi & 0x7FFFFFFF
+    m = tl.maximum(tl.where(lo >= 0x7F800000, 0, lo), tl.where(hi >= 0x7F800000, 0, hi))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(m, axis=2), axis=1), axis=0))
+
+
+@triton.jit
 def _tensor_scale_kernel(amax_ptr, st_ptr, DIVISOR: tl.constexpr, FLOOR: tl.constexpr):
     # Rule 1 on the amax: max(amax / 2688, 2^-126), the division correctly rounded (div_rn) as torch's.
     amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
@@ -161,14 +231,21 @@ def _tensor_scale_kernel(amax_ptr, st_ptr, DIVISOR: tl.constexpr, FLOOR: tl.cons
 
 @triton.jit
 def _quantize_nvfp4_kernel(
-    x_ptr, data_ptr, scale_ptr, st_ptr, M, KB, stride_xm, stride_dm, stride_sm, seed, step, rank,
+    x_ptr, xs_ptr, data_ptr, scale_ptr, st_ptr, M, KB, stride_xm, stride_xsm, stride_xst, stride_dm, stride_sm,
+    seed, step, rank,
     IN_KIND: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Rules 2 and 3 of the module docstring per 16-element block; divisions are div_rn (Triton's "/" on
-    # float32 is an approximate division on the GPU).
+    # float32 is an approximate division on the GPU). IN_KIND 0-2: bf16 / fp16 / fp32 pair words; 3: FP8
+    # 1x128 (int16 pair words of E4M3 codes, xs_ptr the tile scales; rule 5), the values formed exactly.
     NB: tl.constexpr = BLOCK_K // 16
     rows, kb, mask2, mask3, pair = _nvfp4_block_program(M, KB, BLOCK_M, NB)
-    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+    if IN_KIND == 3:
+        w = tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask3, other=0).to(tl.int32)
+        ts = tl.load(xs_ptr + rows[:, None] * stride_xsm + (kb // 8)[None, :] * stride_xst, mask=mask2, other=1.0)
+        lo, hi = fp8_pairs_as_f32_bits(w, tl.expand_dims(ts, -1))
+    else:
+        lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
     lo_abs = lo & 0x7FFFFFFF
     hi_abs = hi & 0x7FFFFFFF
     nonfinite = tl.max(tl.maximum(lo_abs, hi_abs), axis=2) >= 0x7F800000          # [BM, NB]
@@ -218,6 +295,34 @@ def _dequantize_nvfp4_kernel(
 
 
 @triton.jit
+def _nvfp4_to_fp8_kernel(d_ptr, s_ptr, st_ptr, o_ptr, os_ptr, M, NT, stride_dm, stride_sm, stride_om, stride_st,
+                         BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
+    # Rule 6 per 1x128 tile: its 8 NVFP4 blocks decoded by rule 4 (float32), then the FP8 tile rule
+    # (fp8_encode_tiles) on [BM, TILES, 8 blocks, 8 pairs]: NVFP4 byte j of a tile holds elements 2j and
+    # 2j+1, which FP8 int16 pair word j holds too, so the offsets are shared.
+    rb, cb = row_column_program()
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    t = cb * TILES + tl.arange(0, TILES)
+    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    mask3 = mask_t[:, :, None]
+    mask4 = mask_t[:, :, None, None]
+    pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 8) * 8)[None, None, :, None]
+            + tl.arange(0, 8)[None, None, None, :])
+    blk = (t * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    b = tl.load(d_ptr + rows[:, None, None, None] * stride_dm + pair, mask=mask4, other=0).to(tl.int32)
+    code = tl.load(s_ptr + rows[:, None, None] * stride_sm + blk, mask=mask3, other=0).to(tl.int32)
+    nan3 = (code & 0x7F) == 0x7F
+    nan = tl.expand_dims(nan3, -1)
+    sv = tl.expand_dims(e4m3_to_f32_bits(tl.where(nan3, 0, code)).to(tl.float32, bitcast=True), -1)
+    s_t = tl.load(st_ptr + rows * stride_st, mask=rows < M, other=1.0)[:, None, None, None]   # stride 0: one scale
+    lo = tl.where(nan, 0x7FC00000, (_e2m1_value(b & 15) * sv * s_t).to(tl.int32, bitcast=True))
+    hi = tl.where(nan, 0x7FC00000, (_e2m1_value(b >> 4) * sv * s_t).to(tl.int32, bitcast=True))
+    word, fscale = fp8_encode_tiles(lo, hi, ASM)
+    tl.store(o_ptr + rows[:, None, None, None] * stride_om + pair, word, mask=mask4)
+    tl.store(os_ptr + t[None, :].to(tl.int64) * M + rows[:, None], fscale, mask=mask_t)   # M-major
+
+
+@triton.jit
 def _e2m1_value(c):
     """int32 E2M1 code 0..15 -> float32 value (exact): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
     m = c & 7
@@ -249,14 +354,54 @@ def nvfp4_tensor_scale(x: torch.Tensor, block: int = 4096, num_warps: int = 8) -
     division (div_rn) and floor in a one-program kernel: no host sync. (torch's abs/isfinite/where/amax
     chain, the reference, took 13x the block kernel's time on the H100.)"""
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    s_t = torch.empty((), dtype=torch.float32, device=x.device)
     if x.numel():
         words, kind = pair_view(x)
         words = words.view(-1)
         _finite_amax_kernel[(triton.cdiv(words.numel(), block),)](words, amax, words.numel(), IN_KIND=kind,
                                                                   BLOCK=block, num_warps=num_warps)
+    return _tensor_scale_of_amax(amax)
+
+
+def _tensor_scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
+    s_t = torch.empty((), dtype=torch.float32, device=amax.device)
     _tensor_scale_kernel[(1,)](amax, s_t, DIVISOR=NVFP4_TENSOR_DIVISOR, FLOOR=NVFP4_TENSOR_SCALE_MIN)
     return s_t
+
+
+def nvfp4_tensor_scale_from_fp8(data: torch.Tensor, scale: torch.Tensor, block_m: int = 8, tiles: int = 8,
+                                num_warps: int = 4) -> torch.Tensor:
+    """nvfp4_tensor_scale_from_fp8_ref's contract and bits (data float8_e4m3fn [M, K], scale float32
+    [M, K/128], K % 128 == 0 -> float32 0-d): the finite amax of the values in one pass over the codes."""
+    m, k = data.shape
+    amax = torch.zeros(1, dtype=torch.int32, device=data.device)
+    if m and k:
+        nt = k // 128
+        tiles = min(tiles, triton.next_power_of_2(nt))
+        words = words_view(data if data.stride(1) == 1 else data.contiguous(), torch.int16)
+        _fp8_finite_amax_kernel[row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
+            words, scale, amax, m, nt, words.stride(0), scale.stride(0), scale.stride(1), BLOCK_M=block_m,
+            TILES=tiles, num_warps=num_warps)
+    return _tensor_scale_of_amax(amax)
+
+
+def _launch_quantize(words, kind: int, tile_scale, m: int, k: int, s_t, rounding, seed, step, rank, out, block_m,
+                     block_k, num_warps):
+    if out is None:
+        data = torch.empty(m, k // 2, dtype=torch.uint8, device=words.device)
+        scale = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=words.device)
+    else:   # written in place: the kernel takes row strides
+        data, scale = check_row_views(out, m, k // 2, k // NVFP4_BLOCK, torch.uint8, torch.uint8)
+    if m and k:
+        block_k = min(block_k, triton.next_power_of_2(k))
+        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        ts = words if tile_scale is None else tile_scale
+        _quantize_nvfp4_kernel[grid](
+            words, ts, data, scale, s_t.reshape(1), m, k // NVFP4_BLOCK, words.stride(0),
+            0 if tile_scale is None else ts.stride(0), 0 if tile_scale is None else ts.stride(1), data.stride(0),
+            scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind,
+            STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
+            num_warps=num_warps)
+    return data, scale if out is not None else scale.view(torch.float8_e4m3fn), s_t
 
 
 def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
@@ -268,21 +413,44 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
     m, k = x.shape
     x = x.contiguous()
     s_t = nvfp4_tensor_scale(x) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
-    if out is None:
-        data = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
-        scale = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=x.device)
-    else:   # written in place: the kernel takes row strides
-        data, scale = check_row_views(out, m, k // 2, k // NVFP4_BLOCK, torch.uint8, torch.uint8)
+    words, kind = pair_view(x) if m and k else (x, 0)
+    return _launch_quantize(words, kind, None, m, k, s_t, rounding, seed, step, rank, out, block_m, block_k,
+                            num_warps)
+
+
+def quantize_nvfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None = None,
+                            rounding: Rounding = Rounding.NEAREST, seed: int = 0, step: int = 0, rank: int = 0,
+                            out=None, block_m: int = 4, block_k: int = 512, num_warps: int = 4):
+    """quantize_nvfp4_from_fp8_ref's contract and bytes (rule 5): the FP8 codes read once per pass (the
+    tensor scale's, when not given, and the blocks'), no float tensor formed."""
+    m, k = data.shape
+    s_t = nvfp4_tensor_scale_from_fp8(data, scale) if tensor_scale is None \
+        else tensor_scale.to(torch.float32).reshape(())
+    words = words_view(data if data.stride(1) == 1 else data.contiguous(), torch.int16) if m and k else data
+    return _launch_quantize(words, 3, scale, m, k, s_t, rounding, seed, step, rank, out, block_m, block_k,
+                            num_warps)
+
+
+def nvfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, block_m: int = 4,
+                         tiles: int = 4, num_warps: int = 4, asm: bool | None = None):
+    """nvfp4_to_fp8_rowwise_ref's contract and bytes (rule 6): data uint8 [M, K/2] (unit column stride),
+    scale float8_e4m3fn or uint8 [M, K/16], tensor_scale float32 0-d or [M], K % 128 == 0 -> (data
+    float8_e4m3fn [M, K], scale float32 [M, K/128] M-major), one pass. asm as in
+    fp8.quantize_fp8_rowwise (the PTX E4M3 rounding on sm_90+)."""
+    m, half_k = data.shape
+    k = 2 * half_k
+    out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)
+    oscale = empty_m_major(m, k // 128, data.device)
     if m and k:
-        block_k = min(block_k, triton.next_power_of_2(k))
-        words, kind = pair_view(x)
-        grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-        _quantize_nvfp4_kernel[grid](
-            words, data, scale, s_t.reshape(1), m, k // NVFP4_BLOCK, words.stride(0), data.stride(0),
-            scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind,
-            STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
-            num_warps=num_warps)
-    return data, scale if out is not None else scale.view(torch.float8_e4m3fn), s_t
+        nt = k // 128
+        tiles = min(tiles, triton.next_power_of_2(nt))
+        s_t = tensor_scale.to(torch.float32).reshape(-1).contiguous()
+        ow = out.view(torch.int16)
+        _nvfp4_to_fp8_kernel[row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](
+            data, scale.view(torch.uint8), s_t, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
+            1 if tensor_scale.dim() else 0, BLOCK_M=block_m, TILES=tiles,
+            ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
+    return out, oscale
 
 
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}

@@ -17,7 +17,7 @@ from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.kernels.numerics import Rounding
+from moe_fp4.kernels.numerics import FP8_TILE, Rounding
 
 
 def _pick(module, name: str, use_triton: bool):
@@ -44,10 +44,31 @@ def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype, use_triton: bool) -> to
     return _pick(_mxfp4, "dequantize_mxfp4", use_triton)(q.data, q.scale, dtype).view(q.shape)
 
 
-def quantize_nvfp4(x: torch.Tensor, tensor_scale, use_triton: bool, rounding: Rounding = Rounding.NEAREST,
+def quantize_nvfp4(x, tensor_scale, use_triton: bool, rounding: Rounding = Rounding.NEAREST,
                    seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
-    data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4", use_triton)(_rows(x), tensor_scale, rounding, seed, step, rank)
+    if isinstance(x, FP8BlockTensor):
+        data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4_from_fp8", use_triton)(x.data, x.scale, tensor_scale,
+                                                                                rounding, seed, step, rank)
+    else:
+        data, scale, s_t = _pick(_nvfp4, "quantize_nvfp4", use_triton)(_rows(x), tensor_scale, rounding, seed, step,
+                                                                        rank)
     return NVFP4Tensor(data, scale, s_t, x.shape, x.dtype)
+
+
+def nvfp4_to_fp8(q: NVFP4Tensor, use_triton: bool) -> FP8BlockTensor:
+    data, scale = _pick(_nvfp4, "nvfp4_to_fp8_rowwise", use_triton)(q.data, q.scale, q.tensor_scale)
+    return FP8BlockTensor(data, scale, q.shape, q.dtype)
+
+
+def nvfp4_to_fp8_colwise(q: NVFP4Tensor, use_triton: bool) -> FP8BlockTensor:
+    # Two passes (no fused kernel yet): the exact float32 values, then the FP8 quantization along
+    # tokens (the cast-transpose kernel where both extents are whole tiles).
+    x = dequantize_nvfp4(q, torch.float32, use_triton).view(q.m, q.k)
+    if use_triton and q.m % FP8_TILE == 0 and q.k % FP8_TILE == 0:
+        data, scale = _transpose.quantize_fp8_rowwise_colwise(x, rowwise=False, colwise=True)[1]
+    else:
+        data, scale = _fp8.quantize_fp8_rowwise_ref(x.t().contiguous())
+    return FP8BlockTensor(data, scale, torch.Size((q.k, q.m)), q.dtype)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype, use_triton: bool) -> torch.Tensor:

@@ -167,32 +167,40 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     return _ops.fp8_to_fp8_colwise(t, use_triton=_use_triton(t.data))
 
 
-def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, rounding: str | Rounding = "nearest",
-                   seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor | FP8BlockTensor, tensor_scale: torch.Tensor | None = None,
+                   rounding: str | Rounding = "nearest", seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
     """Quantize to NVFP4 in 16-element blocks along the last dimension (rules: ``moe_fp4.kernels.nvfp4``).
 
-    x: bf16/fp16/fp32 [..., K] (K % 16 == 0, contiguous); tensor_scale: float32 0-d on x's device, a
-    positive float32 normal (default: max(amax / 2688, 2^-126) of x's finite values)
+    x: bf16/fp16/fp32 [..., K] (K % 16 == 0, contiguous), or an FP8BlockTensor [M, K] (K % 128 == 0),
+    quantized from its exact values on the codes (rule 5: the same bytes as quantizing its float32
+    dequantization, without forming it); tensor_scale: float32 0-d on x's device, a positive float32
+    normal (default: max(amax / 2688, 2^-126) of x's finite values)
     -> NVFP4Tensor (data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale) of x's shape and
     dtype. rounding, seed, step, rank: as for :func:`quantize_mxfp4` (stochastic rounding of the
-    elements; the scales are the same). A Triton kernel on CUDA (the blocks in one pass; the tensor
-    scale from torch), bit-identical to the pure-torch reference.
+    elements; the scales are the same). Triton kernels on CUDA (the tensor scale in one pass, the blocks
+    in another), bit-identical to the pure-torch reference.
     """
     from moe_fp4.kernels import nvfp4
 
     rounding = _check_rounding("quantize_nvfp4", rounding, seed, step, rank)
-    _check_high_precision(x, "quantize_nvfp4", nvfp4.NVFP4_BLOCK)
+    if isinstance(x, FP8BlockTensor):
+        _check_fp8(x, "quantize_nvfp4", full_tiles=True)
+        dev = x.data.device
+    else:
+        _check_high_precision(x, "quantize_nvfp4", nvfp4.NVFP4_BLOCK)
+        dev = x.device
     if tensor_scale is not None:
         if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.dtype != torch.float32 or tensor_scale.dim():
             raise TypeError(f"quantize_nvfp4: tensor_scale must be a float32 0-d tensor, got "
                             f"{getattr(tensor_scale, 'dtype', type(tensor_scale))}")
-        if tensor_scale.device != x.device:
-            raise ValueError(f"quantize_nvfp4: tensor_scale on {tensor_scale.device}, x on {x.device}")
+        if tensor_scale.device != dev:
+            raise ValueError(f"quantize_nvfp4: tensor_scale on {tensor_scale.device}, x on {dev}")
         if check_values_enabled(tensor_scale):
             v = float(tensor_scale)
             if not (v >= nvfp4.NVFP4_TENSOR_SCALE_MIN and v < float("inf")):
                 raise ValueError(f"quantize_nvfp4: tensor_scale must be a finite float32 normal > 0, got {v!r}")
-    return _ops.quantize_nvfp4(x, tensor_scale, _use_triton(x), rounding, seed, step, rank)
+    return _ops.quantize_nvfp4(x, tensor_scale, _use_triton(x.data if isinstance(x, FP8BlockTensor) else x),
+                               rounding, seed, step, rank)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -201,3 +209,27 @@ def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     _check_container(q, NVFP4Tensor, "dequantize_nvfp4")
     _check_out_dtype(dtype, "dequantize_nvfp4")
     return _ops.dequantize_nvfp4(q, dtype, _use_triton(q.data))
+
+
+def _check_nvfp4_tiles(q, fn: str) -> None:
+    _check_container(q, NVFP4Tensor, fn)
+    if q.k % FP8_TILE != 0:
+        raise ValueError(f"{fn}: K = {q.k} must be a multiple of {FP8_TILE} (whole 1x128 tiles)")
+
+
+def nvfp4_to_fp8(q: NVFP4Tensor) -> FP8BlockTensor:
+    """NVFP4 -> FP8 row-wise for the FP8 GEMMs: q [M, K] (K % 128 == 0) -> FP8BlockTensor [M, K]: the FP8
+    1x128 quantization (power-of-two scale per tile, RNE) of q's float32 values, in one pass (rule 6 of
+    ``moe_fp4.kernels.nvfp4``). Not exact in general: each element moves by at most half an E4M3 step,
+    2^-4 of its value in E4M3's normal range (how often, on real activations: bench/RESULTS.md)."""
+    _check_nvfp4_tiles(q, "nvfp4_to_fp8")
+    return _ops.nvfp4_to_fp8(q, use_triton=_use_triton(q.data))
+
+
+def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
+    """NVFP4 row -> FP8 column conversion for a weight gradient: q [M, K] (any M) -> FP8BlockTensor
+    [K, M] holding q^T in 1x128 tiles along M (the last tile may be short). Bit-identical to dequantize
+    (float32) -> transpose -> quantize_fp8 along tokens; two passes on CUDA (the float32 values, then the
+    cast-transpose kernel where M and K are multiples of 128)."""
+    _check_container(q, NVFP4Tensor, "nvfp4_to_fp8_colwise")
+    return _ops.nvfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))

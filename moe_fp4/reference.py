@@ -54,12 +54,23 @@ def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:
     return _ops.fp8_to_fp8_colwise(t, use_triton=False)
 
 
-def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, rounding: str | Rounding = "nearest",
-                   seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
-    """x: bf16/fp16/fp32 [..., K] (K % 16 == 0) -> NVFP4Tensor of the same logical shape."""
+def quantize_nvfp4(x: torch.Tensor | FP8BlockTensor, tensor_scale: torch.Tensor | None = None,
+                   rounding: str | Rounding = "nearest", seed: int = 0, step: int = 0, rank: int = 0) -> NVFP4Tensor:
+    """x: bf16/fp16/fp32 [..., K] (K % 16 == 0) or FP8BlockTensor [M, K] -> NVFP4Tensor of the same logical
+    shape."""
     return _ops.quantize_nvfp4(x, tensor_scale, False, Rounding(rounding), seed, step, rank)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: NVFP4Tensor [M, K] -> dtype tensor of q.shape."""
     return _ops.dequantize_nvfp4(q, dtype, False)
+
+
+def nvfp4_to_fp8(q: NVFP4Tensor) -> FP8BlockTensor:
+    """q: NVFP4Tensor [M, K] (K % 128 == 0) -> FP8BlockTensor [M, K], row-wise 1x128 tiles."""
+    return _ops.nvfp4_to_fp8(q, use_triton=False)
+
+
+def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
+    """q: NVFP4Tensor [M, K] -> FP8BlockTensor [K, M] holding q^T in 1x128 tiles along M."""
+    return _ops.nvfp4_to_fp8_colwise(q, use_triton=False)

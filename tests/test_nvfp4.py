@@ -289,3 +289,182 @@ def test_dequantize_kernel_with_a_tensor_scale_per_row(dtype):
     assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
     each = torch.cat([N.dequantize_nvfp4_ref(p[0], p[1], p[2], dtype) for p in parts]).to(DEVICE)
     assert torch.equal(want.view(-1).view(torch.uint8), each.view(-1).view(torch.uint8))
+
+
+# ------------------------------------------------------------- FP8 1x128 <-> NVFP4 (rules 5 and 6)
+def _fp8_of(x: torch.Tensor):
+    from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
+
+    return quantize_fp8_rowwise_ref(x)
+
+
+def _hard_fp8(m: int, k: int, seed: int):
+    """FP8 1x128 (data, scale) over many binades with NaN / Inf elements, and tiles at both ends of the
+    scale range: S = -126 (values down to float32 subnormals, 2^-135) and S = 127 (448 * 2^127 overflows
+    float32: rule 5 then sees +-Inf, a non-finite block)."""
+    x = _hard_nvfp4(m, k, seed)
+    data, scale = _fp8_of(x)
+    if m >= 3:
+        scale[1, 0] = 2.0 ** -126
+        scale[2, -1] = 2.0 ** 127
+    return data.to(DEVICE), scale.to(DEVICE)
+
+
+def test_fp8_values_are_exact_in_float32():
+    # Rule 5 quantizes code * 2^S; float32 holds every such product (checked in float64), S = -126 included.
+    from moe_fp4.kernels.fp8 import dequantize_fp8_ref
+
+    data, scale = _hard_fp8(4, 256, seed=1)
+    data, scale = data.cpu(), scale.cpu()
+    exact = data.double() * scale.double().repeat_interleave(128, dim=1)
+    got = dequantize_fp8_ref(data, scale, torch.float32).double()
+    fin = torch.isfinite(exact) & (exact.abs() < 2.0 ** 128)
+    assert torch.equal(got[fin], exact[fin])
+
+
+@pytest.mark.parametrize("shape", [(3, 128), (5, 384), (1, 1024)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fp8_to_nvfp4_kernel_equals_the_reference_bit_for_bit(shape, rounding):
+    data, scale = _hard_fp8(*shape, seed=shape[1] + 7)
+    for ts in (None, torch.tensor(0.37, device=DEVICE)):
+        got = N.quantize_nvfp4_from_fp8(data, scale, ts, N.Rounding(rounding), 5, 6, 7)
+        want = N.quantize_nvfp4_from_fp8_ref(data, scale, ts, N.Rounding(rounding), 5, 6, 7)
+        assert torch.equal(got[2], want[2]), "tensor scale"
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), "block scales"
+        assert torch.equal(got[0], want[0]), (got[0] != want[0]).sum()
+    assert torch.equal(N.nvfp4_tensor_scale_from_fp8(data, scale), N.nvfp4_tensor_scale_from_fp8_ref(data, scale))
+
+
+def test_fp8_to_nvfp4_is_the_quantization_of_the_fp8_values():
+    # The API on an FP8BlockTensor: the bytes of quantize_nvfp4 on its float32 dequantization.
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)) * 40
+    f = moe_fp4.quantize_fp8(x)
+    got = moe_fp4.quantize_nvfp4(f)
+    want = moe_fp4.reference.quantize_nvfp4(moe_fp4.dequantize_fp8(f, torch.float32))
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    assert torch.equal(got.tensor_scale, want.tensor_scale) and got.shape == f.shape
+
+
+def _brute_fp8_rowwise(v: np.ndarray):
+    """The FP8 1x128 rule written again on float64: per tile S = ceil(log2(amax / 448)) (clamped to
+    [-126, 127]) over the finite values, each value / 2^S to the nearest E4M3 value (ties to the even
+    code), NaN / Inf -> 0x7F -> (bytes [M, K], scales [M, K/128])."""
+    m, k = v.shape
+    grid = [(b, e4m3_value(b)) for b in range(0x7F)]
+    codes = np.zeros((m, k), np.uint8)
+    scales = np.zeros((m, k // 128))
+    for r in range(m):
+        for t in range(k // 128):
+            tile = v[r, 128 * t:128 * t + 128]
+            fin = np.isfinite(tile)
+            amax = float(np.abs(np.where(fin, tile, 0)).max())
+            s = -126 if amax == 0 else min(max(math.ceil(math.log2(amax / 448)), -126), 127)
+            scales[r, t] = 2.0 ** s
+            for j, x in enumerate(tile):
+                if not np.isfinite(x):
+                    codes[r, 128 * t + j] = 0x7F
+                    continue
+                byte, _ = nearest(grid, abs(x) / 2.0 ** s)
+                codes[r, 128 * t + j] = byte | (0x80 if np.signbit(x) else 0)
+    return codes, scales
+
+
+def _nvfp4_every_scale(s_t: float):
+    """One tile per row: the 8 blocks of row r have E4M3 scale bytes 8r .. 8r + 7 (row 15: up to the NaN
+    byte 0x7F), each block holding every E2M1 code -> (data, scale, tensor scale) [16, 128]."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(16, 8)
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = torch.arange(128, dtype=torch.uint8).view(16, 8).view(torch.float8_e4m3fn)
+    return data.to(DEVICE), scale.to(DEVICE), torch.tensor(s_t, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.parametrize("s_t", [1.0, 0.37, 2.0 ** -126, 3e30])
+def test_nvfp4_to_fp8_reference_matches_the_rule_by_brute_force(s_t):
+    data, scale, ts = (t.cpu() for t in _nvfp4_every_scale(s_t))
+    q, sc = N.nvfp4_to_fp8_rowwise_ref(data, scale, ts)
+    v = N.dequantize_nvfp4_ref(data, scale, ts, torch.float32).double().numpy()
+    codes, scales = _brute_fp8_rowwise(v)
+    assert np.array_equal(q.view(torch.uint8).numpy(), codes)
+    assert np.array_equal(sc.double().numpy(), scales)
+
+
+@pytest.mark.parametrize("s_t", [1.0, 0.37, 2.0 ** -126, 3e30])
+def test_nvfp4_to_fp8_kernel_every_code_and_every_scale_byte(s_t):
+    data, scale, ts = _nvfp4_every_scale(s_t)
+    got, want = N.nvfp4_to_fp8_rowwise(data, scale, ts), N.nvfp4_to_fp8_rowwise_ref(data, scale, ts)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1]) and got[1].stride() == (1, 16)
+
+
+@pytest.mark.parametrize("shape", [(3, 128), (7, 512), (0, 128)])
+def test_nvfp4_to_fp8_kernel_equals_the_reference_bit_for_bit(shape):
+    # Quantized from hard inputs (NaN blocks, E4M3-subnormal and zero block scales), with one tensor scale
+    # and with one per row (rows from several senders), as for dequantize.
+    d, s, t = N.quantize_nvfp4_ref(_hard_nvfp4(*shape, seed=shape[1] + 1))
+    d, s, t = d.to(DEVICE), s.to(DEVICE), t.to(DEVICE)
+    per_row = t * torch.logspace(-3, 3, shape[0], device=DEVICE)
+    for ts in (t, per_row):
+        got, want = N.nvfp4_to_fp8_rowwise(d, s, ts), N.nvfp4_to_fp8_rowwise_ref(d, s, ts)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+
+
+# How far NVFP4 -> FP8 may move a value: half an E4M3 step, 2^-4 of the value in E4M3's normal range.
+NVFP4_TO_FP8_MAX_REL_ERR = 2.0 ** -4
+
+
+def test_nvfp4_to_fp8_error_is_at_most_half_an_e4m3_step():
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(9)) * 3
+    q = moe_fp4.quantize_nvfp4(x)
+    v = q.dequantize(torch.float32).double()
+    f = moe_fp4.dequantize_fp8(moe_fp4.nvfp4_to_fp8(q), torch.float32).double()
+    tile_max = f.abs().view(64, 8, 128).amax(-1, keepdim=True).expand(64, 8, 128).reshape(64, 1024)
+    normal = v.abs() >= tile_max * 2.0 ** -8      # within E4M3's normal range of the tile's scale
+    rel = ((f - v).abs() / v.abs().clamp(min=1e-300))[normal]
+    assert float(rel.max()) <= NVFP4_TO_FP8_MAX_REL_ERR
+    assert 0 < float((f != v).double().mean()) < 1, "an arbitrary tensor scale makes some elements inexact"
+
+
+def test_nvfp4_fp8_round_trip_is_exact_where_the_values_fit_e4m3():
+    # A power-of-two tensor scale, power-of-two block scales within one tile's E4M3 range and a 6 in every
+    # block: NVFP4 -> FP8 is exact, and FP8 -> NVFP4 with the same tensor scale gives the same bytes back.
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (8, 256), generator=g, dtype=torch.uint8)
+    codes[:, ::16] = 7                                              # +6 somewhere in each block
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    exps = torch.randint(-4, 6, (8, 16), generator=g)
+    scale = (exps + 7).to(torch.uint8).mul(8).view(torch.float8_e4m3fn)      # 2^e: mantissa 0
+    q = moe_fp4.NVFP4Tensor(data.to(DEVICE), scale.to(DEVICE), torch.tensor(0.25, device=DEVICE), torch.Size((8, 256)))
+    f = moe_fp4.nvfp4_to_fp8(q)
+    assert torch.equal(moe_fp4.dequantize_fp8(f, torch.float32), q.dequantize(torch.float32))
+    back = moe_fp4.quantize_nvfp4(f, tensor_scale=q.tensor_scale)
+    assert torch.equal(back.data, q.data) and torch.equal(back.scale.view(torch.uint8), q.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [128, 40])
+def test_nvfp4_to_fp8_colwise_is_dequantize_transpose_quantize(m):
+    x = _hard_nvfp4(m, 256, seed=m)
+    x[~torch.isfinite(x)] = 1.0
+    q = moe_fp4.quantize_nvfp4(x.to(DEVICE))
+    got = moe_fp4.nvfp4_to_fp8_colwise(q)
+    want = _fp8_of(q.dequantize(torch.float32).t().contiguous())
+    assert got.shape == (256, m)
+    assert torch.equal(got.data.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got.scale, want[1])
+    ref = moe_fp4.reference.nvfp4_to_fp8_colwise(q)
+    assert torch.equal(ref.data.view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_fp8_nvfp4_conversions_reject_bad_input():
+    q = moe_fp4.quantize_nvfp4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moe_fp4.nvfp4_to_fp8(q)
+    with pytest.raises(TypeError, match="expected NVFP4Tensor"):
+        moe_fp4.nvfp4_to_fp8(moe_fp4.quantize_mxfp4(torch.randn(4, 128)))
+    with pytest.raises(TypeError, match="expected NVFP4Tensor"):
+        moe_fp4.nvfp4_to_fp8_colwise(torch.randn(4, 128))
+    f = moe_fp4.quantize_fp8(torch.randn(4, 128))
+    bad = moe_fp4.FP8BlockTensor(f.data, f.scale * 3, f.shape)
+    with pytest.raises(ValueError, match="power of two"):
+        moe_fp4.quantize_nvfp4(bad)
+    with pytest.raises(ValueError, match="tensor_scale on"):
+        moe_fp4.quantize_nvfp4(f, tensor_scale=torch.tensor(1.0, device="meta"))
