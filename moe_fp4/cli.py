@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="on one process: apply the round trip of each exchange's wire format (the dispatch in the "
                         "mode's format, --wire's for the others) where expert parallelism would send it, to study "
                         "the wire's numerics without a second GPU")
+    c.add_argument("--storage", choices=["mxfp4", "nvfp4"], default="mxfp4",
+                   help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
+                        "scale per tensor, 4.5 bits an element)")
     c.add_argument("--hook", action="store_true",
                    help="a Hugging Face MoE model with and without activation compression")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
@@ -248,7 +251,8 @@ def _check(a: argparse.Namespace, cuda: bool):
                         seq=a.seq, experts=a.experts, layers=a.layers,
                         lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
                         global_batch=a.global_batch, recompute=a.recompute, plan=a.plan == "auto",
-                        profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress)
+                        profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress,
+                        storage=a.storage)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.global_batch is not None:
         from moe_fp4.compare import per_rank_batch

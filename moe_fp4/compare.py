@@ -53,6 +53,7 @@ from moe_fp4.data import RandomTokens, TokenBatches, stdlib_corpus
 from moe_fp4.ep import EPConfig
 from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
+from moe_fp4.hook import StorageFormat
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
 from moe_fp4.nn import DISPATCH_FORMAT, Recompute
 from moe_fp4.planner import (  # noqa: F401 (re-exported)
@@ -91,7 +92,8 @@ class CompareConfig:
     accumulated step fits), the gradients accumulated, so every mode trains on the same batches;
     recompute: the recomputation policy of every mode (:class:`moe_fp4.nn.Recompute`: none, swiglu, moe,
     layer); plan: per mode, choose the policy and micro-batch with the highest measured tokens/s that fits
-    ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.planner`) and train with that choice."""
+    ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.planner`) and train with that choice; storage: the
+    format the fp4 mode keeps its activations in, "mxfp4" or "nvfp4" (:class:`moe_fp4.StorageFormat`)."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -114,6 +116,7 @@ class CompareConfig:
     profile: bool = False
     hook: bool = False
     progress: bool = True
+    storage: str = "mxfp4"
 
     def __post_init__(self):
         """Every check that needs no device: ``moe-fp4 compare`` builds this before any model, so a bad
@@ -149,6 +152,14 @@ class CompareConfig:
         if self.max_batch_gib is not None and self.budget_gib is not None:
             raise ValueError("budget_gib checks the given batch, max_batch_gib picks each mode's own: give one of them")
         object.__setattr__(self, "recompute", Recompute(self.recompute).value)   # ValueError names the choices
+        try:
+            object.__setattr__(self, "storage", StorageFormat(self.storage).value)
+        except ValueError:
+            raise ValueError(f"storage must be one of {', '.join(f.value for f in StorageFormat)}, got "
+                             f"{self.storage!r}") from None
+        if self.storage != "mxfp4" and (self.hook or "fp4" not in self.modes):
+            raise ValueError("--storage sets the format the fp4 mode keeps its activations in: run it with fp4 in "
+                             "--modes (and without --hook)")
         if self.hook and (self.recompute != "none" or self.plan):
             raise ValueError("--recompute and --plan apply to moe_fp4's decoder; --hook compares a Hugging Face model")
         if self.plan:
@@ -384,7 +395,8 @@ def build(cfg: CompareConfig, mode: str, env: Env):
 
             handle = moe_fp4.register_activation_compression(model)
         return model, _hf_shifted_loss, (), handle
-    model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed, recompute=cfg.recompute)
+    model = DecoderLM(mc, precision=mode, device=env.device, ep=env.ep, seed=cfg.seed, recompute=cfg.recompute,
+                      storage=cfg.storage)
     return model, _lm_loss, model.expert_parameters() if env.ep is not None and not env.ep.simulate else (), None
 
 
@@ -793,6 +805,8 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
                                   f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
         budget = cfg.max_batch_gib if cfg.max_batch_gib is not None else cfg.budget_gib
         report["modes"][m]["recompute"] = policy[m]
+        if m == "fp4":
+            report["modes"][m]["storage"] = cfg.storage
         peak = report["modes"][m]["peak_bytes"]
         if budget is not None and peak is not None and peak > budget * GiB:
             report["notes"].append(f"{m}: the training run peaked at {peak / GiB:.2f} GiB, above the {budget:g} GiB "
@@ -817,6 +831,8 @@ def done_line(r: dict, world: int = 1) -> str:
     parts = [f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['step_ms']:.1f} ms/step{slowest}"]
     if r.get("recompute", "none") != "none":
         parts.append(f"recompute {r['recompute']}")
+    if r.get("storage", "mxfp4") != "mxfp4":
+        parts.append(f"activations stored in {r['storage']}")
     peak = "" if r["peak_bytes"] is None else f"peak {_gib(r['peak_bytes'])}, "
     parts.append(f"memory{largest}: {peak}activation {_gib(r['activation_bytes'])}")
     if r["a2a_share"] is not None:

@@ -22,6 +22,10 @@ What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 | SwiGLU input h  | bf16 | bf16                            | MXFP4 (fused with SwiGLU)             |
 | FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with SwiGLU and the FP8 cast) |
 
+fp4 with ``storage="nvfp4"`` keeps the same three tensors in NVFP4 (x and h from bf16, a from its FP8
+codes); inside a compression scope with ``storage=nvfp4`` the fp8 precision's FP8 activations become
+NVFP4 straight from their codes.
+
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
 for dgrad and its column-wise FP8 for wgrad from one read). The FP8 weights (128x128 blocks) and
@@ -47,11 +51,11 @@ import enum
 import torch
 
 from moe_fp4 import _ops
-from moe_fp4.api import _use_triton, dequantize_mxfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, mxfp4_to_fp8_colwise, \
-    quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.api import _use_triton, dequantize_mxfp4, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
+    mxfp4_to_fp8_colwise, nvfp4_to_fp8_colwise, quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4, quantize_nvfp4
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.gemm import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
-from moe_fp4.hook import current_compression
+from moe_fp4.hook import StorageFormat, current_compression
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
 from moe_fp4.kernels import transpose as _transpose
@@ -68,11 +72,12 @@ class Precision(str, enum.Enum):
 
 def _keep_fp8(t: FP8BlockTensor):
     """The fp8 precision's saved FP8 activation -> (what is kept, the bytes it replaced or None): as is,
-    or MXFP4 straight from its codes when the compression hook asks for it (counted by the hook when it
-    packs the result)."""
+    or MXFP4 / NVFP4 (the scope's ``storage``) straight from its codes when the compression hook asks for
+    it (counted by the hook when it packs the result)."""
     scope = current_compression()
     if scope is not None and scope.config.compress_fp8:
-        return quantize_mxfp4(t), t.nbytes
+        nv = scope.config.storage is StorageFormat.NVFP4
+        return (quantize_nvfp4(t) if nv else quantize_mxfp4(t)), t.nbytes
     return t, None
 
 
@@ -123,6 +128,8 @@ def _colwise(kept) -> FP8BlockTensor:
     one launch: 128-aligned groups never share a tile)."""
     if isinstance(kept, MXFP4Tensor):
         return mxfp4_to_fp8_colwise(kept)
+    if isinstance(kept, NVFP4Tensor):
+        return nvfp4_to_fp8_colwise(kept)
     return fp8_to_fp8_colwise(kept)
 
 
@@ -190,7 +197,7 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu):
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
         ctx.precision, ctx.counts = precision, counts
@@ -213,6 +220,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
             return y
 
         fp4 = precision is Precision.FP4
+        # fp4 in NVFP4 (storage): the same tensors kept, each quantized with NVFP4's rules instead
+        # (x and h from bf16, a from its FP8 codes), and MXFP4 rows received from the dispatch as they came.
+        nv = fp4 and storage is StorageFormat.NVFP4
         # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
         # operands are forward's, and micro-batches between two optimizer steps share them.
         (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
@@ -225,8 +235,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
             kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
-            x_kept, before = (quantize_mxfp4(x_q), None) if fp4 else _keep_fp8(x_q)
+            x_kept, before = ((quantize_nvfp4(x_q) if nv else quantize_mxfp4(x_q)), None) if fp4 else _keep_fp8(x_q)
             kept.add("x", x_kept, "fc1_input", converted_from=before)
+        elif nv:
+            xq = quantize_fp8(x)
+            kept.add("x", quantize_nvfp4(x), "fc1_input")
         elif fp4:
             xq, x_mx = quantize_fp8_and_mxfp4(x)
             kept.add("x", x_mx, "fc1_input")
@@ -236,8 +249,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
             kept.add("x", x_kept, "fc1_input", converted_from=before)
         h = grouped_fp8_mm_nt(xq, w13q, counts, torch.bfloat16)
         del xq, w13q
-        aq, a_mx, h_mx = _swiglu_quantize(h, row_w, fp4)
-        if fp4:
+        aq, a_mx, h_mx = _swiglu_quantize(h, row_w, fp4 and not nv)
+        if nv:
+            kept.add("a", quantize_nvfp4(aq), "fc2_input")
+            kept.add("h", quantize_nvfp4(h), "swiglu_input")
+        elif fp4:
             # fp4 keeps the SwiGLU output in MXFP4 even with recompute_swiglu: recomputing it from the
             # MXFP4 SwiGLU input would change the FC2 weight gradient (it is made from the exact h).
             kept.add("a", a_mx, "fc2_input")
@@ -271,11 +287,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None, None
 
         h = kept["h"]
         if isinstance(h, MXFP4Tensor):
             h = dequantize_mxfp4(h, dy.dtype)
+        elif isinstance(h, NVFP4Tensor):
+            h = dequantize_nvfp4(h, dy.dtype)
         a_kept = kept["a"]
         if a_kept is None:   # recompute_swiglu (fp8): the same kernel on the same h gives the forward's bytes
             a_kept = _swiglu_quantize(h, row_w, False)[0]
@@ -290,12 +308,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None, None
+        return dx, dw13, dw2, d_row, None, None, None, None, None
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
-                           row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False) -> torch.Tensor:
+                           row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,
+                           storage: str | StorageFormat = "mxfp4") -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -318,11 +337,22 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             bit for bit what the forward used (bf16: 2F bytes a row less; fp8: F + F/128*4). fp4 keeps
             its MXFP4 FC2 input anyway (0.53 bytes an element): recomputing it from the MXFP4 SwiGLU
             input would change the FC2 weight gradient.
+    storage: fp4's activation format, "mxfp4" (default) or "nvfp4" (:class:`moe_fp4.StorageFormat`: E4M3
+            scales per 16 and a float32 scale per tensor, 4.5 bits an element; issue 27): x and the SwiGLU
+            input h quantized from bf16, the FC2 input from its FP8 codes (FP8 -> NVFP4), an FP8 x_q
+            likewise; an MXFP4 x_q is kept as received. Backward converts NVFP4 -> FP8 along tokens for
+            the weight gradients (``nvfp4_to_fp8_colwise``). Other precisions ignore it (the fp8
+            precision's storage inside a compression scope is the scope's ``CompressionConfig.storage``).
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
     :func:`moe_fp4.nn.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
     """
     precision = Precision(precision)
+    try:
+        storage = StorageFormat(storage)
+    except ValueError:
+        raise ValueError(f"grouped_swiglu_experts: storage must be one of "
+                         f"{', '.join(f.value for f in StorageFormat)}, got {storage!r}") from None
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"grouped_swiglu_experts: w13 [E, 2F, H] and w2 [E, H, F], got {tuple(w13.shape)}, "
                          f"{tuple(w2.shape)}")
@@ -352,4 +382,4 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_q is [{x_q.m}, {x_q.k}], expected {tuple(x.shape)}")
     elif not x.is_contiguous():
         x = x.contiguous()
-    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu))
+    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage)

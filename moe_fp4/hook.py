@@ -158,14 +158,14 @@ class CompressionConfig:
         :func:`register_activation_compression` (it needs module names); each pattern must match.
     min_numel: tensors with fewer elements pass through (SkipReason.SMALL).
     compress_fp8: whether moe_fp4's own FP8 Functions, which keep their saved FP8 tensors as ctx
-        attributes, store them in MXFP4 when inside a compression scope (read through
+        attributes, store them in the ``storage`` format when inside a compression scope (read through
         :func:`current_compression`). Bare float8 tensors seen by the hook are never compressed.
     check_finite: check every candidate tensor for NaN/Inf (a device sync each) and store those that hold
         any unquantized (SkipReason.NON_FINITE). Off by default: a NaN/Inf then turns its 32-block to NaN.
     storage: the format the hook stores tensors in: ``StorageFormat.MXFP4`` (default; 4.25 bits an
         element) or ``StorageFormat.NVFP4`` (E4M3 scales per 16 and a float32 scale per tensor: 4.5 bits,
-        about 1.5 dB more SQNR; issue 27). moe_fp4's own FP8 -> MXFP4 conversions (``compress_fp8``)
-        stay MXFP4: they convert on the codes, and no FP8 -> NVFP4 conversion exists yet.
+        about 1.5 dB more SQNR; issue 27). moe_fp4's own FP8 activations (``compress_fp8``) are converted
+        to the same format straight from their codes (FP8 -> MXFP4 or FP8 -> NVFP4).
     """
 
     modules: ModulePredicate | tuple[str, ...] | None = None

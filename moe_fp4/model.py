@@ -158,7 +158,8 @@ class DecoderLM(nn.Module):
     scalar) when targets are given, else logits float32 [B, S, vocab]. S <= config.seq."""
 
     def __init__(self, config: ModelConfig, precision: str | Precision = "fp8", device=None,
-                 ep: EPConfig | None = None, seed: int = 0, recompute: str | Recompute = "none"):
+                 ep: EPConfig | None = None, seed: int = 0, recompute: str | Recompute = "none",
+                 storage: str = "mxfp4"):
         super().__init__()
         self.config = c = config
         self.embed = nn.Parameter(torch.empty(c.vocab, c.hidden, dtype=torch.float32, device=device))
@@ -169,6 +170,8 @@ class DecoderLM(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.recompute = recompute
+        for m in self.moe_layers():
+            m.storage = storage   # fp4's activation format (moe_fp4.nn.MoE.storage)
         self.init_weights(seed)
 
     def moe_layers(self) -> list[MoE]:

@@ -28,7 +28,7 @@ from torch import nn
 from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch, simulate_exchange
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
-from moe_fp4.hook import as_current, current_compression
+from moe_fp4.hook import StorageFormat, as_current, current_compression
 from moe_fp4.wire import WireFormat
 
 # The dispatch all-to-all's wire format in each precision (DESIGN.md): the FP8 baseline sends what
@@ -265,7 +265,8 @@ class MoE(nn.Module):
     Parameters (dtype ``dtype``, the master copies; the FP8 paths quantize them on each forward):
     router.weight [E, H], w13 [E_local, 2F, H] (gate | up), w2 [E_local, H, F], and with a shared
     expert shared_w13 [1, 2Fs, H], shared_w2 [1, H, Fs]. ``precision`` ("bf16" | "fp8" | "fp4") may
-    be changed on a built module.
+    be changed on a built module, as may ``storage`` ("mxfp4" | "nvfp4"), the format fp4 keeps its
+    activations in.
 
     ``ep``: an :class:`~moe_fp4.ep.EPConfig` for expert parallelism. The group's ranks hold
     E_local = E / world experts each (rank r: experts r*E_local ... (r+1)*E_local - 1); tokens go
@@ -277,11 +278,13 @@ class MoE(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
-                 device=None, ep: EPConfig | None = None, recompute: str | Recompute = "none"):
+                 device=None, ep: EPConfig | None = None, recompute: str | Recompute = "none",
+                 storage: str | StorageFormat = "mxfp4"):
         super().__init__()
         self.config = config
         self.precision = precision
         self.recompute = recompute
+        self.storage = storage
         self.ep = ep
         c, kw = config, {"dtype": dtype, "device": device}
         world = 1
@@ -307,6 +310,15 @@ class MoE(nn.Module):
     @precision.setter
     def precision(self, value) -> None:
         self._precision = Precision(value)
+
+    @property
+    def storage(self) -> StorageFormat:
+        """fp4's activation storage, "mxfp4" or "nvfp4" (``grouped_swiglu_experts``' storage); may be changed."""
+        return self._storage
+
+    @storage.setter
+    def storage(self, value) -> None:
+        self._storage = StorageFormat(value)
 
     @property
     def recompute(self) -> Recompute:
@@ -353,7 +365,8 @@ class MoE(nn.Module):
         plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group))
         sent = once(lambda: dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad))
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
-                                   row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute)
+                                   row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute,
+                                   storage=self.storage)
         out = once(lambda: _Recorded(combine(y, sent, plan, ep.combine, ep.combine_grad)))
         return out.take()
 
@@ -366,7 +379,7 @@ class MoE(nn.Module):
         rows = -(-t // TOKEN_ALIGN) * TOKEN_ALIGN
         xp = torch.nn.functional.pad(x, (0, 0, 0, rows - t))
         return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision,
-                                      recompute_swiglu=self._swiglu_recompute)[:t]
+                                      recompute_swiglu=self._swiglu_recompute, storage=self.storage)[:t]
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
         sim = self.ep if self.ep is not None and self.ep.simulate else None
@@ -378,7 +391,7 @@ class MoE(nn.Module):
             xd = x2 if sim is None else simulate_exchange(x2, DISPATCH_FORMAT[self.precision], sim.dispatch_grad)
             y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
                                             self.precision, row_weights=row_weights(routing),
-                                            recompute_swiglu=self._swiglu_recompute)
+                                            recompute_swiglu=self._swiglu_recompute, storage=self.storage)
             y = unpermute(y_perm, routing)
             if sim is not None:
                 y = simulate_exchange(y, sim.combine, sim.combine_grad)
@@ -404,4 +417,5 @@ class MoE(nn.Module):
         ep = "" if self.ep is None else f", ep_local_experts={self.num_local_experts}"
         return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts}, top_k={c.top_k}, "
                 f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}{ep}"
-                + ("" if self.recompute is Recompute.NONE else f", recompute={self.recompute.value}"))
+                + ("" if self.recompute is Recompute.NONE else f", recompute={self.recompute.value}")
+                + ("" if self.storage is StorageFormat.MXFP4 else f", storage={self.storage.value}"))

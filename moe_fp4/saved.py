@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 
 _local = threading.local()
 
@@ -72,7 +72,7 @@ class SavedReport:
 @dataclass(frozen=True, eq=False)
 class Kept:
     """One activation moe_fp4 keeps for backward in its own format. label: its role ("fc1_input", ...);
-    format: "mxfp4", "fp8_1x128" or a dtype name; shape: logical shape; nbytes: bytes held;
+    format: "mxfp4", "nvfp4", "fp8_1x128" or a dtype name; shape: logical shape; nbytes: bytes held;
     converted_from: bytes of the tensor it replaces when a compression scope converted it (the fp8
     precision's FP8 activations stored as MXFP4), else None."""
 
@@ -90,13 +90,15 @@ _LABEL = "_moe_fp4_label"
 def _describe(obj) -> tuple[str, tuple]:
     if isinstance(obj, MXFP4Tensor):
         return "mxfp4", tuple(obj.shape)
+    if isinstance(obj, NVFP4Tensor):
+        return "nvfp4", tuple(obj.shape)
     if isinstance(obj, FP8BlockTensor):
         return "fp8_1x128", tuple(obj.shape)
     return str(obj.dtype).replace("torch.", ""), tuple(obj.shape)
 
 
 def keep(label: str, obj, converted_from: int | None = None) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """obj: an MXFP4Tensor, FP8BlockTensor or tensor a moe_fp4 Function saves for backward ->
+    """obj: an MXFP4Tensor, NVFP4Tensor, FP8BlockTensor or tensor a moe_fp4 Function saves for backward ->
     (its tensors, to pass to ``ctx.save_for_backward``; a spec for :func:`rebuild`).
 
     The tensors are tagged with one :class:`Kept`: :func:`saved_bytes` reports the container once, and

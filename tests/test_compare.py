@@ -208,12 +208,19 @@ def test_cli_wire_argument():
 
 
 def test_cli_simulate_wire(tmp_path):
-    # Every exchange in 4 bits, stochastic gradients, on one process.
+    # Every exchange in 4 bits, stochastic gradients, on one process; activations stored in NVFP4.
     run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--modes", "fp4", "--simulate-wire", "--wire",
-                "combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr", "--out", tmp_path, "--no-progress",
-                "--no-plots"])
+                "combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr", "--storage", "nvfp4", "--out", tmp_path,
+                "--no-progress", "--no-plots"])
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["modes"]["fp4"]["storage"] == "nvfp4" and "activations stored in nvfp4" in run.stdout
+    from moe_fp4.compare import CompareConfig
+
+    with pytest.raises(ValueError, match="fp4 in --modes"):
+        CompareConfig(preset="tiny", modes=("fp8",), storage="nvfp4")
+    with pytest.raises(ValueError, match="storage must be one of mxfp4, nvfp4"):
+        CompareConfig(preset="tiny", storage="fp8")
     assert report["meta"]["wire"] == {"dispatch": {"fp4": "mxfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
                                       "combine_grad": "nvfp4-sr", "simulated": True}
     _finite_losses(report["modes"]["fp4"])
