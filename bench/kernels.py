@@ -110,10 +110,15 @@ OPS = [
     _op("bf16_to_mxfp4", "quantize_mxfp4", _bf16),
     # Stochastic rounding (issue 27): Philox bits in the kernel; its speed against bf16_to_mxfp4's.
     OpSpec("bf16_to_mxfp4_sr", _bf16, _stochastic(moe_fp4.quantize_mxfp4), _stochastic(twins.quantize_mxfp4)),
-    # NVFP4 (issue 27): the tensor scale's amax is torch's (its own passes over x), the blocks one kernel.
+    # NVFP4 (issue 27): two kernels, the tensor scale's amax (one pass over x) and the blocks.
     _op("bf16_to_nvfp4", "quantize_nvfp4", _bf16),
     OpSpec("bf16_to_nvfp4_sr", _bf16, _stochastic(moe_fp4.quantize_nvfp4), _stochastic(twins.quantize_nvfp4)),
     _op("nvfp4_to_bf16", "dequantize_nvfp4", lambda x: (moe_fp4.quantize_nvfp4(x), torch.bfloat16)),
+    # FP8 <-> NVFP4: from the FP8 codes (two passes: amax, blocks), and to the GEMM's FP8 (one pass);
+    # the column-wise one is two passes (float32 values, then the cast-transpose kernel).
+    _op("fp8_to_nvfp4", "quantize_nvfp4", _fp8),
+    _op("nvfp4_to_fp8", "nvfp4_to_fp8", lambda x: (moe_fp4.quantize_nvfp4(x),)),
+    _op("nvfp4_to_fp8_colwise", "nvfp4_to_fp8_colwise", lambda x: (moe_fp4.quantize_nvfp4(x),)),
     _op("fp8_to_mxfp4", "quantize_mxfp4", _fp8),
     _op("mxfp4_to_bf16", "dequantize_mxfp4", _mxfp4_and_dtype),
     _op("mxfp4_to_fp8", "mxfp4_to_fp8", _mxfp4),

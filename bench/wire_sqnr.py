@@ -12,6 +12,12 @@ the MoE input and ``combine_grad`` that of its output (what the two backward exc
 is packed into every wire format and unpacked (``moe_fp4.wire``: the bytes that would travel), and
 the table gives the SQNR in dB of the round trip against the float32 rows, the median over layers
 (min, max), and the bytes per row at the model's H. The stochastic formats draw one sample each.
+
+A second table measures NVFP4 -> FP8 1x128 (``moe_fp4.nvfp4_to_fp8``, what an FP8 GEMM would read from
+NVFP4 rows; not exact in general) on the same rows: the share of nonzero NVFP4 values that the FP8 copy
+changes, the share it flushes to zero, the median and largest relative change of the changed ones,
+and the SQNR against the float32 rows of NVFP4 and of FP8-from-NVFP4 (medians over layers; the
+largest change is the maximum).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 
 import torch
 
+import moe_fp4
 from moe_fp4 import wire as W
 from moe_fp4.compare import commit
 from moe_fp4.data import stdlib_corpus, TokenBatches
@@ -64,6 +71,21 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return W.unpack(W.pack(rows, fmt), fmt, x.shape[1], "bf16", torch.float32)
 
 
+def nvfp4_to_fp8_change(x: torch.Tensor) -> dict[str, float]:
+    """float32 [T, H] rows -> how NVFP4 -> FP8 moves their NVFP4 values (module docstring)."""
+    q = moe_fp4.quantize_nvfp4(x.to(torch.bfloat16).contiguous())
+    v = q.dequantize(torch.float32)
+    f = moe_fp4.dequantize_fp8(moe_fp4.nvfp4_to_fp8(q), torch.float32)
+    nz = v != 0
+    changed = nz & (f != v)
+    rel = ((f - v).abs() / v.abs())[changed]
+    n = max(int(nz.sum()), 1)
+    return {"changed": int(changed.sum()) / n, "flushed": int((nz & (f == 0)).sum()) / n,
+            "median_rel": float(rel.median()) if rel.numel() else 0.0,
+            "max_rel": float(rel.max()) if rel.numel() else 0.0,
+            "sqnr_nvfp4": sqnr_db(x, v), "sqnr_fp8_from_nvfp4": sqnr_db(x, f)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: small on a GPU, tiny on CPU")
@@ -101,11 +123,22 @@ def main() -> None:
             results[f"{role}/{fmt}"] = vals
             cells.append(f"{statistics.median(vals):.2f} ({min(vals):.2f}, {max(vals):.2f})")
         print(f"| {role} | " + " | ".join(cells) + " |")
+    print("\nNVFP4 -> FP8 1x128 (nvfp4_to_fp8) on the same rows, medians over layers (largest change: maximum)")
+    print("| rows | values changed | flushed to 0 | median change | largest change | SQNR nvfp4 | SQNR fp8 from nvfp4 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    to_fp8 = {}
+    for role in ROLES:
+        per = [nvfp4_to_fp8_change(layer[role]) for layer in layers if role in layer]
+        to_fp8[role] = per
+        med = {k: statistics.median(d[k] for d in per) for k in per[0]}
+        print(f"| {role} | {100 * med['changed']:.2f}% | {100 * med['flushed']:.4f}% | {100 * med['median_rel']:.2f}% | "
+              f"{100 * max(d['max_rel'] for d in per):.2f}% | {med['sqnr_nvfp4']:.2f} | {med['sqnr_fp8_from_nvfp4']:.2f} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"preset": preset, "hidden": hidden, "train_steps": a.train_steps, "batch": a.batch,
                        "device": device, "commit": commit(), "torch": torch.__version__,
-                       "row_bytes": {f: W.row_bytes(f, hidden) for f in FORMATS}, "sqnr_db": results}, fh, indent=1)
+                       "row_bytes": {f: W.row_bytes(f, hidden) for f in FORMATS}, "sqnr_db": results,
+                       "nvfp4_to_fp8": to_fp8}, fh, indent=1)
         print(f"wrote {a.json}")
 
 
