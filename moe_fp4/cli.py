@@ -100,7 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with torchrun (expert parallelism) or --simulate-wire: wire formats of the other "
                         "exchanges, ROLE one of "
                         "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, native, and for "
-                        "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) (default: bf16 for all three; the "
+                        "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the sqrt(3) rule: nvfp4-sr "
+                        "while the gradient's norm is at least sqrt(3) times its quantization noise, bf16 after 10 "
+                        "steps below; the ratio is reported per layer) (default: bf16 for all three; the "
                         "dispatch travels in each mode's format: bf16, fp8, mxfp4)")
     c.add_argument("--simulate-wire", action="store_true",
                    help="on one process: apply the round trip of each exchange's wire format (the dispatch in the "
@@ -226,8 +228,11 @@ def parse_wire(text: str) -> dict[str, str]:
                              "mxfp4); set combine, dispatch_grad or combine_grad")
         if not eq or role not in WIRE_ROLES:
             raise ValueError(f"--wire: {item!r} is not ROLE=FMT with ROLE one of {', '.join(WIRE_ROLES)}")
-        if fmt not in formats:
-            raise ValueError(f"--wire: {role}={fmt!r}: the format must be one of {', '.join(formats)}")
+        if fmt == "auto" and role != "combine":
+            pass   # the sqrt(3) rule (EPConfig "auto")
+        elif fmt not in formats:
+            raise ValueError(f"--wire: {role}={fmt!r}: the format must be one of {', '.join(formats)}"
+                             + (", or auto" if role != "combine" else ""))
         if role == "combine" and fmt.endswith("-sr"):
             raise ValueError(f"--wire: combine={fmt} rounds stochastically, which is for gradients only; "
                              f"use it for dispatch_grad or combine_grad")

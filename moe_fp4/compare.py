@@ -55,7 +55,7 @@ from moe_fp4.experts import Precision
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.hook import StorageFormat
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
-from moe_fp4.nn import DISPATCH_FORMAT, Recompute
+from moe_fp4.nn import DISPATCH_FORMAT, MoE, Recompute, end_grad_wire_step
 from moe_fp4.planner import (  # noqa: F401 (re-exported)
     MAX_SEARCH_PROBES,
     PLAN_TIMED_STEPS,
@@ -331,6 +331,8 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.env.ep is not None:
+            end_grad_wire_step(self.model)   # gradient wires on "auto": the sqrt(3) rule's step
         return loss
 
     def _sync_and_clip(self, max_norm: float = 1.0) -> None:
@@ -553,6 +555,10 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
            "loss_final": statistics.fmean(tail), "loss_eval": ev, "loss_curve": curve, "wall_s": wall}
     if prof:
         row["profile_table"] = prof
+    rules = {name: {g: r.summary() for g, r in m.grad_rules.items()} for name, m in model.named_modules()
+             if isinstance(m, MoE) and m.grad_rules}
+    if rules:
+        row["grad_wire_auto"] = rules   # the sqrt(3) rule per MoE layer and gradient (EPConfig "auto")
     if handle is not None:
         handle.remove()
     del model, trainer
@@ -721,8 +727,11 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     if env.ep is not None:
         # What each exchange sends: the dispatch in the mode's format, the rest as EPConfig says.
         meta["wire"] = {"dispatch": {m: DISPATCH_FORMAT[Precision(m)].value for m in cfg.modes if m in MODES},
-                        **{k: getattr(env.ep, k).value for k in ("combine", "dispatch_grad", "combine_grad")},
+                        **{k: getattr(getattr(env.ep, k), "value", getattr(env.ep, k))
+                           for k in ("combine", "dispatch_grad", "combine_grad")},
                         "simulated": env.ep.simulate}
+        if env.ep.grad_rules():
+            meta["wire"]["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience}
     report = {"meta": meta, "config": {**asdict(cfg), "model": asdict(mc)}, "notes": [], "modes": {},
               "max_batch": {}}
     if not env.cuda:
@@ -837,8 +846,24 @@ def done_line(r: dict, world: int = 1) -> str:
     parts.append(f"memory{largest}: {peak}activation {_gib(r['activation_bytes'])}")
     if r["a2a_share"] is not None:
         parts.append(f"all-to-all {100 * r['a2a_share']:.1f}% of the step")
+    if r.get("grad_wire_auto"):
+        parts.append(grad_wire_line(r["grad_wire_auto"]))
     parts.append(f"loss {r['loss_final']:.4f}, eval loss {r['loss_eval']:.4f}{mean}")
     return f"{r['mode']} done: " + ", ".join(parts)
+
+
+def grad_wire_line(rules: dict) -> str:
+    """The sqrt(3) rule's outcome per layer and gradient, one clause each."""
+    out = []
+    for layer, per in rules.items():
+        for g, d in per.items():
+            if not d["steps"]:
+                out.append(f"{layer} {g}: not measured")
+                continue
+            fell = "never below sqrt(3)" if d["fell_back_at"] is None else f"bf16 from step {d['fell_back_at']}"
+            out.append(f"{layer} {g} {d['format']} norm/noise {d['ratio_first']:.2f} -> {d['ratio_last']:.2f} "
+                       f"(min {d['ratio_min']:.2f}), {fell}")
+    return "sqrt(3) rule: " + "; ".join(out)
 
 
 def row_line(r: dict) -> str:

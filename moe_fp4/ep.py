@@ -25,6 +25,7 @@ zero-row (correct, empty) gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,11 @@ class EPConfig:
     dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks); those of
     combine, or mxfp4-sr / nvfp4-sr (stochastic rounding, unbiased: for gradients only).
     combine_grad: wire format of the combine's gradient (backward, to the experts' ranks); as
-    dispatch_grad.
+    dispatch_grad. Either gradient may be ``"auto"``: the sqrt(3) rule (:class:`GradWireRule`) sends it
+    in ``auto_format`` while the payload's norm stays at least sqrt(3) times its quantization noise's,
+    and in bf16 from the optimizer step after ``auto_patience`` consecutive steps below; each MoE layer
+    keeps its own rule per gradient, and :func:`moe_fp4.nn.end_grad_wire_step` (once per optimizer
+    step) closes the step's measurement.
     simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and
     applies each exchange's round trip where EP would send it (the dispatch in the precision's format
     on the expert input, its gradient in dispatch_grad; the combine on the layer's routed output, its
@@ -62,18 +67,104 @@ class EPConfig:
 
     group: object = None
     combine: WireFormat = WireFormat.BF16
-    dispatch_grad: WireFormat = WireFormat.BF16
-    combine_grad: WireFormat = WireFormat.BF16
+    dispatch_grad: WireFormat | str = WireFormat.BF16
+    combine_grad: WireFormat | str = WireFormat.BF16
     simulate: bool = False
+    auto_format: WireFormat = WireFormat.NVFP4_SR
+    auto_patience: int = 10
 
     def __post_init__(self):
-        for name in ("combine", "dispatch_grad", "combine_grad"):
-            object.__setattr__(self, name, WireFormat(getattr(self, name)))
+        object.__setattr__(self, "combine", WireFormat(self.combine))
+        for name in ("dispatch_grad", "combine_grad"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
+        object.__setattr__(self, "auto_format", WireFormat(self.auto_format))
+        if self.auto_format in UNQUANTIZED:
+            raise ValueError(f"EPConfig.auto_format: the sqrt(3) rule chooses between a quantized format and bf16, "
+                             f"got {self.auto_format.value}")
+        if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
+            raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
         check_value_formats("EPConfig", combine=self.combine)
+
+    def grad_rules(self) -> dict[str, "GradWireRule"]:
+        """A fresh :class:`GradWireRule` for each gradient set to "auto" (one set per MoE layer)."""
+        return {n: GradWireRule(self.auto_format, self.auto_patience) for n in ("dispatch_grad", "combine_grad")
+                if getattr(self, n) == AUTO}
 
     @property
     def process_group(self):
         return resolve_group(self.group)
+
+
+# A gradient wire chosen by the sqrt(3) rule (EPConfig.dispatch_grad / combine_grad = "auto").
+AUTO = "auto"
+# "FP4 All the Way" (Chmiel et al., 2025): quantized gradients stop helping once the gradient's norm
+# falls below sqrt(3) times the quantization noise; the backward then goes to higher precision.
+SQRT3 = math.sqrt(3.0)
+
+
+class GradWireRule:
+    """The sqrt(3) rule for one gradient exchange of one layer (issue 27).
+
+    While on ``fmt`` each backward exchange adds the squared norm of the rows it sends and of their
+    quantization noise (what arrives minus what was sent: the receivers' exact decode of the same bytes)
+    to this step's sums; :meth:`end_step`, once per optimizer step, sums them over the EP group (so every
+    rank decides alike), appends the ratio sqrt(signal / noise) to ``ratios``, and after ``patience``
+    consecutive steps with the ratio below sqrt(3) switches the exchange to bf16 for the rest of the run
+    (``fell_back_at``: the number of steps measured by then). Measuring costs a decode of the sent rows
+    and two reductions per exchange, and one host sync per optimizer step."""
+
+    def __init__(self, fmt: WireFormat = WireFormat.NVFP4_SR, patience: int = 10):
+        self.fmt, self.patience = WireFormat(fmt), patience
+        self.sums: torch.Tensor | None = None        # float32 [2] on the device: sum x^2, sum noise^2
+        self.ratios: list[float] = []
+        self.below = 0
+        self.fell_back_at: int | None = None
+
+    @property
+    def format(self) -> WireFormat:
+        """The format the next exchange sends: ``fmt``, or bf16 once the rule has fallen back."""
+        return self.fmt if self.fell_back_at is None else WireFormat.BF16
+
+    def record(self, sent: torch.Tensor, arrived: torch.Tensor) -> None:
+        """sent, arrived: [N, H] the rows before packing and as they decode on arrival."""
+        if self.fell_back_at is not None:
+            return
+        x = sent.float()
+        s = torch.stack([x.square().sum(), (arrived.float() - x).square().sum()])
+        self.sums = s if self.sums is None else self.sums + s
+
+    def end_step(self, group=None) -> float | None:
+        """Close one optimizer step's measurement -> its ratio (None if nothing was sent on ``fmt``)."""
+        if self.sums is None:
+            return None
+        s, self.sums = self.sums, None
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(s, group=group)
+        signal, noise = s.tolist()
+        ratio = math.sqrt(signal / noise) if noise > 0 else math.inf
+        self.ratios.append(ratio)
+        self.below = self.below + 1 if ratio < SQRT3 else 0
+        if self.below >= self.patience:
+            self.fell_back_at = len(self.ratios)
+        return ratio
+
+    def summary(self) -> dict:
+        """-> {format, steps measured, ratio first / min / median / last, fell_back_at} for reports."""
+        r = sorted(self.ratios)
+        return {"format": self.fmt.value, "steps": len(self.ratios),
+                "ratio_first": self.ratios[0] if r else None, "ratio_min": r[0] if r else None,
+                "ratio_median": r[len(r) // 2] if r else None, "ratio_last": self.ratios[-1] if r else None,
+                "fell_back_at": self.fell_back_at}
+
+
+def grad_format(fmt: WireFormat | str, rule: GradWireRule | None) -> WireFormat:
+    """The format a gradient exchange sends now: its rule's for "auto", else ``fmt``."""
+    if fmt == AUTO:
+        if rule is None:
+            raise ValueError('a gradient wire "auto" needs its GradWireRule (EPConfig.grad_rules)')
+        return rule.format
+    return WireFormat(fmt)
 
 
 @dataclass(frozen=True)
@@ -181,7 +272,7 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, experts, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
-                expand: bool):
+                expand: bool, rule: GradWireRule | None):
         t, hidden = x.shape
         k = plan.top_k
         off = _meta_offset(fmt, hidden, x.dtype)
@@ -200,6 +291,7 @@ class _Dispatch(torch.autograd.Function):
         ids = rmeta.view(torch.int32)[:, k:]
         route = _receiver_route(ids, recv_w, plan) if expand else None
         ctx.plan, ctx.route, ctx.grad_fmt, ctx.shape, ctx.dtype = plan, route, grad_fmt, (t, hidden), x.dtype
+        ctx.rule = rule
         if not expand:
             local = ids.long() - plan.rank * plan.num_local
             local = torch.where((local >= 0) & (local < plan.num_local), local, plan.num_local)
@@ -231,40 +323,50 @@ class _Dispatch(torch.autograd.Function):
             g.index_add_(0, route.src_row, g_rows.float())
         off = _meta_offset(fmt, hidden, ctx.dtype)
         wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=g.device)
-        pack(g[:r].to(ctx.dtype), fmt, out=wire, rank=plan.rank)
+        sent = g[:r].to(ctx.dtype)
+        pack(sent, fmt, out=wire, rank=plan.rank)
+        if ctx.rule is not None:
+            ctx.rule.record(sent, unpack(wire, fmt, hidden, OutputFormat.BF16, ctx.dtype))
         wire[:, off:].view(torch.float32)[:] = g_w
         back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group)
         dx_rows = unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype).float()
         dx = torch.zeros(t, hidden, dtype=torch.float32, device=g.device).index_add_(0, plan.src_token, dx_rows)
         dw = torch.zeros(t, k, dtype=torch.float32, device=g.device).index_add_(
             0, plan.src_token, back[:, off:].view(torch.float32))
-        return dx.to(ctx.dtype), dw, None, None, None, None, None
+        return dx.to(ctx.dtype), dw, None, None, None, None, None, None
 
 
 class _Simulated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat):
-        ctx.grad_fmt = grad_fmt
+    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat, rule: GradWireRule | None):
+        ctx.grad_fmt, ctx.rule = grad_fmt, rule
         return unpack(pack(x.contiguous(), fmt), fmt, x.shape[1], OutputFormat.BF16, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         fmt = ctx.grad_fmt
-        return unpack(pack(g.contiguous(), fmt), fmt, g.shape[1], OutputFormat.BF16, g.dtype), None, None
+        g = g.contiguous()
+        arrived = unpack(pack(g, fmt), fmt, g.shape[1], OutputFormat.BF16, g.dtype)
+        if ctx.rule is not None:
+            ctx.rule.record(g, arrived)
+        return arrived, None, None, None
 
 
-def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat) -> torch.Tensor:
+def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat | str,
+                      rule: GradWireRule | None = None) -> torch.Tensor:
     """x: [N, H] -> x as it arrives through the ``fmt`` wire, its gradient as it arrives through
-    ``grad_fmt`` (EPConfig.simulate: an exchange's numerics without a second process)."""
-    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    ``grad_fmt`` (EPConfig.simulate: an exchange's numerics without a second process); ``grad_fmt``
+    "auto" takes its format from ``rule``, which measures the gradient's norm over its noise."""
+    fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
     check_value_formats("simulate_exchange", fmt=fmt)
     _check_hidden(x.shape[1], (fmt, grad_fmt), "simulate_exchange")
-    return _Simulated.apply(x, fmt, grad_fmt)
+    return _Simulated.apply(x, fmt, grad_fmt, rule if rule is not None and grad_fmt is rule.fmt else None)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat):
+    def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
+                rule: GradWireRule | None):
         r, hidden = plan.received, y.shape[1]
         if route is None:
             z = y
@@ -275,7 +377,7 @@ class _Combine(torch.autograd.Function):
         back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group)
         out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
         out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
-        ctx.route, ctx.plan, ctx.grad_fmt = route, plan, grad_fmt
+        ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         return out.to(y.dtype)
 
     @staticmethod
@@ -283,12 +385,15 @@ class _Combine(torch.autograd.Function):
         route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
         hidden = g.shape[1]
         g_send = g.index_select(0, plan.src_token).contiguous()
-        got = exchange_rows(pack(g_send, fmt, rank=plan.rank), plan.send_splits, plan.recv_splits, plan.group)
+        wire = pack(g_send, fmt, rank=plan.rank)
+        if ctx.rule is not None:
+            ctx.rule.record(g_send, unpack(wire, fmt, hidden, OutputFormat.BF16, g.dtype))
+        got = exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group)
         recv = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
         if route is None:
-            return recv, None, None, None, None
+            return recv, None, None, None, None, None
         recv = torch.cat([recv, recv.new_zeros(1, hidden)])
-        return recv.index_select(0, route.src_row), None, None, None, None
+        return recv.index_select(0, route.src_row), None, None, None, None, None
 
 
 def _check_hidden(hidden: int, formats, fn: str) -> None:
@@ -325,34 +430,39 @@ class Dispatched:
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan: DispatchPlan,
-             fmt: WireFormat, grad_fmt: WireFormat = WireFormat.BF16, expand: bool = True) -> Dispatched:
+             fmt: WireFormat, grad_fmt: WireFormat | str = WireFormat.BF16, expand: bool = True,
+             rule: GradWireRule | None = None) -> Dispatched:
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
     backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" | "native" on the wire (with ``expand=False``
-    also "nvfp4", decoded on arrival); grad_fmt: any format, the -sr ones included."""
-    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    also "nvfp4", decoded on arrival); grad_fmt: any format, the -sr ones included, or "auto" with its
+    ``rule`` (:class:`GradWireRule`, which then also measures the sent gradient's norm over its noise)."""
+    fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
+    rule = rule if rule is not None and grad_fmt is rule.fmt else None
     check_value_formats("dispatch", fmt=fmt)
     if expand and fmt not in DISPATCH_FORMATS:
         raise ValueError(f"dispatch: fmt={fmt.value} cannot feed the expert GEMMs (no {fmt.value} -> FP8 conversion "
                          f"yet); use one of {', '.join(f.value for f in DISPATCH_FORMATS)}, or expand=False")
     _check_hidden(x.shape[1], (fmt, grad_fmt), "dispatch")
-    xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand)
+    xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand, rule)
     if not expand:
         return Dispatched(xe, None, recv_w, None, extra)
     return Dispatched(xe, extra, recv_w, route)
 
 
 def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireFormat = WireFormat.BF16,
-            grad_fmt: WireFormat = WireFormat.BF16) -> torch.Tensor:
+            grad_fmt: WireFormat | str = WireFormat.BF16, rule: GradWireRule | None = None) -> torch.Tensor:
     """y: bf16 [Rp, H] expert outputs in the dispatched row order, already multiplied by their router
     weights (``grouped_swiglu_experts(..., row_weights=sent.row_weights())``), or, for a dispatch
     with ``expand=False``, [R, H] rows already reduced over their local experts with the router
     weights -> bf16 [T, H]: for each token the sum of its k experts' weighted outputs (one
-    collective; backward: one collective). Nothing is saved for backward."""
-    fmt, grad_fmt = WireFormat(fmt), WireFormat(grad_fmt)
+    collective; backward: one collective). Nothing is saved for backward. grad_fmt, rule: as for
+    :func:`dispatch`."""
+    fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
+    rule = rule if rule is not None and grad_fmt is rule.fmt else None
     check_value_formats("combine", fmt=fmt)
     _check_hidden(y.shape[1], (fmt, grad_fmt), "combine")
-    return _Combine.apply(y, sent.route, plan, fmt, grad_fmt)
+    return _Combine.apply(y, sent.route, plan, fmt, grad_fmt, rule)
 
 
-__all__ = ["DispatchPlan", "Dispatched", "EPConfig", "ReceivedRoute", "combine", "dispatch", "plan_dispatch",
-           "simulate_exchange"]
+__all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradWireRule", "ReceivedRoute", "SQRT3", "combine",
+           "dispatch", "grad_format", "plan_dispatch", "simulate_exchange"]

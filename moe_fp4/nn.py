@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.ep import EPConfig, combine, dispatch, plan_dispatch, simulate_exchange
+from moe_fp4.ep import EPConfig, GradWireRule, combine, dispatch, plan_dispatch, simulate_exchange
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
 from moe_fp4.hook import StorageFormat, as_current, current_compression
@@ -286,6 +286,8 @@ class MoE(nn.Module):
         self.recompute = recompute
         self.storage = storage
         self.ep = ep
+        # The sqrt(3) rule of each gradient exchange set to "auto" (EPConfig.grad_rules): this layer's own.
+        self.grad_rules: dict[str, GradWireRule] = {} if ep is None else ep.grad_rules()
         c, kw = config, {"dtype": dtype, "device": device}
         world = 1
         if ep is not None and not ep.simulate:
@@ -363,11 +365,14 @@ class MoE(nn.Module):
         # rows stay as they arrived, MXFP4 in fp4). The combine's output is kept detached: downstream
         # ops of a recomputation may read it, its gradient flows through the first run's graph.
         plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group))
-        sent = once(lambda: dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad))
+        rules = self.grad_rules
+        sent = once(lambda: dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad,
+                                     rule=rules.get("dispatch_grad")))
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
                                    row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute,
                                    storage=self.storage)
-        out = once(lambda: _Recorded(combine(y, sent, plan, ep.combine, ep.combine_grad)))
+        out = once(lambda: _Recorded(combine(y, sent, plan, ep.combine, ep.combine_grad,
+                                             rule=rules.get("combine_grad"))))
         return out.take()
 
     @property
@@ -388,13 +393,14 @@ class MoE(nn.Module):
         else:
             routing = self.route(x2)
             # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
-            xd = x2 if sim is None else simulate_exchange(x2, DISPATCH_FORMAT[self.precision], sim.dispatch_grad)
+            xd = x2 if sim is None else simulate_exchange(x2, DISPATCH_FORMAT[self.precision], sim.dispatch_grad,
+                                                                   self.grad_rules.get("dispatch_grad"))
             y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
                                             self.precision, row_weights=row_weights(routing),
                                             recompute_swiglu=self._swiglu_recompute, storage=self.storage)
             y = unpermute(y_perm, routing)
             if sim is not None:
-                y = simulate_exchange(y, sim.combine, sim.combine_grad)
+                y = simulate_exchange(y, sim.combine, sim.combine_grad, self.grad_rules.get("combine_grad"))
         if self.shared_w13 is not None:
             y = y + self._shared(x2)
         return y
@@ -419,3 +425,19 @@ class MoE(nn.Module):
                 f"shared_ffn={c.shared_ffn}, score={c.score.value}, precision={self.precision.value}{ep}"
                 + ("" if self.recompute is Recompute.NONE else f", recompute={self.recompute.value}")
                 + ("" if self.storage is StorageFormat.MXFP4 else f", storage={self.storage.value}"))
+
+
+def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
+    """Close one optimizer step of every sqrt(3) rule in ``model``'s MoE layers (gradient wires set to
+    "auto", :class:`moe_fp4.ep.GradWireRule`): call it once per optimizer step, after the step's
+    backward passes, on every rank of the EP group (it sums each rule's measurement over the group).
+    -> {layer name: {gradient: this step's norm / noise ratio}} for the rules that measured one."""
+    out: dict[str, dict[str, float]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.grad_rules:
+            group = None if m.ep.simulate else m.ep.process_group
+            got = {g: rule.end_step(group) for g, rule in m.grad_rules.items()}
+            got = {g: r for g, r in got.items() if r is not None}
+            if got:
+                out[name] = got
+    return out

@@ -205,6 +205,9 @@ def test_cli_wire_argument():
     assert run.returncode == 2 and "--wire sets the expert-parallel exchanges: run it under torchrun" in run.stderr
     with pytest.raises(ValueError, match="for gradients only"):
         parse_wire("combine=nvfp4-sr")
+    assert parse_wire("dispatch_grad=auto,combine_grad=auto") == {"dispatch_grad": "auto", "combine_grad": "auto"}
+    with pytest.raises(ValueError, match="must be one of"):
+        parse_wire("combine=auto")
 
 
 def test_cli_simulate_wire(tmp_path):

@@ -13,6 +13,8 @@ What differs everywhere: the EP combine applies the router weights in float32 on
 output gradients turns those last-bit differences into occasional code flips.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -147,10 +149,23 @@ def _plan(rank, world):
             "pair_counts": [int((experts == e).sum()) for e in range(num_experts)]}
 
 
+def _auto_rule(rank, world):
+    """Gradient wires on "auto" (the sqrt(3) rule): this rank's own sums of the sent gradients' squares
+    and of their noise's, and the ratio every rank computes from the group's sums."""
+    from moe_fp4.nn import end_grad_wire_step
+
+    _, m, _ = _layers(rank, world, "fp8", dict(dispatch_grad="auto", combine_grad="auto"))
+    _step(m, _tokens(world, "fp8")[rank])
+    local = {g: r.sums.tolist() for g, r in m.grad_rules.items()}
+    ratios = end_grad_wire_step(m)[""]
+    return {"local": local, "ratio": ratios}
+
+
 def _ep_case(rank, world):
     torch.set_num_threads(1)   # up to 8 ranks share the CI machine's 2 cores
     out = {p: _compare(rank, world, p) for p in ("bf16", "fp8", "fp4")}
     out["quantized_comm"] = _quantized_comm(rank, world)
+    out["auto"] = _auto_rule(rank, world)
     out["plan"] = _plan(rank, world)
     return out
 
@@ -240,3 +255,15 @@ def test_ep_recompute_repeats_no_exchange_and_matches():
                 fwd, bwd, same_loss, differ = rank_out[f"{precision} {policy}"]
                 assert (fwd, bwd) == (fwd0, bwd0), (rank, precision, policy, (fwd, bwd), (fwd0, bwd0))
                 assert same_loss and not differ, (rank, precision, policy, differ)
+
+
+def test_ep_sqrt3_rule_decides_from_the_whole_group(ep_results):
+    # Each rank measures its own sent rows; the ratio is sqrt(sum of signal / sum of noise) over the group,
+    # the same on every rank, so every rank switches at the same step.
+    world, results = ep_results
+    for g in ("dispatch_grad", "combine_grad"):
+        signal = sum(res["auto"]["local"][g][0] for res in results)
+        noise = sum(res["auto"]["local"][g][1] for res in results)
+        want = math.sqrt(signal / noise)
+        for rank, res in enumerate(results):
+            assert res["auto"]["ratio"][g] == pytest.approx(want, rel=1e-5), (g, rank)
