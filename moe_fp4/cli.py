@@ -97,17 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
     c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
-                   help="with torchrun (expert parallelism) or --simulate-wire: wire formats of the other "
-                        "exchanges, ROLE one of "
-                        "combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, native, and for "
-                        "the gradients mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the sqrt(3) rule: nvfp4-sr "
-                        "while the gradient's norm is at least sqrt(3) times its quantization noise, bf16 after 10 "
-                        "steps below; the ratio is reported per layer) (default: bf16 for all three; the "
-                        "dispatch travels in each mode's format: bf16, fp8, mxfp4)")
+                   help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange, "
+                        "ROLE one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, "
+                        "nvfp4, native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto "
+                        "(the sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
+                        "quantization noise, bf16 after 10 steps below; the ratio is reported per layer). Default: "
+                        "the dispatch in each mode's format (bf16, fp8, mxfp4), the others bf16")
     c.add_argument("--simulate-wire", action="store_true",
-                   help="on one process: apply the round trip of each exchange's wire format (the dispatch in the "
-                        "mode's format, --wire's for the others) where expert parallelism would send it, to study "
-                        "the wire's numerics without a second GPU")
+                   help="on one process: apply the round trip of each exchange's wire format (--wire's, the dispatch "
+                        "by default in the mode's format) where expert parallelism would send it, to study the "
+                        "wire's numerics without a second GPU")
     c.add_argument("--storage", choices=["mxfp4", "nvfp4"], default="mxfp4",
                    help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
                         "scale per tensor, 4.5 bits an element)")
@@ -210,12 +209,13 @@ def _rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-WIRE_ROLES = ("combine", "dispatch_grad", "combine_grad")
+WIRE_ROLES = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 
 
 def parse_wire(text: str) -> dict[str, str]:
     """``--wire combine=mxfp4,dispatch_grad=fp8`` -> {"combine": "mxfp4", "dispatch_grad": "fp8"};
-    ValueError (one line) for an unknown role or format, a repeated role, or the dispatch."""
+    ValueError (one line) for an unknown role or format, a stochastic format for values, or a repeated
+    role."""
     from moe_fp4.wire import WireFormat
 
     formats = [f.value for f in WireFormat]
@@ -223,18 +223,15 @@ def parse_wire(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         role, eq, fmt = item.partition("=")
         role, fmt = role.strip(), fmt.strip()
-        if role == "dispatch":
-            raise ValueError("--wire: the dispatch travels in each mode's own format (bf16: bf16, fp8: fp8, fp4: "
-                             "mxfp4); set combine, dispatch_grad or combine_grad")
         if not eq or role not in WIRE_ROLES:
             raise ValueError(f"--wire: {item!r} is not ROLE=FMT with ROLE one of {', '.join(WIRE_ROLES)}")
-        if fmt == "auto" and role != "combine":
+        if fmt == "auto" and role.endswith("_grad"):
             pass   # the sqrt(3) rule (EPConfig "auto")
         elif fmt not in formats:
             raise ValueError(f"--wire: {role}={fmt!r}: the format must be one of {', '.join(formats)}"
-                             + (", or auto" if role != "combine" else ""))
-        if role == "combine" and fmt.endswith("-sr"):
-            raise ValueError(f"--wire: combine={fmt} rounds stochastically, which is for gradients only; "
+                             + (", or auto" if role.endswith("_grad") else ""))
+        if role in ("dispatch", "combine") and fmt.endswith("-sr"):
+            raise ValueError(f"--wire: {role}={fmt} rounds stochastically, which is for gradients only; "
                              f"use it for dispatch_grad or combine_grad")
         if role in out:
             raise ValueError(f"--wire: {role} is given twice")

@@ -725,8 +725,10 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     corpus = stdlib_corpus() if cfg.data == "stdlib" else None
     meta = describe(env)
     if env.ep is not None:
-        # What each exchange sends: the dispatch in the mode's format, the rest as EPConfig says.
-        meta["wire"] = {"dispatch": {m: DISPATCH_FORMAT[Precision(m)].value for m in cfg.modes if m in MODES},
+        # What each exchange sends: the dispatch in the mode's format unless EPConfig sets it, the rest as
+        # EPConfig says.
+        meta["wire"] = {"dispatch": {m: (env.ep.dispatch or DISPATCH_FORMAT[Precision(m)]).value
+                                     for m in cfg.modes if m in MODES},
                         **{k: getattr(getattr(env.ep, k), "value", getattr(env.ep, k))
                            for k in ("combine", "dispatch_grad", "combine_grad")},
                         "simulated": env.ep.simulate}

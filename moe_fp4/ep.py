@@ -34,7 +34,7 @@ import torch.distributed as dist
 from moe_fp4.comm import check_value_formats, exchange_rows, grad_carrier, resolve_group
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
-from moe_fp4.kernels.numerics import FP8_EXP_MIN
+from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 from moe_fp4.wire import DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, \
     unpack, views
 
@@ -62,11 +62,15 @@ class EPConfig:
     gradient in combine_grad): the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows
     and the combine gradient are those EP sends; the combine and dispatch-gradient rows are sums over
     all of a token's experts, where EP sends one partial sum per rank.
-    The dispatch itself travels in the layer precision's format: mxfp4 (fp4), fp8 (fp8), bf16 (bf16).
+    dispatch: wire format of the dispatch (the expert input): None (default) for the layer precision's
+    format, mxfp4 (fp4), fp8 (fp8), bf16 (bf16); or one of mxfp4, fp8, nvfp4, bf16, native for every
+    precision (nvfp4 rows become FP8 1x128 on arrival, each with its sender's tensor scale; simulated,
+    they are decoded to bf16 and quantized by the experts, which can round differently in the last place).
     """
 
     group: object = None
     combine: WireFormat = WireFormat.BF16
+    dispatch: WireFormat | None = None
     dispatch_grad: WireFormat | str = WireFormat.BF16
     combine_grad: WireFormat | str = WireFormat.BF16
     simulate: bool = False
@@ -75,6 +79,12 @@ class EPConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "combine", WireFormat(self.combine))
+        if self.dispatch is not None:
+            object.__setattr__(self, "dispatch", WireFormat(self.dispatch))
+            check_value_formats("EPConfig", dispatch=self.dispatch)
+            if self.dispatch not in DISPATCH_FORMATS:
+                raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
+                                 f"got {self.dispatch.value}")
         for name in ("dispatch_grad", "combine_grad"):
             v = getattr(self, name)
             object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
@@ -303,6 +313,12 @@ class _Dispatch(torch.autograd.Function):
         if fmt is WireFormat.MXFP4:
             d, s = views(recv, fmt, hidden)
             xq = MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (plan.rows, hidden), x.dtype)
+        elif fmt is WireFormat.NVFP4:
+            # Each received row to FP8 with its sender's tensor scale (one pass), then expanded; the zero
+            # padding row (tensor scale 0) gives zeros with the scale 2^-126.
+            f = unpack(recv, fmt, hidden, OutputFormat.FP8, x.dtype)
+            xq = FP8BlockTensor(f.data.index_select(0, src), m_major(f.scale.index_select(0, src)),
+                                (plan.rows, hidden), x.dtype)
         else:
             # The padding row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
             views(recv[r:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
@@ -433,16 +449,19 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
              fmt: WireFormat, grad_fmt: WireFormat | str = WireFormat.BF16, expand: bool = True,
              rule: GradWireRule | None = None) -> Dispatched:
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
-    backward: one collective). fmt: "mxfp4" | "fp8" | "bf16" | "native" on the wire (with ``expand=False``
-    also "nvfp4", decoded on arrival); grad_fmt: any format, the -sr ones included, or "auto" with its
+    backward: one collective). fmt: "mxfp4" | "fp8" | "nvfp4" | "bf16" | "native" on the wire (nvfp4 rows
+    are converted to FP8 1x128 on arrival for the expert GEMMs, or decoded with ``expand=False``); grad_fmt: any format, the -sr ones included, or "auto" with its
     ``rule`` (:class:`GradWireRule`, which then also measures the sent gradient's norm over its noise)."""
     fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
     rule = rule if rule is not None and grad_fmt is rule.fmt else None
     check_value_formats("dispatch", fmt=fmt)
     if expand and fmt not in DISPATCH_FORMATS:
-        raise ValueError(f"dispatch: fmt={fmt.value} cannot feed the expert GEMMs (no {fmt.value} -> FP8 conversion "
-                         f"yet); use one of {', '.join(f.value for f in DISPATCH_FORMATS)}, or expand=False")
+        raise ValueError(f"dispatch: fmt={fmt.value} cannot feed the expert GEMMs; use one of "
+                         f"{', '.join(f.value for f in DISPATCH_FORMATS)}, or expand=False")
     _check_hidden(x.shape[1], (fmt, grad_fmt), "dispatch")
+    if expand and fmt is WireFormat.NVFP4 and x.shape[1] % FP8_TILE:
+        raise ValueError(f"dispatch: H = {x.shape[1]} must be a multiple of {FP8_TILE} for NVFP4 rows converted to "
+                         f"the GEMMs' FP8 1x128")
     xe, recv_w, extra, route = _Dispatch.apply(x.contiguous(), weights, experts, plan, fmt, grad_fmt, expand, rule)
     if not expand:
         return Dispatched(xe, None, recv_w, None, extra)

@@ -314,6 +314,12 @@ class MoE(nn.Module):
         self._precision = Precision(value)
 
     @property
+    def dispatch_format(self) -> WireFormat:
+        """The dispatch's wire format: EPConfig.dispatch, or the precision's (DISPATCH_FORMAT)."""
+        given = None if self.ep is None else self.ep.dispatch
+        return DISPATCH_FORMAT[self.precision] if given is None else given
+
+    @property
     def storage(self) -> StorageFormat:
         """fp4's activation storage, "mxfp4" or "nvfp4" (``grouped_swiglu_experts``' storage); may be changed."""
         return self._storage
@@ -366,7 +372,7 @@ class MoE(nn.Module):
         # ops of a recomputation may read it, its gradient flows through the first run's graph.
         plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group))
         rules = self.grad_rules
-        sent = once(lambda: dispatch(x, weights, experts, plan, DISPATCH_FORMAT[self.precision], ep.dispatch_grad,
+        sent = once(lambda: dispatch(x, weights, experts, plan, self.dispatch_format, ep.dispatch_grad,
                                      rule=rules.get("dispatch_grad")))
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
                                    row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute,
@@ -393,7 +399,7 @@ class MoE(nn.Module):
         else:
             routing = self.route(x2)
             # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
-            xd = x2 if sim is None else simulate_exchange(x2, DISPATCH_FORMAT[self.precision], sim.dispatch_grad,
+            xd = x2 if sim is None else simulate_exchange(x2, self.dispatch_format, sim.dispatch_grad,
                                                                    self.grad_rules.get("dispatch_grad"))
             y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
                                             self.precision, row_weights=row_weights(routing),

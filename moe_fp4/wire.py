@@ -69,8 +69,9 @@ UNQUANTIZED = (WireFormat.BF16, WireFormat.NATIVE)
 # Stochastically rounded formats: for gradients only (configs reject them for values), and the
 # nearest-rounding format whose rows they share.
 STOCHASTIC = {WireFormat.MXFP4_SR: WireFormat.MXFP4, WireFormat.NVFP4_SR: WireFormat.NVFP4}
-# The formats a layer's dispatch (values into the expert GEMMs) can travel in.
-DISPATCH_FORMATS = (WireFormat.MXFP4, WireFormat.FP8, WireFormat.BF16, WireFormat.NATIVE)
+# The formats a layer's dispatch (values into the expert GEMMs) can travel in: NVFP4 rows are converted
+# to FP8 1x128 on arrival (nvfp4_to_fp8, each row with its sender's tensor scale).
+DISPATCH_FORMATS = (WireFormat.MXFP4, WireFormat.FP8, WireFormat.BF16, WireFormat.NATIVE, WireFormat.NVFP4)
 
 _SR = {"seed": 0, "step": 0}
 
@@ -145,7 +146,8 @@ def _float_rows(x) -> torch.Tensor:
 
 def _pack_stochastic_or_nvfp4(x, fmt: WireFormat, out: torch.Tensor, rank: int) -> torch.Tensor:
     """pack for nvfp4, mxfp4-sr and nvfp4-sr: the quantizer writes straight into the rows (a kernel on
-    CUDA). Containers are decoded to floats first (no direct FP8 / MXFP4 -> NVFP4 conversion yet)."""
+    CUDA). FP8 rows go to NVFP4 on their codes (rule 5 of kernels.nvfp4); MXFP4 rows, and FP8 rows for
+    mxfp4-sr, are decoded to floats first."""
     hidden = x.k if isinstance(x, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)) else x.shape[1]
     dst = views(out, fmt, hidden)
     nb = hidden // _nvfp4.NVFP4_BLOCK
@@ -153,6 +155,11 @@ def _pack_stochastic_or_nvfp4(x, fmt: WireFormat, out: torch.Tensor, rank: int) 
         dst[0].copy_(x.data)                                   # already in the wire's format: copied
         dst[1][:, :nb].copy_(x.scale.view(torch.uint8))
         s_t = x.tensor_scale
+    elif isinstance(x, FP8BlockTensor) and fmt is not WireFormat.MXFP4_SR:
+        seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
+        rounding = Rounding.STOCHASTIC if fmt in STOCHASTIC else Rounding.NEAREST
+        s_t = _pick(_nvfp4, "quantize_nvfp4_from_fp8", _use_triton(x.data))(
+            x.data, x.scale, None, rounding, seed, step, rank, out=(dst[0], dst[1][:, :nb]))[2]
     else:
         rows = _float_rows(x)
         seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
@@ -228,10 +235,12 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
         # Each row decodes with its sender's tensor scale (bytes to float32 through a contiguous copy:
         # the wire's rows need not be 4-byte aligned there).
         s_t = s[:, nb:].contiguous().view(torch.float32).reshape(n)
+        if output is OutputFormat.FP8:
+            # One pass, rule 6 of kernels.nvfp4: the FP8 1x128 quantization of the float32 values.
+            fd, fs = _pick(_nvfp4, "nvfp4_to_fp8_rowwise", tri)(d, s[:, :nb].view(torch.float8_e4m3fn), s_t)
+            return FP8BlockTensor(fd, fs, (n, hidden), dtype)
         rows = _pick(_nvfp4, "dequantize_nvfp4", tri)(d, s[:, :nb].view(torch.float8_e4m3fn), s_t, dtype)
-        if output is OutputFormat.BF16:
-            return rows
-        return quantize_fp8(rows) if output is OutputFormat.FP8 else quantize_mxfp4(rows)
+        return rows if output is OutputFormat.BF16 else quantize_mxfp4(rows)
     if fmt in UNQUANTIZED:
         rows = d.to(dtype).contiguous()   # bf16 wire -> the tensor's dtype (exact)
         if output is OutputFormat.BF16:

@@ -196,7 +196,9 @@ def test_cli_wire_argument():
 
     assert parse_wire("") == {}
     assert parse_wire(" combine=mxfp4 , combine_grad=native") == {"combine": "mxfp4", "combine_grad": "native"}
-    for bad, match in (("dispatch=fp8", "each mode's own format"), ("combine", "is not ROLE=FMT"),
+    assert parse_wire("dispatch=nvfp4") == {"dispatch": "nvfp4"}
+    for bad, match in (("dispatch=mxfp4-sr", "for gradients only"), ("dispatch=auto", "must be one of"),
+                       ("combine", "is not ROLE=FMT"),
                        ("merge=fp8", "is not ROLE=FMT"), ("combine=fp4", "must be one of mxfp4, fp8, bf16, native"),
                        ("combine=fp8,combine=bf16", "given twice")):
         with pytest.raises(ValueError, match=match):
@@ -213,10 +215,11 @@ def test_cli_wire_argument():
 def test_cli_simulate_wire(tmp_path):
     # Every exchange in 4 bits, stochastic gradients, on one process; activations stored in NVFP4.
     run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--modes", "fp4", "--simulate-wire", "--wire",
-                "combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr", "--storage", "nvfp4", "--out", tmp_path,
-                "--no-progress", "--no-plots"])
+                "dispatch=nvfp4,combine=nvfp4,dispatch_grad=mxfp4-sr,combine_grad=nvfp4-sr", "--storage", "nvfp4",
+                "--out", tmp_path, "--no-progress", "--no-plots"])
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["meta"]["wire"]["dispatch"] == {"fp4": "nvfp4"}
     assert report["modes"]["fp4"]["storage"] == "nvfp4" and "activations stored in nvfp4" in run.stdout
     from moe_fp4.compare import CompareConfig
 
@@ -224,7 +227,7 @@ def test_cli_simulate_wire(tmp_path):
         CompareConfig(preset="tiny", modes=("fp8",), storage="nvfp4")
     with pytest.raises(ValueError, match="storage must be one of mxfp4, nvfp4"):
         CompareConfig(preset="tiny", storage="fp8")
-    assert report["meta"]["wire"] == {"dispatch": {"fp4": "mxfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
+    assert report["meta"]["wire"] == {"dispatch": {"fp4": "nvfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
                                       "combine_grad": "nvfp4-sr", "simulated": True}
     _finite_losses(report["modes"]["fp4"])
     run = _cli(["compare", "--preset", "tiny", "--steps", 1, "--simulate-wire", "--hook", "--no-progress"])

@@ -87,6 +87,8 @@ def _direct_api(fmt: WireFormat, output: OutputFormat, x: torch.Tensor):
         return {OutputFormat.BF16: lambda: q.dequantize(), OutputFormat.FP8: lambda: moe_fp4.mxfp4_to_fp8(q),
                 OutputFormat.MXFP4: lambda: q}[output]()
     if fmt in (WireFormat.NVFP4, WireFormat.NVFP4_SR):
+        if output is OutputFormat.FP8:
+            return moe_fp4.nvfp4_to_fp8(_fp4(fmt, x))   # one conversion of the float32 values (rule 6)
         x = _fp4(fmt, x).dequantize()          # what arrives: the NVFP4 values in the tensor's dtype
     if fmt is WireFormat.FP8:
         f = moe_fp4.quantize_fp8(x)
