@@ -115,7 +115,7 @@ OPS = [
     OpSpec("bf16_to_nvfp4_sr", _bf16, _stochastic(moe_fp4.quantize_nvfp4), _stochastic(twins.quantize_nvfp4)),
     _op("nvfp4_to_bf16", "dequantize_nvfp4", lambda x: (moe_fp4.quantize_nvfp4(x), torch.bfloat16)),
     # FP8 <-> NVFP4: from the FP8 codes (two passes: amax, blocks), and to the GEMM's FP8 (one pass);
-    # the column-wise one is two passes (float32 values, then the cast-transpose kernel).
+    # the column-wise one (the weight gradient's operand) one pass too.
     _op("fp8_to_nvfp4", "quantize_nvfp4", _fp8),
     _op("nvfp4_to_fp8", "nvfp4_to_fp8", lambda x: (moe_fp4.quantize_nvfp4(x),)),
     _op("nvfp4_to_fp8_colwise", "nvfp4_to_fp8_colwise", lambda x: (moe_fp4.quantize_nvfp4(x),)),

@@ -66,9 +66,11 @@ from moe_fp4.kernels.triton_numerics import (
     e4m3_rne,
     e4m3_to_f32_bits,
     fp8_encode_tiles,
+    fp8_scale_exp,
     load_pairs_as_f32_bits,
     pair_view,
     philox_pair_words,
+    pow2_f32,
     row_column_grid,
     row_column_program,
     store_pair_words,
@@ -153,6 +155,14 @@ def quantize_nvfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor, tensor_
     quantize_nvfp4_ref of its float32 values (exact), with the same other arguments and results."""
     return quantize_nvfp4_ref(dequantize_fp8_ref(data, scale, torch.float32), tensor_scale, rounding, seed, step,
                               rank, out)
+
+
+def nvfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
+    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d or [M] -> (data
+    float8_e4m3fn [K, M], scale float32 [K, ceil(M/128)] M-major): the FP8 1x128 quantization along
+    tokens of the transposed float32 dequantization (the weight gradient's operand; any M)."""
+    v = dequantize_nvfp4_ref(data, scale, tensor_scale, torch.float32)
+    return quantize_fp8_rowwise_ref(v.t().contiguous())
 
 
 def nvfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
@@ -323,6 +333,47 @@ def _nvfp4_to_fp8_kernel(d_ptr, s_ptr, st_ptr, o_ptr, os_ptr, M, NT, stride_dm, 
 
 
 @triton.jit
+def _nvfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, st_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, stride_st,
+                                 NB: tl.constexpr):
+    # A program: one tile of 128 tokens x NB NVFP4 blocks of columns, as [T, NB, 8 pairs]: rule 4's
+    # float32 values, then per column (over the tile's tokens) the FP8 1x128 rule, stored transposed.
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tok = pid_t.to(tl.int64) * 128 + tl.arange(0, 128).to(tl.int64)
+    kb = pid_k * NB + tl.arange(0, NB)
+    p = tl.arange(0, 8)
+    mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
+    mask3 = mask2[:, :, None]
+    b = tl.load(d_ptr + tok[:, None, None] * stride_dm + (kb * 8)[None, :, None] + p[None, None, :], mask=mask3,
+                other=0).to(tl.int32)
+    code = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
+    nan3 = (code & 0x7F) == 0x7F
+    nan = tl.expand_dims(nan3, -1)
+    sv = tl.expand_dims(e4m3_to_f32_bits(tl.where(nan3, 0, code)).to(tl.float32, bitcast=True), -1)
+    s_t = tl.load(st_ptr + tok * stride_st, mask=tok < M, other=1.0)[:, None, None]   # stride 0: one scale
+    lo = tl.where(nan, 0x7FC00000, (_e2m1_value(b & 15) * sv * s_t).to(tl.int32, bitcast=True))
+    hi = tl.where(nan, 0x7FC00000, (_e2m1_value(b >> 4) * sv * s_t).to(tl.int32, bitcast=True))
+    a_lo = lo & 0x7FFFFFFF
+    a_hi = hi & 0x7FFFFFFF
+    # Per column, the finite amax over the tile's tokens (masked tokens are zeros: no change), then S.
+    S_lo = fp8_scale_exp(tl.max(tl.where(a_lo < 0x7F800000, a_lo, 0), axis=0))          # [NB, 8]
+    S_hi = fp8_scale_exp(tl.max(tl.where(a_hi < 0x7F800000, a_hi, 0), axis=0))
+    q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * pow2_f32(-tl.minimum(S_lo, 126))[None, :, :]).to(tl.uint8)
+    q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * pow2_f32(-tl.minimum(S_hi, 126))[None, :, :]).to(tl.uint8)
+    # Transposed store, tokens the fastest axis (as the MXFP4 column kernel): element (token, column
+    # 16 kb + 2p (+1 for hi)) goes to out[column, token].
+    col = (kb * 16)[:, None, None] + 2 * p[None, :, None]
+    off = col.to(tl.int64) * M + tok[None, None, :]
+    mask_t = tl.permute(mask3, (1, 2, 0))
+    tl.store(o_ptr + off, tl.permute(q_lo, (1, 2, 0)), mask=mask_t)
+    tl.store(o_ptr + off + M, tl.permute(q_hi, (1, 2, 0)), mask=mask_t)
+    soff = pid_t.to(tl.int64) * K + (kb * 16)[:, None] + 2 * p[None, :]
+    mask_c = (kb < KB)[:, None]
+    tl.store(os_ptr + soff, pow2_f32(S_lo), mask=mask_c)
+    tl.store(os_ptr + soff + 1, pow2_f32(S_hi), mask=mask_c)
+
+
+@triton.jit
 def _e2m1_value(c):
     """int32 E2M1 code 0..15 -> float32 value (exact): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
     m = c & 7
@@ -450,6 +501,29 @@ def nvfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
             data, scale.view(torch.uint8), s_t, ow, oscale, m, nt, data.stride(0), scale.stride(0), ow.stride(0),
             1 if tensor_scale.dim() else 0, BLOCK_M=block_m, TILES=tiles,
             ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
+    return out, oscale
+
+
+def nvfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, nb: int = 4,
+                         num_warps: int = 4):
+    """nvfp4_to_fp8_colwise_ref's contract and bytes: data uint8 [M, K/2], scale float8_e4m3fn or uint8
+    [M, K/16], tensor_scale float32 0-d or [M] (any M) -> (data float8_e4m3fn [K, M], scale float32
+    [K, ceil(M/128)] M-major), one pass; nb: NVFP4 blocks of columns per program (a power of two)."""
+    m, half_k = data.shape
+    k = 2 * half_k
+    kb = k // NVFP4_BLOCK
+    out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
+    nt = triton.cdiv(m, 128)
+    oscale = empty_m_major(k, nt, data.device)
+    if m and k:
+        data = data if data.stride(1) == 1 else data.contiguous()
+        sc = scale.view(torch.uint8)
+        sc = sc if sc.stride(1) == 1 else sc.contiguous()
+        s_t = tensor_scale.to(torch.float32).reshape(-1).contiguous()
+        nb = min(nb, triton.next_power_of_2(kb))
+        _nvfp4_to_fp8_colwise_kernel[(nt, triton.cdiv(kb, nb))](
+            data, sc, s_t, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), sc.stride(0),
+            1 if tensor_scale.dim() else 0, NB=nb, num_warps=num_warps)
     return out, oscale
 
 

@@ -17,7 +17,7 @@ from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.kernels.numerics import FP8_TILE, Rounding
+from moe_fp4.kernels.numerics import Rounding
 
 
 def _pick(module, name: str, use_triton: bool):
@@ -61,13 +61,7 @@ def nvfp4_to_fp8(q: NVFP4Tensor, use_triton: bool) -> FP8BlockTensor:
 
 
 def nvfp4_to_fp8_colwise(q: NVFP4Tensor, use_triton: bool) -> FP8BlockTensor:
-    # Two passes (no fused kernel yet): the exact float32 values, then the FP8 quantization along
-    # tokens (the cast-transpose kernel where both extents are whole tiles).
-    x = dequantize_nvfp4(q, torch.float32, use_triton).view(q.m, q.k)
-    if use_triton and q.m % FP8_TILE == 0 and q.k % FP8_TILE == 0:
-        data, scale = _transpose.quantize_fp8_rowwise_colwise(x, rowwise=False, colwise=True)[1]
-    else:
-        data, scale = _fp8.quantize_fp8_rowwise_ref(x.t().contiguous())
+    data, scale = _pick(_nvfp4, "nvfp4_to_fp8_colwise", use_triton)(q.data, q.scale, q.tensor_scale)
     return FP8BlockTensor(data, scale, torch.Size((q.k, q.m)), q.dtype)
 
 

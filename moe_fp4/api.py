@@ -229,7 +229,6 @@ def nvfp4_to_fp8(q: NVFP4Tensor) -> FP8BlockTensor:
 def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
     """NVFP4 row -> FP8 column conversion for a weight gradient: q [M, K] (any M) -> FP8BlockTensor
     [K, M] holding q^T in 1x128 tiles along M (the last tile may be short). Bit-identical to dequantize
-    (float32) -> transpose -> quantize_fp8 along tokens; two passes on CUDA (the float32 values, then the
-    cast-transpose kernel where M and K are multiples of 128)."""
+    (float32) -> transpose -> quantize_fp8 along tokens; one Triton pass on CUDA."""
     _check_container(q, NVFP4Tensor, "nvfp4_to_fp8_colwise")
     return _ops.nvfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))

@@ -124,6 +124,16 @@ class ExchangePlan:
                             OutputFormat.BF16, "gradient", self.ledger)
 
 
+def fixed_wire_format(owner: str, name: str, value) -> WireFormat:
+    """value -> its WireFormat; a clear ValueError for "auto", the sqrt(3) rule, which lives in moe_fp4's
+    MoE layer (EPConfig: each layer keeps its rule) and not in the exchanges configured here."""
+    if value == "auto":
+        raise ValueError(f"{owner}: {name}='auto' (the sqrt(3) rule) is available for moe_fp4's MoE layer "
+                         f"(EPConfig, moe-fp4 compare --wire); here give a format: "
+                         f"{', '.join(f.value for f in WireFormat)}")
+    return WireFormat(value)
+
+
 def check_value_formats(owner: str, **formats) -> None:
     """Raise ValueError if a values (forward) exchange is given a stochastic format: those are for
     gradients (their rounding is unbiased, not nearest)."""
@@ -362,7 +372,7 @@ class SwapConfig:
 
     def __post_init__(self):
         for name in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
-            object.__setattr__(self, name, WireFormat(getattr(self, name)))
+            object.__setattr__(self, name, fixed_wire_format(type(self).__name__, name, getattr(self, name)))
         check_value_formats(type(self).__name__, dispatch=self.dispatch, combine=self.combine)
         object.__setattr__(self, "unmarked", Role(self.unmarked))
 

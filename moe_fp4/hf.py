@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
-from moe_fp4.comm import check_value_formats
+from moe_fp4.comm import check_value_formats, fixed_wire_format
 from moe_fp4.ep import combine, dispatch, plan_dispatch
 from moe_fp4.wire import WireFormat
 
@@ -40,7 +40,7 @@ class HFEPFormats:
 
     def __post_init__(self):
         for name in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
-            object.__setattr__(self, name, WireFormat(getattr(self, name)))
+            object.__setattr__(self, name, fixed_wire_format("HFEPFormats", name, getattr(self, name)))
         check_value_formats("HFEPFormats", dispatch=self.dispatch, combine=self.combine)
 
 

@@ -468,3 +468,16 @@ def test_fp8_nvfp4_conversions_reject_bad_input():
         moe_fp4.quantize_nvfp4(bad)
     with pytest.raises(ValueError, match="tensor_scale on"):
         moe_fp4.quantize_nvfp4(f, tensor_scale=torch.tensor(1.0, device="meta"))
+
+
+@pytest.mark.parametrize("m", [256, 40, 1])
+def test_nvfp4_to_fp8_colwise_kernel_equals_the_reference_bit_for_bit(m):
+    # Hard blocks (NaN, E4M3-subnormal and zero scales), one tensor scale and one per row, a short last
+    # token tile (m = 40, 1), and every code under every scale byte.
+    d, s, t = N.quantize_nvfp4_ref(_hard_nvfp4(m, 128, seed=m + 3))
+    d, s, t = d.to(DEVICE), s.to(DEVICE), t.to(DEVICE)
+    cases = [(d, s, t), (d, s, t * torch.logspace(-3, 3, m, device=DEVICE)), _nvfp4_every_scale(0.37)]
+    for dd, ss, tt in cases:
+        got, want = N.nvfp4_to_fp8_colwise(dd, ss, tt), N.nvfp4_to_fp8_colwise_ref(dd, ss, tt)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1]) and got[1].stride() == want[1].stride()

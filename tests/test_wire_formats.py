@@ -90,6 +90,15 @@ def test_the_hugging_face_formats_refuse_them_too():
     with pytest.raises(ValueError, match="for gradients only"):
         HFEPFormats(combine="nvfp4-sr")
     assert HFEPFormats(dispatch="nvfp4", dispatch_grad="nvfp4-sr").dispatch_grad.value == "nvfp4-sr"
+    with pytest.raises(ValueError, match="the sqrt\\(3\\) rule\\) is available for moe_fp4's MoE layer"):
+        HFEPFormats(dispatch_grad="auto")
+
+
+def test_auto_is_refused_where_no_layer_keeps_a_rule():
+    from moe_fp4.comm import SwapConfig
+
+    with pytest.raises(ValueError, match="the sqrt\\(3\\) rule\\) is available for moe_fp4's MoE layer"):
+        SwapConfig(combine_grad="auto")
 
 
 def _exchange_case(rank: int, world: int):
