@@ -124,15 +124,17 @@ def main() -> None:
             cells.append(f"{statistics.median(vals):.2f} ({min(vals):.2f}, {max(vals):.2f})")
         print(f"| {role} | " + " | ".join(cells) + " |")
     print("\nNVFP4 -> FP8 1x128 (nvfp4_to_fp8) on the same rows, medians over layers (largest change: maximum)")
-    print("| rows | values changed | flushed to 0 | median change | largest change | SQNR nvfp4 | SQNR fp8 from nvfp4 |")
+    print("| rows | values changed | flushed to 0 | median change | largest change | SQNR nvfp4 "
+          "| SQNR fp8 from nvfp4 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     to_fp8 = {}
     for role in ROLES:
         per = [nvfp4_to_fp8_change(layer[role]) for layer in layers if role in layer]
         to_fp8[role] = per
         med = {k: statistics.median(d[k] for d in per) for k in per[0]}
-        print(f"| {role} | {100 * med['changed']:.2f}% | {100 * med['flushed']:.4f}% | {100 * med['median_rel']:.2f}% | "
-              f"{100 * max(d['max_rel'] for d in per):.2f}% | {med['sqnr_nvfp4']:.2f} | {med['sqnr_fp8_from_nvfp4']:.2f} |")
+        print(f"| {role} | {100 * med['changed']:.2f}% | {100 * med['flushed']:.4f}% | "
+              f"{100 * med['median_rel']:.2f}% | {100 * max(d['max_rel'] for d in per):.2f}% | "
+              f"{med['sqnr_nvfp4']:.2f} | {med['sqnr_fp8_from_nvfp4']:.2f} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"preset": preset, "hidden": hidden, "train_steps": a.train_steps, "batch": a.batch,

@@ -484,10 +484,10 @@ def quantize_nvfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor, tensor_scal
 
 def nvfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, block_m: int = 4,
                          tiles: int = 4, num_warps: int = 4, asm: bool | None = None):
-    """nvfp4_to_fp8_rowwise_ref's contract and bytes (rule 6): data uint8 [M, K/2] (unit column stride),
-    scale float8_e4m3fn or uint8 [M, K/16], tensor_scale float32 0-d or [M], K % 128 == 0 -> (data
-    float8_e4m3fn [M, K], scale float32 [M, K/128] M-major), one pass. asm as in
-    fp8.quantize_fp8_rowwise (the PTX E4M3 rounding on sm_90+)."""
+    """nvfp4_to_fp8_rowwise_ref's contract and bytes (rule 6): data uint8 [M, K/2], scale float8_e4m3fn
+    or uint8 [M, K/16] (rows may be strided, e.g. a wire buffer's views), tensor_scale float32 0-d or
+    [M], K % 128 == 0 -> (data float8_e4m3fn [M, K], scale float32 [M, K/128] M-major), one pass. asm as
+    in fp8.quantize_fp8_rowwise (the PTX E4M3 rounding on sm_90+)."""
     m, half_k = data.shape
     k = 2 * half_k
     out = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=data.device)
@@ -495,6 +495,8 @@ def nvfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
     if m and k:
         nt = k // 128
         tiles = min(tiles, triton.next_power_of_2(nt))
+        data = data if data.stride(1) == 1 else data.contiguous()
+        scale = scale if scale.stride(1) == 1 else scale.contiguous()
         s_t = tensor_scale.to(torch.float32).reshape(-1).contiguous()
         ow = out.view(torch.int16)
         _nvfp4_to_fp8_kernel[row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))](

@@ -450,8 +450,9 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
              rule: GradWireRule | None = None) -> Dispatched:
     """x: bf16 [T, H], weights: float32 [T, k], experts: int64 [T, k] -> Dispatched (one collective;
     backward: one collective). fmt: "mxfp4" | "fp8" | "nvfp4" | "bf16" | "native" on the wire (nvfp4 rows
-    are converted to FP8 1x128 on arrival for the expert GEMMs, or decoded with ``expand=False``); grad_fmt: any format, the -sr ones included, or "auto" with its
-    ``rule`` (:class:`GradWireRule`, which then also measures the sent gradient's norm over its noise)."""
+    are converted to FP8 1x128 on arrival for the expert GEMMs, or decoded with ``expand=False``);
+    grad_fmt: any format, the -sr ones included, or "auto" with its ``rule`` (:class:`GradWireRule`, which
+    then also measures the sent gradient's norm over its noise)."""
     fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
     rule = rule if rule is not None and grad_fmt is rule.fmt else None
     check_value_formats("dispatch", fmt=fmt)
