@@ -57,15 +57,15 @@ class EPConfig:
     keeps its own rule per gradient, and :func:`moe_fp4.nn.end_grad_wire_step` (once per optimizer
     step) closes the step's measurement.
     simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and
-    applies each exchange's round trip where EP would send it (the dispatch in the precision's format
-    on the expert input, its gradient in dispatch_grad; the combine on the layer's routed output, its
-    gradient in combine_grad): the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows
-    and the combine gradient are those EP sends; the combine and dispatch-gradient rows are sums over
-    all of a token's experts, where EP sends one partial sum per rank.
+    applies each exchange's round trip where EP would send it (the dispatch on the expert input, its
+    experts taking the received rows as EP's receiver does, :func:`simulate_dispatch_rows`; its
+    gradient in dispatch_grad; the combine on the layer's routed output, its gradient in combine_grad):
+    the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows and the combine gradient are
+    those EP sends; the combine and dispatch-gradient rows are sums over all of a token's experts, where
+    EP sends one partial sum per rank.
     dispatch: wire format of the dispatch (the expert input): None (default) for the layer precision's
     format, mxfp4 (fp4), fp8 (fp8), bf16 (bf16); or one of mxfp4, fp8, nvfp4, bf16, native for every
-    precision (nvfp4 rows become FP8 1x128 on arrival, each with its sender's tensor scale; simulated,
-    they are decoded to bf16 and quantized by the experts, which can round differently in the last place).
+    precision (nvfp4 rows become FP8 1x128 on arrival, each with its sender's tensor scale).
     """
 
     group: object = None
@@ -379,6 +379,29 @@ def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat | s
     return _Simulated.apply(x, fmt, grad_fmt, rule if rule is not None and grad_fmt is rule.fmt else None)
 
 
+def simulate_dispatch_rows(x: torch.Tensor, fmt: WireFormat, src_row: torch.Tensor):
+    """x: [T, H] local rows, src_row: int64 [Rp] the token of each expert row (T for a padding row) ->
+    the expert input a receiver's experts get from a ``fmt`` dispatch (EPConfig.simulate): MXFP4 rows as
+    received, FP8 rows as received, NVFP4 rows converted to FP8 1x128 on arrival, expanded to the expert
+    rows with zero padding rows, as :func:`dispatch` builds them; None for an unquantized format (its
+    rows are :func:`simulate_exchange`'s). No gradient: the experts take it as ``x_q``."""
+    fmt = WireFormat(fmt)
+    if fmt in UNQUANTIZED:
+        return None
+    t, hidden = x.shape
+    got = unpack(pack(x.detach().contiguous(), fmt), fmt, hidden,
+                 OutputFormat.MXFP4 if fmt is WireFormat.MXFP4 else OutputFormat.FP8, x.dtype)
+    rows = src_row.shape[0]
+    data = torch.cat([got.data, got.data.new_zeros(1, got.data.shape[1])]).index_select(0, src_row)
+    if isinstance(got, MXFP4Tensor):
+        scale = torch.cat([got.scale, got.scale.new_zeros(1, got.scale.shape[1])]).index_select(0, src_row)
+        return MXFP4Tensor(data, scale, (rows, hidden), x.dtype)
+    # The padding row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
+    pad = got.scale.new_full((1, got.scale.shape[1]), 2.0 ** FP8_EXP_MIN)
+    scale = m_major(torch.cat([got.scale, pad]).index_select(0, src_row))
+    return FP8BlockTensor(data, scale, (rows, hidden), x.dtype)
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
@@ -485,4 +508,4 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
 
 
 __all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradWireRule", "ReceivedRoute", "SQRT3", "combine",
-           "dispatch", "grad_format", "plan_dispatch", "simulate_exchange"]
+           "dispatch", "grad_format", "plan_dispatch", "simulate_dispatch_rows", "simulate_exchange"]

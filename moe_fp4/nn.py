@@ -25,7 +25,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.ep import EPConfig, GradWireRule, combine, dispatch, plan_dispatch, simulate_exchange
+from moe_fp4.ep import EPConfig, GradWireRule, combine, dispatch, plan_dispatch, simulate_dispatch_rows, \
+    simulate_exchange
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.gemm import WEIGHT_BLOCK
 from moe_fp4.hook import StorageFormat, as_current, current_compression
@@ -399,10 +400,13 @@ class MoE(nn.Module):
         else:
             routing = self.route(x2)
             # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
+            # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then carries
+            # the gradient, whose round trip simulate_exchange applies.
             xd = x2 if sim is None else simulate_exchange(x2, self.dispatch_format, sim.dispatch_grad,
                                                                    self.grad_rules.get("dispatch_grad"))
+            x_q = None if sim is None else simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
             y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
-                                            self.precision, row_weights=row_weights(routing),
+                                            self.precision, x_q=x_q, row_weights=row_weights(routing),
                                             recompute_swiglu=self._swiglu_recompute, storage=self.storage)
             y = unpermute(y_perm, routing)
             if sim is not None:

@@ -222,3 +222,40 @@ def test_simulated_exchanges_backward():
 # measured 10.44 dB (CPU, the seeds above; the same fp4 layer with bf16 gradient rows: 13.30 dB). The
 # floor sits 2.4 dB under.
 SIMULATED_GRAD_SQNR_MIN_DB = 8.0
+
+
+def _one_rank_ep_against_simulation(rank: int, world: int):
+    """At world 1 an EP exchange sends each token's whole rows (no partial sums over ranks), so the
+    simulated wire must give the real exchange's output and input gradient, for every dispatch format
+    and 4-bit gradients (the same seed and step order): the gradient bit for bit, the output value for
+    value (EP's receiver sums the combine rows into float32 zeros, which turns a -0 row into +0)."""
+    from moe_fp4 import wire as W
+    from moe_fp4.ep import EPConfig
+    from moe_fp4.nn import MoE, MoEConfig
+
+    torch.set_num_threads(1)
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=0)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    g = torch.randn(40, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = {}
+    for precision, dispatch in (("fp8", "nvfp4"), ("fp4", "mxfp4"), ("fp8", "fp8"), ("fp4", "nvfp4")):
+        formats = dict(dispatch=dispatch, combine="nvfp4", dispatch_grad="mxfp4-sr", combine_grad="nvfp4-sr")
+        got = []
+        for simulate in (False, True):
+            torch.manual_seed(0)
+            m = MoE(cfg, precision=precision, ep=EPConfig(simulate=simulate, **formats))
+            W.seed_stochastic_rounding(7)
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            y.backward(g)
+            got.append((y.detach(), xi.grad))
+        (y0, g0), (y1, g1) = got
+        out[f"{precision}/{dispatch}"] = (bool(torch.equal(y0.float(), y1.float())),
+                                          bool(torch.equal(g0.view(torch.int16), g1.view(torch.int16))))
+    W.seed_stochastic_rounding(0)
+    return out
+
+
+def test_simulated_wire_equals_the_real_exchange_at_one_rank():
+    (res,) = run_ranks(_one_rank_ep_against_simulation, 1)
+    assert res and all(all(v) for v in res.values()), res
