@@ -70,10 +70,11 @@ class EPConfig:
 
     group: object = None
     combine: WireFormat = WireFormat.BF16
-    dispatch: WireFormat | None = None
     dispatch_grad: WireFormat | str = WireFormat.BF16
     combine_grad: WireFormat | str = WireFormat.BF16
     simulate: bool = False
+    # New fields go last: a positional EPConfig(...) of an earlier release keeps its meaning.
+    dispatch: WireFormat | None = None
     auto_format: WireFormat = WireFormat.NVFP4_SR
     auto_patience: int = 10
 
