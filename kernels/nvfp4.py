@@ -61,6 +61,7 @@ from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, quantize_fp8_
 from moe_fp4.kernels.mxfp4 import check_row_views, write_out
 from moe_fp4.kernels.triton_numerics import (
     bf16_rne_bits,
+    block_program,
     e2m1_rne_mag,
     e2m1_sr_mag,
     e4m3_rne,
@@ -72,8 +73,8 @@ from moe_fp4.kernels.triton_numerics import (
     philox_pair_words,
     pow2_f32,
     row_column_grid,
-    row_column_program,
     store_pair_words,
+    tile_program,
     u32_as_i32,
     use_asm,
     words_view,
@@ -177,19 +178,6 @@ def nvfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_sca
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _nvfp4_block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr):
-    """This program's [BLOCK_M rows, NB 16-element blocks] as pair words [BLOCK_M, NB, 8] (grid:
-    row_column_grid) -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1], pair-word
-    column [1, NB, 8])."""
-    rb, cb = row_column_program()
-    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    kb = cb * NB + tl.arange(0, NB)
-    mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    pair = (kb * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
-    return rows, kb, mask2, mask2[:, :, None], pair
-
-
-@triton.jit
 def _finite_amax_kernel(x_ptr, amax_ptr, N, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
     # Rule 1's amax: the largest finite |x| as float32 bits (monotone in |x| for finite values; NaN and
     # +-Inf, bits >= 0x7F800000, count as 0), one atomic max per program into an int32 that starts at 0.
@@ -218,12 +206,9 @@ def _fp8_finite_amax_kernel(w_ptr, s_ptr, amax_ptr, M, NT, stride_wm, stride_sm,
                             BLOCK_M: tl.constexpr, TILES: tl.constexpr):
     # Rule 1's amax over FP8 1x128 values (code * 2^S): the largest finite |value| as float32 bits, one
     # atomic max per program (as _finite_amax_kernel). A program covers [BLOCK_M, TILES] tiles.
-    rb, cb = row_column_program()
-    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    t = cb * TILES + tl.arange(0, TILES)
-    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
+    rows, t, mask_t, mask3, _mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     pair = (t * 64)[None, :, None] + tl.arange(0, 64)[None, None, :]
-    w = tl.load(w_ptr + rows[:, None, None] * stride_wm + pair, mask=mask_t[:, :, None], other=0).to(tl.int32)
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wm + pair, mask=mask3, other=0).to(tl.int32)
     ts = tl.load(s_ptr + rows[:, None] * stride_sm + t[None, :] * stride_st, mask=mask_t, other=1.0)
     lo, hi = fp8_pairs_as_f32_bits(w, tl.expand_dims(ts, -1))
     lo = lo & 0x7FFFFFFF
@@ -249,7 +234,7 @@ def _quantize_nvfp4_kernel(
     # float32 is an approximate division on the GPU). IN_KIND 0-2: bf16 / fp16 / fp32 pair words; 3: FP8
     # 1x128 (int16 pair words of E4M3 codes, xs_ptr the tile scales; rule 5), the values formed exactly.
     NB: tl.constexpr = BLOCK_K // 16
-    rows, kb, mask2, mask3, pair = _nvfp4_block_program(M, KB, BLOCK_M, NB)
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, PAIRS=8)
     if IN_KIND == 3:
         w = tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask3, other=0).to(tl.int32)
         ts = tl.load(xs_ptr + rows[:, None] * stride_xsm + (kb // 8)[None, :] * stride_xst, mask=mask2, other=1.0)
@@ -293,7 +278,7 @@ def _dequantize_nvfp4_kernel(
 ):
     # Rule 4: fl(fl(e2m1 * e4m3) * s_t) (the first product exact), rounded once to the output dtype.
     NB: tl.constexpr = BLOCK_K // 16
-    rows, kb, mask2, mask3, pair = _nvfp4_block_program(M, KB, BLOCK_M, NB)
+    rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, PAIRS=8)
     b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
     code = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
     nan = tl.expand_dims((code & 0x7F) == 0x7F, -1)
@@ -310,12 +295,7 @@ def _nvfp4_to_fp8_kernel(d_ptr, s_ptr, st_ptr, o_ptr, os_ptr, M, NT, stride_dm, 
     # Rule 6 per 1x128 tile: its 8 NVFP4 blocks decoded by rule 4 (float32), then the FP8 tile rule
     # (fp8_encode_tiles) on [BM, TILES, 8 blocks, 8 pairs]: NVFP4 byte j of a tile holds elements 2j and
     # 2j+1, which FP8 int16 pair word j holds too, so the offsets are shared.
-    rb, cb = row_column_program()
-    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    t = cb * TILES + tl.arange(0, TILES)
-    mask_t = (rows < M)[:, None] & (t < NT)[None, :]
-    mask3 = mask_t[:, :, None]
-    mask4 = mask_t[:, :, None, None]
+    rows, t, mask_t, mask3, mask4, _ = tile_program(M, NT, BLOCK_M, TILES)
     pair = ((t * 64)[None, :, None, None] + (tl.arange(0, 8) * 8)[None, None, :, None]
             + tl.arange(0, 8)[None, None, None, :])
     blk = (t * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]

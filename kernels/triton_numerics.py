@@ -376,16 +376,17 @@ def row_column_program(ROWS_FASTEST: tl.constexpr = False):
 
 
 @triton.jit
-def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr, ROWS_FASTEST: tl.constexpr = False):
-    """This program's [BLOCK_M rows, NB MXFP4 blocks] of a row-major [M, 32 KB] tensor, seen as pair
-    words [BLOCK_M, NB, 16] (grid: row_column_grid) -> (rows int64 [BM], block index [NB],
-    mask [BM, NB], mask [BM, NB, 1], pair-word column [1, NB, 16]). Row offsets are int64: rows *
-    stride can pass 2^31."""
+def block_program(M, KB, BLOCK_M: tl.constexpr, NB: tl.constexpr, ROWS_FASTEST: tl.constexpr = False,
+                  PAIRS: tl.constexpr = 16):
+    """This program's [BLOCK_M rows, NB blocks of 2 PAIRS elements] (MXFP4: 16 pairs; NVFP4: 8) of a
+    row-major [M, 2 PAIRS KB] tensor, seen as pair words [BLOCK_M, NB, PAIRS] (grid: row_column_grid)
+    -> (rows int64 [BM], block index [NB], mask [BM, NB], mask [BM, NB, 1], pair-word column [1, NB,
+    PAIRS]). Row offsets are int64: rows * stride can pass 2^31."""
     rb, cb = row_column_program(ROWS_FASTEST)
     rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     kb = cb * NB + tl.arange(0, NB)
     mask2 = (rows < M)[:, None] & (kb < KB)[None, :]
-    pair = (kb * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    pair = (kb * PAIRS)[None, :, None] + tl.arange(0, PAIRS)[None, None, :]
     return rows, kb, mask2, mask2[:, :, None], pair
 
 
