@@ -151,23 +151,22 @@ def _pack_stochastic_or_nvfp4(x, fmt: WireFormat, out: torch.Tensor, rank: int) 
     hidden = x.k if isinstance(x, (MXFP4Tensor, FP8BlockTensor, NVFP4Tensor)) else x.shape[1]
     dst = views(out, fmt, hidden)
     nb = hidden // _nvfp4.NVFP4_BLOCK
+    # The stochastic formats take the next step of the random bits' counter; nvfp4 rounds to nearest.
+    seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
+    rounding = Rounding.STOCHASTIC if fmt in STOCHASTIC else Rounding.NEAREST
     if isinstance(x, NVFP4Tensor) and fmt is WireFormat.NVFP4:
         dst[0].copy_(x.data)                                   # already in the wire's format: copied
         dst[1][:, :nb].copy_(x.scale.view(torch.uint8))
         s_t = x.tensor_scale
     elif isinstance(x, FP8BlockTensor) and fmt is not WireFormat.MXFP4_SR:
-        seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
-        rounding = Rounding.STOCHASTIC if fmt in STOCHASTIC else Rounding.NEAREST
         s_t = _pick(_nvfp4, "quantize_nvfp4_from_fp8", _use_triton(x.data))(
             x.data, x.scale, None, rounding, seed, step, rank, out=(dst[0], dst[1][:, :nb]))[2]
     else:
         rows = _float_rows(x)
-        seed, step = _next_sr_step() if fmt in STOCHASTIC else (0, 0)
         tri = _use_triton(rows)
         if fmt is WireFormat.MXFP4_SR:
             _pick(_mxfp4, "quantize_mxfp4_stochastic", tri)(rows, seed, step, rank, out=dst)
             return out
-        rounding = Rounding.STOCHASTIC if fmt in STOCHASTIC else Rounding.NEAREST
         s_t = _pick(_nvfp4, "quantize_nvfp4", tri)(rows, None, rounding, seed, step, rank,
                                                    out=(dst[0], dst[1][:, :nb]))[2]
     dst[1][:, nb:].copy_(s_t.reshape(1).view(torch.uint8).expand(dst[1].shape[0], 4))
@@ -179,8 +178,8 @@ def pack(x, fmt: WireFormat, out: torch.Tensor | None = None, rank: int = 0) -> 
     wire rows.
 
     A float input is quantized into the rows in one pass; a container of the wire's own format is
-    copied as is (no re-quantization); other containers are converted directly (FP8 <-> MXFP4) or, for
-    the nvfp4 and -sr formats, decoded and quantized again. ``out``: an existing uint8 [N, >= B] buffer
+    copied as is (no re-quantization); other containers are converted directly (FP8 <-> MXFP4, FP8 ->
+    nvfp4 / nvfp4-sr on the codes) or, otherwise, decoded and quantized again. ``out``: an existing uint8 [N, >= B] buffer
     (the EP layer appends routing data after column B); without it a new [N, B] buffer is returned
     (for an unquantized wire whose dtype x already has: a view of x, no copy). ``rank``: the sender's
     rank in the exchange's group, one of the stochastic formats' random-bit counters.
@@ -222,7 +221,8 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
     MXFP4Tensor [N, H] (its logical dtype ``dtype``).
 
     One pass from the strided wire views where the formats differ (MXFP4 -> bf16, MXFP4 -> FP8,
-    FP8 -> MXFP4); a copy into contiguous containers where they agree.
+    FP8 -> MXFP4, NVFP4 -> bf16 / FP8, each NVFP4 row with its sender's tensor scale); a copy into
+    contiguous containers where they agree.
     """
     fmt, output = base_format(fmt), OutputFormat(output)
     if dtype not in HIGH_PRECISION_DTYPES:
