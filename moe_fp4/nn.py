@@ -400,11 +400,13 @@ class MoE(nn.Module):
         else:
             routing = self.route(x2)
             # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
-            # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then carries
-            # the gradient, whose round trip simulate_exchange applies.
-            xd = x2 if sim is None else simulate_exchange(x2, self.dispatch_format, sim.dispatch_grad,
-                                                                   self.grad_rules.get("dispatch_grad"))
+            # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then only
+            # carries the gradient, whose round trip simulate_exchange applies (its forward then sends
+            # native rows, a view: the values would not be read).
             x_q = None if sim is None else simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
+            fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
+            xd = x2 if sim is None else simulate_exchange(x2, fmt, sim.dispatch_grad,
+                                                                   self.grad_rules.get("dispatch_grad"))
             y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
                                             self.precision, x_q=x_q, row_weights=row_weights(routing),
                                             recompute_swiglu=self._swiglu_recompute, storage=self.storage)
