@@ -116,18 +116,25 @@ def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
             "router": db(router_ref, router), "shape": tuple(y.shape)}
 
 
-def _quantized_comm(rank, world):
-    """The fp8 layer with quantized combine / gradient exchanges against the bf16 defaults."""
+def _against_default_wire(rank, world, formats, token_scale=1.0):
+    """The fp8 layer with the wire ``formats`` against the same layer with the default wire (fp8
+    dispatch, bf16 otherwise), on this rank's tokens times ``token_scale`` -> output and input-gradient
+    SQNR in dB (inf for a rank without tokens)."""
     from moe_fp4.metrics import sqnr_db
 
-    _, m_q, _ = _layers(rank, world, "fp8", dict(combine="mxfp4", dispatch_grad="fp8", combine_grad="mxfp4"))
+    _, m_q, _ = _layers(rank, world, "fp8", formats)
     _, m_b, _ = _layers(rank, world, "fp8")
-    x = _tokens(world, "fp8")[rank]
+    x = _tokens(world, "fp8")[rank] * token_scale
     yq, dxq = _step(m_q, x)
     yb, dxb = _step(m_b, x)
     if not x.shape[0]:
         return {"out": float("inf"), "dx": float("inf")}
     return {"out": sqnr_db(yb.float(), yq.float()), "dx": sqnr_db(dxb.float(), dxq.float())}
+
+
+def _quantized_comm(rank, world):
+    """Quantized combine / gradient exchanges against the bf16 defaults."""
+    return _against_default_wire(rank, world, dict(combine="mxfp4", dispatch_grad="fp8", combine_grad="mxfp4"))
 
 
 def _plan(rank, world):
@@ -150,19 +157,10 @@ def _plan(rank, world):
 
 
 def _nvfp4_dispatch(rank, world):
-    """The fp8 layer with an NVFP4 dispatch (rows converted to FP8 on arrival, each with its sender's
-    tensor scale) against the fp8 dispatch; each rank's tokens 10x the previous rank's, so a row decoded
-    with another sender's tensor scale would be off by powers of ten."""
-    from moe_fp4.metrics import sqnr_db
-
-    _, m_n, _ = _layers(rank, world, "fp8", dict(dispatch="nvfp4"))
-    _, m_f, _ = _layers(rank, world, "fp8")
-    x = _tokens(world, "fp8")[rank] * 10.0 ** rank
-    yn, dxn = _step(m_n, x)
-    yf, dxf = _step(m_f, x)
-    if not x.shape[0]:
-        return {"out": float("inf"), "dx": float("inf")}
-    return {"out": sqnr_db(yf.float(), yn.float()), "dx": sqnr_db(dxf.float(), dxn.float())}
+    """An NVFP4 dispatch (rows converted to FP8 on arrival, each with its sender's tensor scale) against
+    the fp8 dispatch; each rank's tokens 10x the previous rank's, so a row decoded with another sender's
+    tensor scale would be off by powers of ten."""
+    return _against_default_wire(rank, world, dict(dispatch="nvfp4"), token_scale=10.0 ** rank)
 
 
 def _auto_rule(rank, world):
