@@ -14,7 +14,10 @@ run, the same bf16 input, weights and output gradient for every variant:
   blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations).
 
 Before every step the weights' versions are bumped, as an optimizer step would (the FP8 weight cache
-quantizes them again). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
+quantizes them again). With ``--micro-batches M`` they are bumped (and the gradients reset) once per M
+forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
+the cached FP8 weights and add their weight gradients into ``.grad``; the time is per pass (one timed
+unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
 
     python bench/experts.py --json experts.json     # GPU (sm90)
@@ -68,14 +71,17 @@ def torchao_experts(w13: torch.Tensor, w2: torch.Tensor):
     return m
 
 
-def timed_step(fn, params, x, g, warmup: int, iters: int) -> tuple[float, float]:
-    """-> (median ms, peak MiB above what was allocated before) of fn() forward + backward."""
+def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1) -> tuple[float, float]:
+    """-> (median ms per forward + backward of fn(), peak MiB above what was allocated before). One timed
+    unit is an optimizer step's worth: the weights' versions bumped and their gradients reset, then
+    ``micro_batches`` forward + backward passes accumulating into ``.grad``; its time / micro_batches."""
     def step():
         for p in params:
             torch.autograd.graph.increment_version(p)   # as an optimizer step would
             p.grad = None
-        x.grad = None
-        fn().backward(g)
+        for _ in range(micro_batches):
+            x.grad = None
+            fn().backward(g)
 
     for _ in range(warmup):
         step()
@@ -83,7 +89,7 @@ def timed_step(fn, params, x, g, warmup: int, iters: int) -> tuple[float, float]
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     ms = timed(step, 0, iters)
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return ms / micro_batches, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def run_shape(shape: str, args) -> list[dict]:
@@ -112,20 +118,21 @@ def run_shape(shape: str, args) -> list[dict]:
         variants.append((f"moe_fp4 {p}", lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
                          list(ours.parameters())))
     log(f"\n{shape}: {e} experts x {rows} rows, H {h}, F {f} (grouped GEMM engine: "
-        f"{grouped_gemm_backend(x.device).value})")
+        f"{grouped_gemm_backend(x.device).value}; weights updated every {args.micro_batches} step(s))")
     log("| variant | fwd+bwd ms | / torch bf16 | peak MiB |")
     log("| --- | ---: | ---: | ---: |")
     out, base_ms = [], None
     for name, fn, params in variants:
         try:
-            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters)
+            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters, args.micro_batches)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
             log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
             out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
             continue
         base_ms = base_ms or ms
         log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mib:.0f} |")
-        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mib})
+        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mib,
+                    "micro_batches": args.micro_batches})
     return out
 
 
@@ -134,8 +141,12 @@ def main() -> None:
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="bump the weights' versions every M-th step only (gradient accumulation; default 1)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
     head = sm90_run("bench/experts.py")
     results = []
     for shape in args.shape:
