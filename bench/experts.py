@@ -26,6 +26,8 @@ to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,9 @@ from moe_fp4.experts import grouped_swiglu_experts
 from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.hook import register_activation_compression
 
-# bench/gemm.py (this script's folder is on sys.path): CUDA-event timing, the run's record, the JSON
-from gemm import log, sm90_run, timed, write_results
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+# bench/gemm.py: CUDA-event timing, the run's record, the JSON
+from gemm import log, sm90_run, timed, write_results  # noqa: E402
 
 SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
 

@@ -16,8 +16,11 @@ experts then end in a 128-row tile, as with a router's counts):
 - ``loop``:    one cuBLAS scaled_mm per expert (the layer's previous path, still the reference);
 - ``bf16``:    torch._grouped_mm in bf16 on the same shapes (the bf16 layer's path).
 
-Columns: median ms over --iters after --warmup (CUDA events), TFLOP/s = 2 R N K / time, and
-each engine / cublas as a ratio of throughputs. ``--sweep`` times every tile config in CONFIGS per GEMM
+Columns: median ms over --iters after --warmup (CUDA events; the runs issued back to back, so the
+times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits for the last,
+its time then includes the host's launch cost, which is how this script timed before 2026-11-26's fifth
+session), TFLOP/s = 2 R N K / time, each engine / cublas as a ratio of throughputs, and the host's
+microseconds per launch of the Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS per GEMM
 and reports the best.
 
     python bench/gemm.py                      # GPU (sm90): both shapes
@@ -31,6 +34,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -80,20 +84,44 @@ def write_results(path: str | None, head: dict, results: list) -> None:
         log(f"wrote {path}")
 
 
-def timed(fn, warmup: int, iters: int) -> float:
-    """-> median milliseconds of fn() over iters runs (CUDA events)."""
+def timed(fn, warmup: int, iters: int, back_to_back: bool = False) -> float:
+    """-> median milliseconds of fn() over iters runs (CUDA events around each).
+
+    back_to_back=False: the host waits for each run before issuing the next, so a run's time includes
+    the host's launch cost (the GPU is idle from the start event until the kernel is issued): a step
+    that starts from an idle GPU. True: every run is issued at once and the events read after one
+    synchronize, so the host runs ahead and each interval is the GPU's time alone (as
+    triton.testing.do_bench times a kernel): the throughput of a kernel in a busy stream."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if not back_to_back:
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    if back_to_back:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     return statistics.median(times)
+
+
+def host_us(fn, n: int = 20) -> float:
+    """-> microseconds of host time per fn() call, issued back to back behind a busy GPU (what a launch
+    costs the CPU: argument handling, descriptors, the driver call)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)   # keep the GPU busy, so no call waits on it
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def gemms(shape: str):
@@ -126,7 +154,8 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     r = sum(counts)
     dev = "cuda"
     flop = 2 * r * n_dim * k_dim
-    res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e}
+    res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e, "back_to_back": not args.sync_each}
+    b2b = not args.sync_each
     gluon = rowwise = None
     # nt_mxfp4: the engine's default converts A to FP8 first; "gluon_decode" below times the same
     # engine decoding A inside the kernel (NT_MXFP4_CONFIGS).
@@ -142,7 +171,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         configs = CONFIGS if args.sweep else [G.WGRAD_CONFIG]
         cublas = lambda: fp8_mm_nt(a, b, out)  # noqa: E731
         with use_grouped_backend("scaled_mm"):
-            loop_ms = timed(lambda: grouped_fp8_mm_wgrad(a, b, counts), args.warmup, max(3, args.iters // 4))
+            loop_ms = timed(lambda: grouped_fp8_mm_wgrad(a, b, counts), args.warmup, max(3, args.iters // 4), b2b)
         offs = torch.tensor(counts, device=dev).cumsum(0).int()
         bf16 = lambda: torch._grouped_mm(dy.t(), x, offs=offs)  # noqa: E731
         if GL.supported(dev):
@@ -161,7 +190,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         w1 = FP8WeightTensor(wq.data[0], wq.scale[0])
         cublas = lambda: fp8_mm_nt(dense, w1, torch.bfloat16)  # noqa: E731
         with use_grouped_backend("scaled_mm"):
-            loop_ms = timed(lambda: grouped_fp8_mm_nt(a, wq, counts), args.warmup, max(3, args.iters // 4))
+            loop_ms = timed(lambda: grouped_fp8_mm_nt(a, wq, counts), args.warmup, max(3, args.iters // 4), b2b)
         offs = torch.tensor(counts, device=dev).cumsum(0).int()
         wb = w.to(torch.bfloat16)
         bf16 = lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)  # noqa: E731
@@ -182,7 +211,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
             runs.append(("gluon_decode", None, gluon(GL.NT_MXFP4_CONFIGS[torch.bfloat16])))
     for label, cfg, fn in runs:
         try:
-            ms = timed(fn, args.warmup, args.iters)
+            ms = timed(fn, args.warmup, args.iters, b2b)
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other columns still run
             res[f"{label}_error"] = str(exc).splitlines()[0][:160]
             log(f"  {name}: {label} {cfg or ''} failed: {res[label + '_error']}")
@@ -200,7 +229,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     best = None
     for cfg in configs:
         try:
-            ms = timed(run_triton(cfg), args.warmup, args.iters)
+            ms = timed(run_triton(cfg), args.warmup, args.iters, b2b)
         except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
             log(f"  {name}: config {cfg} failed: {str(exc).splitlines()[0][:120]}")
             continue
@@ -210,8 +239,11 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     if best is None:
         res["error"] = "no config compiled"
         return res
-    cublas_ms = timed(cublas, args.warmup, args.iters)
-    bf16_ms = timed(bf16, args.warmup, args.iters)
+    cublas_ms = timed(cublas, args.warmup, args.iters, b2b)
+    bf16_ms = timed(bf16, args.warmup, args.iters, b2b)
+    res["host_us"] = {"cublas": host_us(cublas), "bf16": host_us(bf16)}
+    if gluon:
+        res["host_us"]["gluon"] = host_us(gluon(gluon_default))
     res.update(triton_ms=best[0], config=best[1].__dict__, cublas_ms=cublas_ms, loop_ms=loop_ms, bf16_ms=bf16_ms,
                triton_tflops=flop / best[0] / 1e9, cublas_tflops=flop / cublas_ms / 1e9,
                bf16_tflops=flop / bf16_ms / 1e9, triton_vs_cublas=cublas_ms / best[0],
@@ -257,6 +289,10 @@ def main() -> None:
                    help="each row's expert drawn uniformly at random (seed 0), every count then padded to a "
                         "multiple of 128 as the layer pads it: about half the experts end in a 128-row tile")
     p.add_argument("--gemm", nargs="+", help="only these GEMMs (names as in the table, e.g. 'fc1 wgrad')")
+    p.add_argument("--sync-each", action="store_true",
+                   help="wait for each timed run before issuing the next, so each time includes the host's "
+                        "launch cost (before 2026-11-26's fifth session every run of this script did; default: "
+                        "runs issued back to back, GPU time alone)")
     p.add_argument("--wgrad-out", default="float32", choices=["float32", "bfloat16"],
                    help="output dtype of the wgrad rows (Gluon, Triton and cuBLAS; bf16 grouped is bf16): "
                         "float32 for fp32 master weights, bfloat16 as the layer writes dW for bf16 weights")
@@ -269,10 +305,13 @@ def main() -> None:
     for shape in args.shape:
         table, rows, e = gemms(shape)
         routing = " (skewed: expert 0 has 4x the mean)" if args.skew else " (ragged)" if args.ragged else ""
-        log(f"\n{shape}: {rows} rows over {e} experts{routing}")
+        timing = "each run from an idle GPU (host launch cost included)" if args.sync_each else \
+            "runs back to back (GPU time)"
+        log(f"\n{shape}: {rows} rows over {e} experts{routing}; {timing}")
         log("| GEMM | R x N x K | gluon TFLOP/s | gluon/cuBLAS | triton TFLOP/s | triton/cuBLAS | cuBLAS TFLOP/s "
-            "| torch row-wise grouped TFLOP/s | bf16 grouped TFLOP/s | per-expert loop ms | triton config |")
-        log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            "| torch row-wise grouped TFLOP/s | bf16 grouped TFLOP/s | per-expert loop ms | triton config "
+            "| host us per launch: gluon, cuBLAS |")
+        log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, kind, k_dim, n_dim in table:
             if args.gemm and name not in args.gemm:
                 continue
@@ -289,10 +328,11 @@ def main() -> None:
                 f"| {r['cublas_tflops']:.0f} | {opt('rowwise_tflops', '.0f')} | {r['bf16_tflops']:.0f} "
                 f"| {r['loop_ms']:.3f} "
                 f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
-                f"{' tma' if c['use_tma'] else ''} |")
+                f"{' tma' if c['use_tma'] else ''} "
+                f"| {r['host_us'].get('gluon', float('nan')):.0f}, {r['host_us']['cublas']:.0f} |")
             if "gluon_decode_ms" in r:
                 log(f"| {name}, decoded inside the Gluon kernel | | {opt('gluon_decode_tflops', '.0f')} "
-                    f"| {opt('gluon_decode_vs_cublas', '.2f')} | | | | | | | |")
+                    f"| {opt('gluon_decode_vs_cublas', '.2f')} | | | | | | | | |")
     if args.asm:
         for info in compiled_kernels():
             log(info)
