@@ -207,12 +207,62 @@ if AVAILABLE:
         return acc00, acc01, acc10, ra, rb
 
     @gluon.jit
-    def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                     b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                     tiles_m, tiles_n, as_smem, decoded,
-                     KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
-        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile, as four
+    def _fma_rows(acc, raw, s_row):
+        """acc + raw * s_row[:, None] as one fma.rn per element, in place: written as tensor arithmetic
+        the products of a whole half could be formed before the adds while the raw accumulator stays
+        live as the next wgmma's operand (64 more registers than the wide wave has)."""
+        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [raw, s_row[:, None], acc],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, as_ptrs, stride_as_k, bs_ptr, it,
+                   KB: gl.constexpr, NUM_STAGES: gl.constexpr, BASE: gl.constexpr, SUB: gl.constexpr,
+                   WIDE_N: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr):
+        """One wave of a tile (rows BASE .. BASE + 2 SUB - 1 of each stage) over the KB K blocks ->
+        (acc0, acc1, it): its two [SUB, WIDE_N] float32 halves and the ring counter after them.
+
+        Per K block: one m64nWIDE_N wgmma chain per 64-row half into one raw accumulator, waited, then
+        promoted (acc += raw * s_a * s_b, the twin's fma) while the other warpgroup's chain runs on the
+        tensor cores. Why not four [64, 64] quarters through two raw accumulators (the quarter path
+        below), which also overlaps a promotion with the same warpgroup's next quarter: a wgmma reads
+        both operands from shared memory, and four m64n64 chains read A twice and B twice per wave and
+        K block (64 KiB); with the ring's TMA writes (48 KiB per 256-row stage) that is 176 KiB per
+        1024 tensor-core cycles, where shared memory moves 128 bytes a cycle: at most 74% tensor-pipe
+        activity, which Nsight Compute measured (bench/RESULTS.md, issue 29). Two m64n128 chains read
+        A once and B twice (48 KiB): 144 KiB, at most 91%. Registers: two halves and one raw, 3 x 64."""
+        acc0 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
+        acc1 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
+        raw = gl.zeros((SUB, WIDE_N), gl.float32, layout)
+        if not A_MXFP4:   # the scales one K block ahead, as the quarter path
+            sa0 = gl.load(as_ptrs)
+            sa1 = gl.load(as_ptrs + SUB)
+        sb = gl.load(bs_ptr)
+        for kb in range(KB):
+            s = it % NUM_STAGES
+            nk = gl.minimum(kb + 1, KB - 1)
+            if not A_MXFP4:
+                s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
+            _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+            b = b_smem.index(s).permute((1, 0))
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            if A_MXFP4:
+                s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            acc0 = _fma_rows(acc0, raw, s0)
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE + SUB, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
+            acc1 = _fma_rows(acc1, raw, s1)
+            it += 1
+        return acc0, acc1, it
+
+    @gluon.jit
+    def _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                          b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
+                          tiles_m, tiles_n, as_smem, decoded,
+                          KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                          D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
+        # GluonConfig(wide=False): the wave as four
         # [64, BLOCK_N/2] float32 quarters (two 64-row halves x two column halves, 32 registers each).
         # Per K block the four quarter products run through two raw accumulators in turn: while one
         # quarter is promoted (acc += raw * s_a * s_b on the CUDA cores) the next one's wgmma runs, so
@@ -294,6 +344,63 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                       b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
+                       tiles_m, tiles_n, as_smem, decoded,
+                       KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
+        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile as two
+        # [64, BLOCK_N] float32 halves (_wide_wave); the rest as _quarter_consumer (one-wave tiles, an
+        # MXFP4 A's decoded stages), each half stored through one [64, BLOCK_N] staging buffer.
+        SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
+        WIDE_N: gl.constexpr = d_desc.block_type.shape[1]  # BLOCK_N columns
+        BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
+        layout: gl.constexpr = _acc_layout(WIDE_N, 4)
+        rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
+        it = 0
+        n_store = 0
+        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
+            valid = (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2)
+            run = valid
+            if A_MXFP4:   # (as _quarter_consumer)
+                run = True
+            if run:
+                row0 = gl.load(tile_row_ptr + mt) + BASE
+                bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
+                          + (nt * BLOCK_N // 128) * stride_bs_n)
+                acc0, acc1, it = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, a_scale_ptr + row0 + rows,
+                                            stride_as_k, bs_ptr, it, KB, NUM_STAGES, BASE, SUB, WIDE_N, A_MXFP4,
+                                            layout)
+                if valid:
+                    n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row0, nt * BLOCK_N, D_BUFS, WG * D_BUFS)
+                    n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row0 + SUB, nt * BLOCK_N, D_BUFS,
+                                             WG * D_BUFS)
+            else:
+                for kb in range(KB):   # a one-wave tile's warpgroup 1, as _quarter_consumer
+                    s = it % NUM_STAGES
+                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                     b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
+                     tiles_m, tiles_n, as_smem, decoded,
+                     KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
+        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one."""
+        if WIDE:
+            _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
+                           stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, tiles_n,
+                           as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
+        else:
+            _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
+                              stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m,
+                              tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
+
+    @gluon.jit
     def _mxfp4_decoder(pk_smem, a_smem, as_smem, sc_smem, ready, decoded, e8w_ptr, stride_e8w, R, tile_row_ptr,
                        tiles_m, tiles_n, KB: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                        WORDS_LAYOUT: gl.constexpr):
@@ -362,7 +469,8 @@ if AVAILABLE:
                               tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N, R,
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, A_MXFP4: gl.constexpr,
-                              A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                              A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, WIDE: gl.constexpr,
+                              num_warps: gl.constexpr):
         # A_MXFP4: a_desc is the packed codes as int16 words [R, K/4] and a_scale_ptr their E8M0 bytes
         # as int32 words [R, K/128] (4 blocks each; row stride stride_as_k); a fourth partition decodes
         # them into FP8 stages (A_LAYOUT: the FP8 tile's wgmma layout, WORDS_LAYOUT: the same bytes as
@@ -394,11 +502,11 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, True)),
+                                 GROUP_M, D_BUFS, 0, True, WIDE)),
                  (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, True)),
+                                 GROUP_M, D_BUFS, 1, True, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M)),
                  (_mxfp4_decoder, (ld_smem, a_smem, as_smem, sc_smem, ready, decoded, a_scale_ptr, stride_as_k, R,
@@ -413,11 +521,11 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, False)),
+                                 GROUP_M, D_BUFS, 0, False, WIDE)),
                  (_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, False)),
+                                 GROUP_M, D_BUFS, 1, False, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
                 worker_num_warps=[4, 1], worker_num_regs=[232, 40])
@@ -676,6 +784,7 @@ if AVAILABLE:
 BLOCK_N = 128     # output columns per tile: one 128-wide weight scale block, two 64-column quarters
 NUM_WARPS = 4     # the default partition: consumer warpgroup 0 (warpgroup 1 and the producer are workers)
 QUARTER = [WAVE_M // 2, BLOCK_N // 2]   # [rows, columns] of one output quarter: a staging buffer, a TMA store box
+WIDE_BOX = [WAVE_M // 2, BLOCK_N]       # one output half of a wave (GluonConfig.wide)
 
 
 @dataclass(frozen=True)
@@ -683,12 +792,18 @@ class GluonConfig:
     """Pipeline depth, output staging and tile order of one launch.
 
     num_stages: A + B stages in the mbarrier ring (48 KiB each);
-    d_bufs:     output staging buffers per consumer warpgroup, one [64, 64] quarter each; None = 4 for
-                bf16, 2 for float32 (64 KiB in all);
+    d_bufs:     output staging buffers per consumer warpgroup, each one store box: [64, 128] with
+                ``wide`` (fprop/dgrad), else a [64, 64] quarter; None = 64 KiB in all (wide: 2 for bf16,
+                1 for float32; quarters: 4 and 2);
     group_m:    M tiles that share each N tile in the tile order (L2 reuse of B[e]);
     split:      wgrad only: each consumer warpgroup takes whole 128-row tiles of its own (every second
                 tile of the program), so one's epilogue runs beside the other's wgmmas; False: both take
                 one 128-row wave of a 256-row tile.
+    wide:       fprop/dgrad: each consumer warpgroup computes its 128-row wave as two [64, 128] halves,
+                one m64n128 wgmma per half and K block (the default); False: as four [64, 64] quarters
+                through two raw accumulators (the engine before 2026-11-26's fifth session), which read
+                A and B from shared memory more often (why: _wide_wave). The weight gradients always
+                use quarters (their column scales vary along N).
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
                 writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
                 default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which
@@ -702,18 +817,25 @@ class GluonConfig:
     group_m: int = 8
     split: bool = False
     decode_mxfp4: bool = False
+    wide: bool = True
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
             raise ValueError(f"GluonConfig: need num_stages >= 2, group_m >= 1, d_bufs >= 1, got {self}")
 
-    def staging(self, out_dtype: torch.dtype) -> int:
+    def store_box(self, wgrad: bool = False) -> list[int]:
+        """[rows, columns] of one staging buffer and TMA store box."""
+        return WIDE_BOX if self.wide and not wgrad else QUARTER
+
+    def staging(self, out_dtype: torch.dtype, wgrad: bool = False) -> int:
         if self.d_bufs is not None:
             return self.d_bufs
-        return 4 if out_dtype == torch.bfloat16 else 2
+        box = self.store_box(wgrad)
+        return 64 * 1024 // (2 * box[0] * box[1] * out_dtype.itemsize)
 
     def smem_bytes(self, out_dtype: torch.dtype, wgrad: bool = False, mxfp4: bool = False) -> int:
-        staged = 2 * self.staging(out_dtype) * QUARTER[0] * QUARTER[1] * out_dtype.itemsize
+        box = self.store_box(wgrad)
+        staged = 2 * self.staging(out_dtype, wgrad) * box[0] * box[1] * out_dtype.itemsize
         if mxfp4:   # per stage: packed codes (K/2 bytes per row), FP8 codes, a float32 scale per row, B
             return self.num_stages * (TILE_M * (FP8_TILE // 2 + FP8_TILE + 4) + BLOCK_N * FP8_TILE) + staged
         if not wgrad:
@@ -726,14 +848,15 @@ class GluonConfig:
         return WAVE_M if self.split else TILE_M
 
 
-# 3 stages and four bf16 quarters: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
+# 3 stages and 64 KiB of staging: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
 NT_CONFIG = GluonConfig()
 # An MXFP4 A decoded in the kernel: 3 stages of 65 KiB and one staging buffer per consumer (bf16: 16 KiB
 # in all); float32 output (32 KiB of staging) leaves room for 2 stages. Not the default: on the H200
 # (bench/gemm.py, dsv3 and small FC1) the two decoder warps held the kernel to 269-270 TFLOP/s, where
 # converting first and the FP8-A kernel ran at 897-1141.
-NT_MXFP4_CONFIGS = {torch.bfloat16: GluonConfig(num_stages=3, d_bufs=1, decode_mxfp4=True),
-                    torch.float32: GluonConfig(num_stages=2, d_bufs=1, decode_mxfp4=True)}
+# Quarters (wide=False): a wide staging box would not fit beside 3 stages of 65 KiB.
+NT_MXFP4_CONFIGS = {torch.bfloat16: GluonConfig(num_stages=3, d_bufs=1, decode_mxfp4=True, wide=False),
+                    torch.float32: GluonConfig(num_stages=2, d_bufs=1, decode_mxfp4=True, wide=False)}
 SMEM_LIMIT = 232448   # bytes of shared memory one CTA may use on sm90
 MBARRIER_BYTES = 1024  # room kept for the ring's barriers beside the buffers
 
@@ -786,11 +909,11 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_nt_kernel[grid](
         a_desc, _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]),
-        _desc(out, QUARTER), a_scale, stride_as,
+        _desc(out, cfg.store_box()), a_scale, stride_as,
         b_scale, b_scale.stride(0), b_scale.stride(1),
         tables[0], tables[1], tables[2], tiles_m, n, r,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, num_warps=NUM_WARPS)
+        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide, num_warps=NUM_WARPS)
     return out
 
 
@@ -848,7 +971,7 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     _grouped_mm_wgrad_kernel[grid](
         _desc(a, [rows, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, rows]),
         _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), QUARTER), _offsets(counts, a.device), n_exp, n, k,
-        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype), SPLIT=cfg.split,
+        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype, wgrad=True), SPLIT=cfg.split,
         num_warps=NUM_WARPS)
     return out
 
@@ -873,20 +996,21 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     tables = torch.empty(3, 2, dtype=torch.int32)
     if config is None:
         config = NT_MXFP4_CONFIGS[out_dtype] if kind == "nt_mxfp4" else NT_CONFIG
-    common = {"NUM_STAGES": config.num_stages, "GROUP_M": config.group_m, "D_BUFS": config.staging(out_dtype),
-              "num_warps": NUM_WARPS}
+    wgrad = kind == "wgrad"
+    common = {"NUM_STAGES": config.num_stages, "GROUP_M": config.group_m,
+              "D_BUFS": config.staging(out_dtype, wgrad), "num_warps": NUM_WARPS}
     if kind in ("nt", "nt_mxfp4"):
         kernel = _grouped_mm_nt_kernel
         mx = kind == "nt_mxfp4"
         packed = torch.empty(r, k // 4, dtype=torch.int16)
         args = {"a_desc": _desc(packed, [TILE_M, FP8_TILE // 4], _PACKED_LAYOUT) if mx else _desc(a, [TILE_M, FP8_TILE]),
                 "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
-                "d_desc": _desc(out, QUARTER), "a_scale_ptr": torch.empty(r, k // FP8_TILE, dtype=torch.int32)
+                "d_desc": _desc(out, config.store_box()), "a_scale_ptr": torch.empty(r, k // FP8_TILE, dtype=torch.int32)
                 if mx else scale, "stride_as_k": k // FP8_TILE if mx else r,
                 "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
                 "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "R": r}
         constexprs = {"K": k, "BLOCK_N": BLOCK_N, "A_MXFP4": mx, "A_LAYOUT": _A_LAYOUT,
-                      "WORDS_LAYOUT": _WORDS_LAYOUT, **common}
+                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide, **common}
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)

@@ -362,7 +362,9 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt_mxfp4", "bfloat16", False),
+@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt", "float32", False),
+                                                  ("nt_quarters", "bfloat16", False),
+                                                  ("nt_mxfp4", "bfloat16", False),
                                                   ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
                                                   ("wgrad", "bfloat16", True)])
 def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split):
@@ -379,23 +381,31 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
             "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
-            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(); "
-            "k = GL.compile_sm90(k=1024, kind=sys.argv[3], out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
+            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters'); "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', ''), "
+            "out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
     run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path), kind, out_dtype, str(split)], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
-    # Per K block and consumer warpgroup: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32.
-    wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
-    assert wgmmas == 2 * 16
+    wide = kind == "nt"
+    if wide:
+        # Per K block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
+        wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
+        assert wgmmas == 2 * 8
+    else:
+        # Per K block and consumer warpgroup: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32.
+        wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
+        assert wgmmas == 2 * 16
     assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
     sass = _cuobjdump(cubin.read_bytes(), "-sass", tmp_path)
-    # Two raw accumulators per consumer: only the last wgmma of a K block is waited for to zero
-    # outstanding (ptxas serializes every wgmma, a wait to zero after each, when it runs out of
-    # registers: the first wgrad kernel did, 32 waits).
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 2
+    # Quarters, two raw accumulators per consumer: only the last wgmma of a K block is waited for to
+    # zero outstanding (ptxas serializes every wgmma, a wait to zero after each, when it runs out of
+    # registers: the first wgrad kernel did, 32 waits). Wide: one raw accumulator, each of the two
+    # halves' chains waited for (2 per consumer), never each k32 step.
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == (4 if wide else 2)
     lines = _sass_lines(sass)
     loops = _inner_loops_of(lines, "QGMMA")
     assert len(loops) == 2, loops   # each consumer's K loop
@@ -407,7 +417,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
         # consumers' K loops, which the check above covers); it is not the engine's default path.
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", ptx)
         assert "prmt.b32" in ptx
-    if kind == "nt":
+    if kind in ("nt", "nt_quarters"):
         usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
         assert re.search(r"STACK:0\b", usage), usage
         assert "LDL" not in sass

@@ -85,7 +85,7 @@ def main() -> None:
                 ms = {"old": [], "new": []}
                 for _ in range(args.rounds):
                     for label in ("old", "new"):
-                        ms[label].append(timed(run[label], args.warmup, args.iters))
+                        ms[label].append(timed(run[label], args.warmup, args.iters, back_to_back=True))
                 flop = 2 * sum(counts) * n_dim * k_dim
                 ratios = [o / n for o, n in zip(ms["old"], ms["new"])]
                 med = {label: statistics.median(v) for label, v in ms.items()}
