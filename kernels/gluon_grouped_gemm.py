@@ -216,22 +216,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, as_ptrs, stride_as_k, bs_ptr, it,
-                   turn, j, both,
                    KB: gl.constexpr, NUM_STAGES: gl.constexpr, BASE: gl.constexpr, SUB: gl.constexpr,
-                   WIDE_N: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr,
-                   WG: gl.constexpr, PINGPONG: gl.constexpr):
+                   WIDE_N: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr):
         """One wave of a tile (rows BASE .. BASE + 2 SUB - 1 of each stage) over the KB K blocks ->
-        (acc0, acc1, it, j): its two [SUB, WIDE_N] float32 halves, the ring counter and the turn
-        counter after them.
-
-        PINGPONG (GluonConfig.pingpong), where both warpgroups compute (``both``): the two take turns
-        issuing their chains, warpgroup 0 first, each passing the turn on (turn[other]) as soon as its
-        chain is issued. Without an order both wake on the same stage barrier and issue together; the
-        tensor cores interleave the two chains, both finish together and both promote while the
-        tensor cores idle. In turns, one's chain runs while the other promotes. j counts this
-        warpgroup's turns (both warpgroups meet the same tiles, so their counts agree); the parity of
-        turn j: warpgroup 0 waits for the other's j-th pass (its first turn is free), warpgroup 1 for
-        the (j + 1)-th; neither can get two passes ahead, so parities cannot alias.
+        (acc0, acc1, it): its two [SUB, WIDE_N] float32 halves and the ring counter after them.
 
         Per K block: one m64nWIDE_N wgmma chain per 64-row half into one raw accumulator, waited, then
         promoted (acc += raw * s_a * s_b, the twin's fma) while the other warpgroup's chain runs on the
@@ -256,26 +244,17 @@ if AVAILABLE:
                 s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
             _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
             b = b_smem.index(s).permute((1, 0))
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG), pred=both)
             raw = warpgroup_mma(a_smem.index(s).slice(BASE, SUB, dim=0), b, raw, use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1, pred=both)
             if A_MXFP4:
                 s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
             acc0 = _fma_rows(acc0, raw, s0)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ (1 - WG), pred=both)
             raw = warpgroup_mma(a_smem.index(s).slice(BASE + SUB, SUB, dim=0), b, raw, use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1, pred=both)
-                j += 2 * both.to(gl.int32)
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
             mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
             acc1 = _fma_rows(acc1, raw, s1)
             it += 1
-        return acc0, acc1, it, j
+        return acc0, acc1, it
 
     @gluon.jit
     def _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
@@ -367,9 +346,9 @@ if AVAILABLE:
     @gluon.jit
     def _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                        b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                       tiles_m, tiles_n, as_smem, decoded, turn,
+                       tiles_m, tiles_n, as_smem, decoded,
                        KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, PINGPONG: gl.constexpr):
+                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
         # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile as two
         # [64, BLOCK_N] float32 halves (_wide_wave); the rest as _quarter_consumer (one-wave tiles, an
         # MXFP4 A's decoded stages), each half stored through one [64, BLOCK_N] staging buffer.
@@ -379,23 +358,20 @@ if AVAILABLE:
         layout: gl.constexpr = _acc_layout(WIDE_N, 4)
         rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
         it = 0
-        j = 0         # turns taken (PINGPONG)
         n_store = 0
         for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            both = gl.load(tile_waves_ptr + mt) == 2   # both warpgroups compute (they take turns)
-            valid = (WG == 0) | both
+            valid = (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2)
             run = valid
             if A_MXFP4:   # (as _quarter_consumer)
                 run = True
-                both = True
             if run:
                 row0 = gl.load(tile_row_ptr + mt) + BASE
                 bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
                           + (nt * BLOCK_N // 128) * stride_bs_n)
-                acc0, acc1, it, j = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem,
-                                               a_scale_ptr + row0 + rows, stride_as_k, bs_ptr, it, turn, j, both,
-                                               KB, NUM_STAGES, BASE, SUB, WIDE_N, A_MXFP4, layout, WG, PINGPONG)
+                acc0, acc1, it = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, a_scale_ptr + row0 + rows,
+                                            stride_as_k, bs_ptr, it, KB, NUM_STAGES, BASE, SUB, WIDE_N, A_MXFP4,
+                                            layout)
                 if valid:
                     n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row0, nt * BLOCK_N, D_BUFS, WG * D_BUFS)
                     n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row0 + SUB, nt * BLOCK_N, D_BUFS,
@@ -411,16 +387,14 @@ if AVAILABLE:
     @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                     tiles_m, tiles_n, as_smem, decoded, turn,
+                     tiles_m, tiles_n, as_smem, decoded,
                      KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr,
-                     PINGPONG: gl.constexpr):
-        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default; with
-        GluonConfig.pingpong the two warpgroups take turns) or the quarter one."""
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
+        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one."""
         if WIDE:
             _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
                            stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, tiles_n,
-                           as_smem, decoded, turn, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4, PINGPONG)
+                           as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
         else:
             _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
                               stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m,
@@ -496,7 +470,7 @@ if AVAILABLE:
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, A_MXFP4: gl.constexpr,
                               A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, WIDE: gl.constexpr,
-                              PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
         # A_MXFP4: a_desc is the packed codes as int16 words [R, K/4] and a_scale_ptr their E8M0 bytes
         # as int32 words [R, K/128] (4 blocks each; row stride stride_as_k); a fourth partition decodes
         # them into FP8 stages (A_LAYOUT: the FP8 tile's wgmma layout, WORDS_LAYOUT: the same bytes as
@@ -512,9 +486,6 @@ if AVAILABLE:
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)   # both consumer warpgroups release a stage
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # PINGPONG's turns
-        for w in gl.static_range(2):
-            mbarrier.init(turn.index(w), count=1)
         if A_MXFP4:
             a_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TM, 128], A_LAYOUT)
             sc_smem = gl.allocate_shared_memory(gl.int32, [TM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -530,12 +501,12 @@ if AVAILABLE:
             gl.warp_specialize(
                 [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, turn, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, True, WIDE, PINGPONG)),
+                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 0, True, WIDE)),
                  (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, turn, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, True, WIDE, PINGPONG)),
+                                 tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 1, True, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M)),
                  (_mxfp4_decoder, (ld_smem, a_smem, as_smem, sc_smem, ready, decoded, a_scale_ptr, stride_as_k, R,
@@ -549,20 +520,18 @@ if AVAILABLE:
             gl.warp_specialize(
                 [(_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, turn, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, False, WIDE, PINGPONG)),
+                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 0, False, WIDE)),
                  (_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, turn, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, False, WIDE, PINGPONG)),
+                                 tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
+                                 GROUP_M, D_BUFS, 1, False, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
                 worker_num_warps=[4, 1], worker_num_regs=[232, 40])
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
-        for w in gl.static_range(2):
-            mbarrier.invalidate(turn.index(w))
 
 
     # ----------------------------------------------------------------------------------------
@@ -835,9 +804,6 @@ class GluonConfig:
                 through two raw accumulators (the engine before 2026-11-26's fifth session), which read
                 A and B from shared memory more often (why: _wide_wave). The weight gradients always
                 use quarters (their column scales vary along N).
-    pingpong:   with ``wide`` (the default): the two consumer warpgroups take turns issuing their
-                wgmma chains, so one's chain runs while the other promotes (_wide_wave); False: both
-                issue as soon as their stage is loaded. No effect with wide=False.
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
                 writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
                 default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which
@@ -852,7 +818,6 @@ class GluonConfig:
     split: bool = False
     decode_mxfp4: bool = False
     wide: bool = True
-    pingpong: bool = True
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
@@ -948,8 +913,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         b_scale, b_scale.stride(0), b_scale.stride(1),
         tables[0], tables[1], tables[2], tiles_m, n, r,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide,
-        PINGPONG=cfg.wide and cfg.pingpong, num_warps=NUM_WARPS)
+        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide, num_warps=NUM_WARPS)
     return out
 
 
@@ -1046,8 +1010,7 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
                 "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
                 "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "R": r}
         constexprs = {"K": k, "BLOCK_N": BLOCK_N, "A_MXFP4": mx, "A_LAYOUT": _A_LAYOUT,
-                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide,
-                      "PINGPONG": config.wide and config.pingpong, **common}
+                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide, **common}
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)

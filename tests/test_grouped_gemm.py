@@ -312,12 +312,6 @@ def test_gluon_config_shared_memory_per_layout():
     assert GL.GluonConfig(num_stages=4).smem_bytes(torch.bfloat16, wgrad=True) > GL.SMEM_LIMIT
     with pytest.raises(ValueError, match="num_stages"):
         GL.GluonConfig(num_stages=1)
-    # The wide layout stages [64, 128] boxes, the quarter one [64, 64]: 64 KiB of staging either way;
-    # the in-kernel MXFP4 decoder keeps quarters (a wide box would not fit beside its stages).
-    assert c.staging(torch.bfloat16) == 2 and c.staging(torch.float32) == 1
-    assert GL.GluonConfig(wide=False).staging(torch.bfloat16) == 4 == c.staging(torch.bfloat16, wgrad=True)
-    mx = GL.NT_MXFP4_CONFIGS[torch.bfloat16]
-    assert not mx.wide and mx.smem_bytes(torch.bfloat16, mxfp4=True) + GL.MBARRIER_BYTES <= GL.SMEM_LIMIT
 
 
 def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
@@ -369,7 +363,7 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
 @pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt", "float32", False),
-                                                  ("nt_quarters", "bfloat16", False), ("nt_other_order", "bfloat16", False),
+                                                  ("nt_quarters", "bfloat16", False),
                                                   ("nt_mxfp4", "bfloat16", False),
                                                   ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
                                                   ("wgrad", "bfloat16", True)])
@@ -387,10 +381,8 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
             "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
-            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters', "
-            "pingpong=GL.NT_CONFIG.pingpong != (sys.argv[3] == 'nt_other_order')); "
-            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].split('_')[0] if 'nt_' in sys.argv[3] and "
-            "sys.argv[3] != 'nt_mxfp4' else sys.argv[3], "
+            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters'); "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', ''), "
             "out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
@@ -398,7 +390,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
-    wide = kind in ("nt", "nt_other_order")   # (other order: the warpgroups' turns on if off by default, or off)
+    wide = kind == "nt"
     if wide:
         # Per K block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
         wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
@@ -425,7 +417,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
         # consumers' K loops, which the check above covers); it is not the engine's default path.
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", ptx)
         assert "prmt.b32" in ptx
-    if kind in ("nt", "nt_quarters", "nt_other_order"):
+    if kind in ("nt", "nt_quarters"):
         usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
         assert re.search(r"STACK:0\b", usage), usage
         assert "LDL" not in sass
@@ -484,19 +476,9 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
     for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
         got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
-        ref64, mag = _ref64_nt(a, b, counts), _abs_nt(a, b, counts)
-        _check_engine(got, twin, ref64, mag)
+        _check_engine(got, twin, _ref64_nt(a, b, counts), _abs_nt(a, b, counts))
         # bf16 output: the same float32 accumulator rounded once.
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
-        # The warpgroups taking turns (or not) changes when chains are issued, not what they compute:
-        # the same bits. The quarter layout (other wgmma shapes) is held to the twin and the float64 product.
-        turns = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
-                                 config=GL.GluonConfig(pingpong=not GL.NT_CONFIG.pingpong))
-        assert torch.equal(turns, got)
-        quarters = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
-                                    config=GL.GluonConfig(wide=False))
-        print(f"quarter layout bit-identical to the wide one: {torch.equal(quarters, got)}")
-        _check_engine(quarters, twin, ref64, mag)
     with use_grouped_backend("gluon"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
 
