@@ -312,6 +312,12 @@ def test_gluon_config_shared_memory_per_layout():
     assert GL.GluonConfig(num_stages=4).smem_bytes(torch.bfloat16, wgrad=True) > GL.SMEM_LIMIT
     with pytest.raises(ValueError, match="num_stages"):
         GL.GluonConfig(num_stages=1)
+    # The wide layout stages [64, 128] boxes, the quarter one [64, 64]: 64 KiB of staging either way;
+    # the in-kernel MXFP4 decoder keeps quarters (a wide box would not fit beside its stages).
+    assert c.staging(torch.bfloat16) == 2 and c.staging(torch.float32) == 1
+    assert GL.GluonConfig(wide=False).staging(torch.bfloat16) == 4 == c.staging(torch.bfloat16, wgrad=True)
+    mx = GL.NT_MXFP4_CONFIGS[torch.bfloat16]
+    assert not mx.wide and mx.smem_bytes(torch.bfloat16, mxfp4=True) + GL.MBARRIER_BYTES <= GL.SMEM_LIMIT
 
 
 def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
@@ -476,9 +482,15 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
     for a, b in ((xq, w13), (moe_fp4.quantize_fp8(dy), w2t)):
         got = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
         twin = G.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32)
-        _check_engine(got, twin, _ref64_nt(a, b, counts), _abs_nt(a, b, counts))
+        ref64, mag = _ref64_nt(a, b, counts), _abs_nt(a, b, counts)
+        _check_engine(got, twin, ref64, mag)
         # bf16 output: the same float32 accumulator rounded once.
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
+        # The quarter layout (m64n64 wgmmas, GluonConfig(wide=False)) is held to the same bounds.
+        quarters = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
+                                    config=GL.GluonConfig(wide=False))
+        print(f"quarter layout bit-identical to the wide one: {torch.equal(quarters, got)}")
+        _check_engine(quarters, twin, ref64, mag)
     with use_grouped_backend("gluon"):
         assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
 
