@@ -34,7 +34,6 @@ from shared memory.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -115,26 +114,23 @@ if AVAILABLE:
     @gluon.jit
     def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                   tiles_m, tiles_n, N,
-                  KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                  KSUB: gl.constexpr = 1):
-        # One warp: waits for a free stage, then TMA-loads A's 256 rows and B[e]'s BLOCK_N rows of KSUB
-        # K blocks into it (buffers KSUB s ... KSUB s + KSUB - 1; an MXFP4 A: its packed codes, for the
-        # decoder). The stage counter runs on across tiles, like the consumer's.
-        nbytes: gl.constexpr = KSUB * (a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                  KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        # One warp: waits for a free stage, then TMA-loads A's 256 rows and B[e]'s BLOCK_N rows of one
+        # K block into it (an MXFP4 A: its packed codes, for the decoder). The stage counter runs on
+        # across tiles, like the consumer's.
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         A_COLS: gl.constexpr = a_desc.block_type.shape[1]   # A's columns per K block: 128 FP8, 32 MXFP4 words
         it = 0
         for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
             row0 = gl.load(tile_row_ptr + mt)
             brow = gl.load(tile_expert_ptr + mt) * N + nt * BLOCK_N
-            for ks in range(KB // KSUB):
+            for kb in range(KB):
                 s = it % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                for j in gl.static_range(KSUB):
-                    kb = ks * KSUB + j
-                    _tma_load(a_desc, [row0, kb * A_COLS], ready.index(s), a_smem.index(s * KSUB + j))
-                    _tma_load(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s * KSUB + j))
+                _tma_load(a_desc, [row0, kb * A_COLS], ready.index(s), a_smem.index(s))
+                _tma_load(b_desc, [brow, kb * 128], ready.index(s), b_smem.index(s))
                 it += 1
 
     @gluon.jit
@@ -221,7 +217,7 @@ if AVAILABLE:
     @gluon.jit
     def _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, as_ptrs, stride_as_k, bs_ptr, it,
                    KB: gl.constexpr, NUM_STAGES: gl.constexpr, BASE: gl.constexpr, SUB: gl.constexpr,
-                   WIDE_N: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr, KSUB: gl.constexpr):
+                   WIDE_N: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr):
         """One wave of a tile (rows BASE .. BASE + 2 SUB - 1 of each stage) over the KB K blocks ->
         (acc0, acc1, it): its two [SUB, WIDE_N] float32 halves and the ring counter after them.
 
@@ -241,28 +237,22 @@ if AVAILABLE:
             sa0 = gl.load(as_ptrs)
             sa1 = gl.load(as_ptrs + SUB)
         sb = gl.load(bs_ptr)
-        for ks in range(KB // KSUB):
+        for kb in range(KB):
             s = it % NUM_STAGES
-            for j in gl.static_range(KSUB):   # KSUB K blocks per stage: one wait and one release for all
-                kb = ks * KSUB + j
-                nk = gl.minimum(kb + 1, KB - 1)
-                if not A_MXFP4:
-                    s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
-                if j == 0:
-                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
-                buf = s * KSUB + j
-                b = b_smem.index(buf).permute((1, 0))
-                raw = warpgroup_mma(a_smem.index(buf).slice(BASE, SUB, dim=0), b, raw, use_acc=False, is_async=True)
-                if A_MXFP4:
-                    s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
-                raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
-                acc0 = _fma_rows(acc0, raw, s0)
-                raw = warpgroup_mma(a_smem.index(buf).slice(BASE + SUB, SUB, dim=0), b, raw, use_acc=False,
-                                    is_async=True)
-                raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
-                if j == KSUB - 1:
-                    mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
-                acc1 = _fma_rows(acc1, raw, s1)
+            nk = gl.minimum(kb + 1, KB - 1)
+            if not A_MXFP4:
+                s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
+            _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+            b = b_smem.index(s).permute((1, 0))
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            if A_MXFP4:
+                s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            acc0 = _fma_rows(acc0, raw, s0)
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE + SUB, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
+            acc1 = _fma_rows(acc1, raw, s1)
             it += 1
         return acc0, acc1, it
 
@@ -358,7 +348,7 @@ if AVAILABLE:
                        b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                        tiles_m, tiles_n, as_smem, decoded,
                        KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, KSUB: gl.constexpr):
+                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
         # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile as two
         # [64, BLOCK_N] float32 halves (_wide_wave); the rest as _quarter_consumer (one-wave tiles, an
         # MXFP4 A's decoded stages), each half stored through one [64, BLOCK_N] staging buffer.
@@ -381,13 +371,13 @@ if AVAILABLE:
                           + (nt * BLOCK_N // 128) * stride_bs_n)
                 acc0, acc1, it = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, a_scale_ptr + row0 + rows,
                                             stride_as_k, bs_ptr, it, KB, NUM_STAGES, BASE, SUB, WIDE_N, A_MXFP4,
-                                            layout, KSUB)
+                                            layout)
                 if valid:
                     n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row0, nt * BLOCK_N, D_BUFS, WG * D_BUFS)
                     n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row0 + SUB, nt * BLOCK_N, D_BUFS,
                                              WG * D_BUFS)
             else:
-                for ks in range(KB // KSUB):   # a one-wave tile's warpgroup 1, as _quarter_consumer
+                for kb in range(KB):   # a one-wave tile's warpgroup 1, as _quarter_consumer
                     s = it % NUM_STAGES
                     _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
                     mbarrier.arrive(empty.index(s), count=1)
@@ -399,14 +389,12 @@ if AVAILABLE:
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                      tiles_m, tiles_n, as_smem, decoded,
                      KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr,
-                     KSUB: gl.constexpr):
-        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one
-        (KSUB = 1 there)."""
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
+        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one."""
         if WIDE:
             _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
                            stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, tiles_n,
-                           as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4, KSUB)
+                           as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
         else:
             _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
                               stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m,
@@ -482,7 +470,7 @@ if AVAILABLE:
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, A_MXFP4: gl.constexpr,
                               A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, WIDE: gl.constexpr,
-                              KSUB: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
         # A_MXFP4: a_desc is the packed codes as int16 words [R, K/4] and a_scale_ptr their E8M0 bytes
         # as int32 words [R, K/128] (4 blocks each; row stride stride_as_k); a fourth partition decodes
         # them into FP8 stages (A_LAYOUT: the FP8 tile's wgmma layout, WORDS_LAYOUT: the same bytes as
@@ -490,9 +478,8 @@ if AVAILABLE:
         KB: gl.constexpr = K // 128
         TM: gl.constexpr = a_desc.block_type.shape[0]
         tiles_n = N // BLOCK_N   # N is a multiple of 128 = BLOCK_N (grouped_gemm._nt_shapes checks it)
-        ld_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * KSUB] + a_desc.block_type.shape,
-                                            a_desc.layout)
-        b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES * KSUB] + b_desc.block_type.shape, b_desc.layout)
+        ld_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [2 * D_BUFS] + d_desc.block_type.shape, d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -515,11 +502,11 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, True, WIDE, KSUB)),
+                                 GROUP_M, D_BUFS, 0, True, WIDE)),
                  (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, True, WIDE, KSUB)),
+                                 GROUP_M, D_BUFS, 1, True, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M)),
                  (_mxfp4_decoder, (ld_smem, a_smem, as_smem, sc_smem, ready, decoded, a_scale_ptr, stride_as_k, R,
@@ -534,13 +521,13 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, False, WIDE, KSUB)),
+                                 GROUP_M, D_BUFS, 0, False, WIDE)),
                  (_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, False, WIDE, KSUB)),
+                                 GROUP_M, D_BUFS, 1, False, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
-                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M, KSUB))],
+                              tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
                 worker_num_warps=[4, 1], worker_num_regs=[232, 40])
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -817,9 +804,6 @@ class GluonConfig:
                 through two raw accumulators (the engine before 2026-11-26's fifth session), which read
                 A and B from shared memory more often (why: _wide_wave). The weight gradients always
                 use quarters (their column scales vary along N).
-    k_per_stage: fprop/dgrad, wide: 128-wide K blocks per ring stage (1 or 2). Two halve the stage
-                waits and releases per K block (each carries a partition-wide bar.sync); a launch whose
-                K blocks do not pair up runs one per stage (_nt_config).
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
                 writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
                 default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which
@@ -834,13 +818,10 @@ class GluonConfig:
     split: bool = False
     decode_mxfp4: bool = False
     wide: bool = True
-    k_per_stage: int = 1
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
             raise ValueError(f"GluonConfig: need num_stages >= 2, group_m >= 1, d_bufs >= 1, got {self}")
-        if self.k_per_stage not in (1, 2) or (self.k_per_stage > 1 and (not self.wide or self.decode_mxfp4)):
-            raise ValueError(f"GluonConfig: k_per_stage is 1, or 2 with the wide layout and an FP8 A, got {self}")
 
     def store_box(self, wgrad: bool = False) -> list[int]:
         """[rows, columns] of one staging buffer and TMA store box."""
@@ -858,7 +839,7 @@ class GluonConfig:
         if mxfp4:   # per stage: packed codes (K/2 bytes per row), FP8 codes, a float32 scale per row, B
             return self.num_stages * (TILE_M * (FP8_TILE // 2 + FP8_TILE + 4) + BLOCK_N * FP8_TILE) + staged
         if not wgrad:
-            return self.num_stages * self.k_per_stage * (TILE_M + BLOCK_N) * FP8_TILE + staged
+            return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
         rows = self.wgrad_rows()   # A rows and B rows of a stage, FP8, and a float32 scale for each
         return self.num_stages * (rows + BLOCK_N) * (FP8_TILE + 4) + staged
 
@@ -868,10 +849,7 @@ class GluonConfig:
 
 
 # 3 stages and 64 KiB of staging: 3 x 48 + 64 = 208 KiB (H100 sweep: bench/RESULTS.md, "Gluon engine").
-NT_CONFIG_ONE_K = GluonConfig()
-# Two K blocks per stage: 2 x 96 KiB stages and one [64, 128] staging box per consumer (bf16: 32 KiB).
-NT_CONFIG_TWO_K = GluonConfig(num_stages=2, d_bufs=1, k_per_stage=2)
-NT_CONFIG = NT_CONFIG_TWO_K
+NT_CONFIG = GluonConfig()
 # An MXFP4 A decoded in the kernel: 3 stages of 65 KiB and one staging buffer per consumer (bf16: 16 KiB
 # in all); float32 output (32 KiB of staging) leaves room for 2 stages. Not the default: on the H200
 # (bench/gemm.py, dsv3 and small FC1) the two decoder warps held the kernel to 269-270 TFLOP/s, where
@@ -881,20 +859,6 @@ NT_MXFP4_CONFIGS = {torch.bfloat16: GluonConfig(num_stages=3, d_bufs=1, decode_m
                     torch.float32: GluonConfig(num_stages=2, d_bufs=1, decode_mxfp4=True, wide=False)}
 SMEM_LIMIT = 232448   # bytes of shared memory one CTA may use on sm90
 MBARRIER_BYTES = 1024  # room kept for the ring's barriers beside the buffers
-
-
-def _nt_config(config, k: int, out_dtype: torch.dtype) -> GluonConfig:
-    """The config a launch runs: ``config`` (a GluonConfig; anything else = NT_CONFIG), with one K
-    block per stage where K's blocks do not pair up; the default falls back to NT_CONFIG_ONE_K also
-    where two K blocks per stage would not fit (float32 output)."""
-    if not isinstance(config, GluonConfig):
-        two = NT_CONFIG.k_per_stage > 1
-        if two and ((k // FP8_TILE) % 2 or NT_CONFIG.smem_bytes(out_dtype) + MBARRIER_BYTES > SMEM_LIMIT):
-            return NT_CONFIG_ONE_K
-        return NT_CONFIG
-    if (k // FP8_TILE) % config.k_per_stage:
-        return dataclasses.replace(config, k_per_stage=1)
-    return config
 
 
 def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
@@ -911,7 +875,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     _check_out_dtype(out_dtype, "grouped_mm_nt")
     if not supported(a.device):
         raise RuntimeError(f"gluon grouped_mm_nt: needs Gluon and a Hopper (sm90) GPU, got {a.device}")
-    cfg = _nt_config(config, k, out_dtype)
+    cfg = config if isinstance(config, GluonConfig) else NT_CONFIG
     decode = mxfp4 and cfg.decode_mxfp4
     if cfg.split:
         raise ValueError("gluon grouped_mm_nt: GluonConfig.split is a weight-gradient layout (grouped_mm_wgrad)")
@@ -949,8 +913,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         b_scale, b_scale.stride(0), b_scale.stride(1),
         tables[0], tables[1], tables[2], tiles_m, n, r,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide,
-        KSUB=cfg.k_per_stage, num_warps=NUM_WARPS)
+        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide, num_warps=NUM_WARPS)
     return out
 
 
@@ -1031,12 +994,8 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
     out = torch.empty(r, n, dtype=out_dtype)
     scale = torch.empty(k // FP8_TILE, r).t()
     tables = torch.empty(3, 2, dtype=torch.int32)
-    if config is None and kind == "nt_mxfp4":
-        config = NT_MXFP4_CONFIGS[out_dtype]
-    elif kind == "nt":
-        config = _nt_config(config, k, out_dtype)
-    elif config is None:
-        config = WGRAD_CONFIG
+    if config is None:
+        config = NT_MXFP4_CONFIGS[out_dtype] if kind == "nt_mxfp4" else NT_CONFIG
     wgrad = kind == "wgrad"
     common = {"NUM_STAGES": config.num_stages, "GROUP_M": config.group_m,
               "D_BUFS": config.staging(out_dtype, wgrad), "num_warps": NUM_WARPS}
@@ -1051,8 +1010,7 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
                 "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
                 "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "R": r}
         constexprs = {"K": k, "BLOCK_N": BLOCK_N, "A_MXFP4": mx, "A_LAYOUT": _A_LAYOUT,
-                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide,
-                      "KSUB": config.k_per_stage, **common}
+                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide, **common}
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)
