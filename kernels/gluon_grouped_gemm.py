@@ -80,17 +80,17 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def m_tiles(counts, tile_m: int = TILE_M) -> tuple[list[int], list[int], list[int]]:
+def m_tiles(counts) -> tuple[list[int], list[int], list[int]]:
     """counts: E ints (multiples of 128) -> (first row, expert, waves) per M tile: each expert's rows in
     tiles of 256 (2 waves), its last tile 128 rows (1 wave) when its count is an odd multiple of 128;
-    experts without rows have no tile. tile_m = 128 (the paired layout): every tile 128 rows, one wave."""
+    experts without rows have no tile."""
     rows, experts, waves = [], [], []
     start = 0
     for e, c in enumerate(counts):
-        for r in range(0, c, tile_m):
+        for r in range(0, c, TILE_M):
             rows.append(start + r)
             experts.append(e)
-            waves.append(min(tile_m // WAVE_M, (c - r) // WAVE_M))
+            waves.append(min(2, (c - r) // WAVE_M))
         start += c
     return rows, experts, waves
 
@@ -385,88 +385,13 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _paired_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                         b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
-                         tiles_m, tiles_n,
-                         KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                         D_BUFS: gl.constexpr, WG: gl.constexpr):
-        # GluonConfig(paired=True): 128-row tiles, warpgroup WG takes rows 64 WG .. 64 WG + 63 of each as
-        # one [64, BLOCK_N] float32 accumulator, and K blocks go in pairs through two raw accumulators:
-        # block k's m64n128 chain into ra, block k + 1's into rb, then ra waited (one chain still
-        # outstanding) and promoted while rb's chain runs, then rb. Why: in the wide layout each chain is
-        # waited for before its promotion, and the two warpgroups' chains, interleaved on the tensor
-        # cores, finish together; both then promote with nothing queued (Nsight Compute: a third of the
-        # consumers' stall samples on that wait, the tensor pipe idle a quarter of the time). Here half
-        # of the promotions overlap the same warpgroup's next chain. Nothing stays in flight across the
-        # loop's back edge (ptxas would serialize every wgmma, C7514). Registers: 64 + 2 x 64. The cost:
-        # B is loaded per 128 rows instead of 256 (a third more TMA bytes per row).
-        SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
-        WIDE_N: gl.constexpr = d_desc.block_type.shape[1]  # BLOCK_N columns
-        BASE: gl.constexpr = WG * SUB
-        layout: gl.constexpr = _acc_layout(WIDE_N, 4)
-        rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
-        it = 0
-        n_store = 0
-        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            row0 = gl.load(tile_row_ptr + mt) + BASE
-            bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
-                      + (nt * BLOCK_N // 128) * stride_bs_n)
-            as_ptrs = a_scale_ptr + row0 + rows
-            acc = gl.zeros((SUB, WIDE_N), gl.float32, layout)
-            ra = gl.zeros((SUB, WIDE_N), gl.float32, layout)
-            rb = gl.zeros((SUB, WIDE_N), gl.float32, layout)
-            # The pair's four scale loads go out a pair ahead (their latency under two chains).
-            na = gl.load(as_ptrs) * gl.load(bs_ptr)
-            nb = gl.load(as_ptrs + gl.minimum(1, KB - 1) * stride_as_k) * gl.load(bs_ptr + gl.minimum(1, KB - 1))
-            for kp in range(KB // 2):
-                kn = gl.minimum(2 * kp + 2, KB - 1)
-                kn1 = gl.minimum(2 * kp + 3, KB - 1)
-                sa = na
-                sbb = nb
-                na = gl.load(as_ptrs + kn * stride_as_k) * gl.load(bs_ptr + kn)
-                nb = gl.load(as_ptrs + kn1 * stride_as_k) * gl.load(bs_ptr + kn1)
-                s0 = it % NUM_STAGES
-                s1 = (it + 1) % NUM_STAGES
-                mbarrier.wait(ready.index(s0), (it // NUM_STAGES) & 1)
-                ra = warpgroup_mma(a_smem.index(s0).slice(BASE, SUB, dim=0), b_smem.index(s0).permute((1, 0)), ra,
-                                   use_acc=False, is_async=True)
-                mbarrier.wait(ready.index(s1), ((it + 1) // NUM_STAGES) & 1)
-                rb = warpgroup_mma(a_smem.index(s1).slice(BASE, SUB, dim=0), b_smem.index(s1).permute((1, 0)), rb,
-                                   use_acc=False, is_async=True)
-                ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                mbarrier.arrive(empty.index(s0), count=1)   # one of the stage's two releases
-                acc = _fma_rows(acc, ra, sa)
-                rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                mbarrier.arrive(empty.index(s1), count=1)
-                acc = _fma_rows(acc, rb, sbb)
-                it += 2
-            if KB % 2 == 1:   # the last K block alone (its scales are na: kn was clamped to KB - 1)
-                s0 = it % NUM_STAGES
-                mbarrier.wait(ready.index(s0), (it // NUM_STAGES) & 1)
-                ra = warpgroup_mma(a_smem.index(s0).slice(BASE, SUB, dim=0), b_smem.index(s0).permute((1, 0)), ra,
-                                   use_acc=False, is_async=True)
-                ra = warpgroup_mma_wait(num_outstanding=0, deps=(ra,))
-                mbarrier.arrive(empty.index(s0), count=1)
-                acc = _fma_rows(acc, ra, na)
-                it += 1
-            n_store = _store_quarter(acc, d_desc, d_smem, n_store, row0, nt * BLOCK_N, D_BUFS, WG * D_BUFS)
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
     def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
                      tiles_m, tiles_n, as_smem, decoded,
                      KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr,
-                     PAIRED: gl.constexpr):
-        """Consumer warpgroup WG: the paired layout (GluonConfig.paired: 128-row tiles, an FP8 A), the
-        wide one (GluonConfig.wide, the default) or the quarter one."""
-        if PAIRED:
-            _paired_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
-                             stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tiles_m, tiles_n,
-                             KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG)
-        elif WIDE:
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
+        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one."""
+        if WIDE:
             _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
                            stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, tiles_n,
                            as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
@@ -545,7 +470,7 @@ if AVAILABLE:
                               K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, D_BUFS: gl.constexpr, A_MXFP4: gl.constexpr,
                               A_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr, WIDE: gl.constexpr,
-                              PAIRED: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
         # A_MXFP4: a_desc is the packed codes as int16 words [R, K/4] and a_scale_ptr their E8M0 bytes
         # as int32 words [R, K/128] (4 blocks each; row stride stride_as_k); a fourth partition decodes
         # them into FP8 stages (A_LAYOUT: the FP8 tile's wgmma layout, WORDS_LAYOUT: the same bytes as
@@ -577,11 +502,11 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, True, WIDE, PAIRED)),
+                                 GROUP_M, D_BUFS, 0, True, WIDE)),
                  (_wg_consumer, (d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, True, WIDE, PAIRED)),
+                                 GROUP_M, D_BUFS, 1, True, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M)),
                  (_mxfp4_decoder, (ld_smem, a_smem, as_smem, sc_smem, ready, decoded, a_scale_ptr, stride_as_k, R,
@@ -596,11 +521,11 @@ if AVAILABLE:
                 [(_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 0, False, WIDE, PAIRED)),
+                                 GROUP_M, D_BUFS, 0, False, WIDE)),
                  (_wg_consumer, (d_desc, ld_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                                  b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr,
                                  tile_waves_ptr, tiles_m, tiles_n, ld_smem, ready, KB, BLOCK_N, NUM_STAGES,
-                                 GROUP_M, D_BUFS, 1, False, WIDE, PAIRED)),
+                                 GROUP_M, D_BUFS, 1, False, WIDE)),
                  (_producer, (a_desc, b_desc, ld_smem, b_smem, ready, empty, tile_row_ptr, tile_expert_ptr,
                               tiles_m, tiles_n, N, KB, BLOCK_N, NUM_STAGES, GROUP_M))],
                 worker_num_warps=[4, 1], worker_num_regs=[232, 40])
@@ -833,11 +758,11 @@ def _default_layout(block: tuple[int, ...], dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_tables(counts: tuple[int, ...], device: torch.device, tile_m: int = TILE_M) -> torch.Tensor:
+def _tile_tables(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """int32 [3, M tiles] on ``device``: first row, expert, waves of each M tile (:func:`m_tiles`). Cached
     per routing: a training step meets the same counts in fprop, dgrad and every layer's backward,
     and building the table (a pinned host copy) costs more host time than the launch."""
-    rows, experts, waves = m_tiles(counts, tile_m)
+    rows, experts, waves = m_tiles(counts)
     return device_ints(rows + experts + waves, torch.int32, device).view(3, len(rows))
 
 
@@ -879,9 +804,6 @@ class GluonConfig:
                 through two raw accumulators (the engine before 2026-11-26's fifth session), which read
                 A and B from shared memory more often (why: _wide_wave). The weight gradients always
                 use quarters (their column scales vary along N).
-    paired:     fprop/dgrad, wide: 128-row tiles, each consumer warpgroup 64 rows, K blocks in pairs
-                through two raw accumulators so that half of the promotions overlap the warpgroup's
-                own next wgmma chain (_paired_consumer); 32 KiB stages, so 4 or more.
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
                 writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
                 default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which
@@ -896,18 +818,10 @@ class GluonConfig:
     split: bool = False
     decode_mxfp4: bool = False
     wide: bool = True
-    paired: bool = False
 
     def __post_init__(self):
         if self.num_stages < 2 or self.group_m < 1 or (self.d_bufs is not None and self.d_bufs < 1):
             raise ValueError(f"GluonConfig: need num_stages >= 2, group_m >= 1, d_bufs >= 1, got {self}")
-        if self.paired and (not self.wide or self.decode_mxfp4 or self.num_stages < 4):
-            raise ValueError(f"GluonConfig: paired needs wide=True, an FP8 A (decode_mxfp4=False) and "
-                             f"num_stages >= 4 (two stages in use, two loading), got {self}")
-
-    def tile_m(self) -> int:
-        """Rows per M tile of fprop/dgrad: 256 (two waves), 128 with ``paired``."""
-        return WAVE_M if self.paired else TILE_M
 
     def store_box(self, wgrad: bool = False) -> list[int]:
         """[rows, columns] of one staging buffer and TMA store box."""
@@ -925,7 +839,7 @@ class GluonConfig:
         if mxfp4:   # per stage: packed codes (K/2 bytes per row), FP8 codes, a float32 scale per row, B
             return self.num_stages * (TILE_M * (FP8_TILE // 2 + FP8_TILE + 4) + BLOCK_N * FP8_TILE) + staged
         if not wgrad:
-            return self.num_stages * (self.tile_m() + BLOCK_N) * FP8_TILE + staged
+            return self.num_stages * (TILE_M + BLOCK_N) * FP8_TILE + staged
         rows = self.wgrad_rows()   # A rows and B rows of a stage, FP8, and a float32 scale for each
         return self.num_stages * (rows + BLOCK_N) * (FP8_TILE + 4) + staged
 
@@ -974,8 +888,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out
     if mxfp4 and not decode:
         a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
-    tm = cfg.tile_m()
-    tables = _tile_tables(tuple(counts), a.device, tm)
+    tables = _tile_tables(tuple(counts), a.device)
     tiles_m = tables.shape[1]
     if decode:
         # The packed codes as int16 words (4 codes each; TMA needs 16-byte aligned rows: K/2 bytes, a
@@ -988,7 +901,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         a_scale = a_scale.view(torch.int32)
         stride_as = a_scale.stride(0)
     else:
-        a_desc = _desc(a, [tm, FP8_TILE])
+        a_desc = _desc(a, [TILE_M, FP8_TILE])
         a_scale = m_major(a_scale)      # the consumer reads 128 rows' scales of one K block at once
         stride_as = a_scale.stride(1)
     b_scale = b_scale.contiguous()      # one scale per K block at consecutive addresses
@@ -1000,8 +913,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         b_scale, b_scale.stride(0), b_scale.stride(1),
         tables[0], tables[1], tables[2], tiles_m, n, r,
         K=k, BLOCK_N=BLOCK_N, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
-        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide,
-        PAIRED=cfg.paired, num_warps=NUM_WARPS)
+        A_MXFP4=decode, A_LAYOUT=_A_LAYOUT, WORDS_LAYOUT=_WORDS_LAYOUT, WIDE=cfg.wide, num_warps=NUM_WARPS)
     return out
 
 
@@ -1091,16 +1003,14 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
         kernel = _grouped_mm_nt_kernel
         mx = kind == "nt_mxfp4"
         packed = torch.empty(r, k // 4, dtype=torch.int16)
-        args = {"a_desc": _desc(packed, [TILE_M, FP8_TILE // 4], _PACKED_LAYOUT) if mx
-                else _desc(a, [config.tile_m(), FP8_TILE]),
+        args = {"a_desc": _desc(packed, [TILE_M, FP8_TILE // 4], _PACKED_LAYOUT) if mx else _desc(a, [TILE_M, FP8_TILE]),
                 "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
                 "d_desc": _desc(out, config.store_box()), "a_scale_ptr": torch.empty(r, k // FP8_TILE, dtype=torch.int32)
                 if mx else scale, "stride_as_k": k // FP8_TILE if mx else r,
                 "b_scale_ptr": scale, "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables,
                 "tile_expert_ptr": tables, "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "R": r}
         constexprs = {"K": k, "BLOCK_N": BLOCK_N, "A_MXFP4": mx, "A_LAYOUT": _A_LAYOUT,
-                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide,
-                      "PAIRED": config.paired, **common}
+                      "WORDS_LAYOUT": _WORDS_LAYOUT, "WIDE": config.wide, **common}
     elif kind == "wgrad":
         kernel = _grouped_mm_wgrad_kernel
         scale_rows = torch.empty(k // FP8_TILE, r)

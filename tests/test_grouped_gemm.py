@@ -369,7 +369,7 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
 @pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt", "float32", False),
-                                                  ("nt_quarters", "bfloat16", False), ("nt_paired", "bfloat16", False),
+                                                  ("nt_quarters", "bfloat16", False),
                                                   ("nt_mxfp4", "bfloat16", False),
                                                   ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
                                                   ("wgrad", "bfloat16", True)])
@@ -387,9 +387,8 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
             "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
-            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters', "
-            "paired=sys.argv[3] == 'nt_paired', num_stages=4 if sys.argv[3] == 'nt_paired' else 3); "
-            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', '').replace('_paired', ''), "
+            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters'); "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', ''), "
             "out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
@@ -398,12 +397,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
     wide = kind == "nt"
-    if kind == "nt_paired":
-        # Per K block and consumer warpgroup: one 64-row chain of 4 k32 steps (the loop body holds a
-        # pair of K blocks), m64n128k32; one wait with a chain still outstanding and one to zero.
-        wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
-        assert wgmmas == 2 * 8
-    elif wide:
+    if wide:
         # Per K block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
         wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
         assert wgmmas == 2 * 8
@@ -418,8 +412,6 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     # registers: the first wgrad kernel did, 32 waits). Wide: one raw accumulator, each of the two
     # halves' chains waited for (2 per consumer), never each k32 step.
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == (4 if wide else 2)
-    if kind == "nt_paired":
-        assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2
     lines = _sass_lines(sass)
     loops = _inner_loops_of(lines, "QGMMA")
     assert len(loops) == 2, loops   # each consumer's K loop
@@ -431,7 +423,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
         # consumers' K loops, which the check above covers); it is not the engine's default path.
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", ptx)
         assert "prmt.b32" in ptx
-    if kind in ("nt", "nt_quarters", "nt_paired"):
+    if kind in ("nt", "nt_quarters"):
         usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
         assert re.search(r"STACK:0\b", usage), usage
         assert "LDL" not in sass
@@ -494,10 +486,6 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
         _check_engine(got, twin, ref64, mag)
         # bf16 output: the same float32 accumulator rounded once.
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
-        # The paired layout (128-row tiles, K blocks in pairs) adds the same products in the same order.
-        paired = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
-                                  config=GL.GluonConfig(paired=True, num_stages=4))
-        assert torch.equal(paired, got)
         # The quarter layout (m64n64 wgmmas, GluonConfig(wide=False)) is held to the same bounds.
         quarters = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
                                     config=GL.GluonConfig(wide=False))
