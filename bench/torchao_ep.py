@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for experts.py and gemm.py (python -P too)
 from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the example's EP block)
 
 from experts import timed_step  # noqa: E402  (bench/experts.py: fwd + bwd with the weights' versions bumped)
