@@ -69,15 +69,17 @@ TILE_M = 2 * WAVE_M   # rows per M tile (two waves of one expert)
 def supported(device: torch.device) -> bool:
     """True when this engine can run on ``device``: Gluon imports and the GPU is a Hopper (sm90)."""
     device = torch.device(device)
-    return (AVAILABLE and device.type == "cuda" and torch.cuda.is_available()
-            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0))
+    if not AVAILABLE or device.type != "cuda":
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=16)
-def _capability(index: int) -> tuple[int, int]:
-    # Cached: every launch asks, and torch's query cost ~10 us of host time per launch (the layer step
-    # issues its kernels from Python, and the GPU waits where the host is slower than the kernels).
-    return torch.cuda.get_device_capability(index)
+def _hopper(index: int) -> bool:
+    # Cached: every launch asks, and torch.cuda.is_available() and the capability query cost ~10 us of
+    # host time per launch (the layer step issues its kernels from Python, and right after the
+    # routing's sync the GPU waits while the host issues them).
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def m_tiles(counts) -> tuple[list[int], list[int], list[int]]:
