@@ -7,8 +7,9 @@ effect measured against the same clocks.
 Single bench/gemm.py runs of one GEMM spread by up to 10% between calls on the same GPU (cuBLAS's own
 TFLOP/s moved 1038 -> 1152 between two runs, H200), more than most kernel changes gain. Here each
 round times the installed engine (``new``) and the module at ``--old`` (``old``; it imports its helpers
-from the installed moe_fp4, so only that file may differ) back to back on the same operands, and the
-table reports the median over rounds of each and of the per-round ratio new / old with its min and max.
+from the installed moe_fp4, so only that file may differ) back to back on the same operands (each
+engine's calls issued back to back, GPU time, as bench/gemm.py times), and the table reports the median
+over rounds of each and of the per-round ratio new / old with its min and max.
 Routing as bench/gemm.py: ``balanced`` (every expert the mean rows, a multiple of 256 at both shapes),
 ``ragged`` (each row's expert drawn at random, counts padded to 128: about half the experts end in a
 one-wave tile), ``skew`` (expert 0 holds 4x the mean).
