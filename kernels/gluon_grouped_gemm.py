@@ -230,8 +230,10 @@ if AVAILABLE:
         both operands from shared memory, and four m64n64 chains read A twice and B twice per wave and
         K block (64 KiB); with the ring's TMA writes (48 KiB per 256-row stage) that is 176 KiB per
         1024 tensor-core cycles, where shared memory moves 128 bytes a cycle: at most 74% tensor-pipe
-        activity, which Nsight Compute measured (bench/RESULTS.md, issue 29). Two m64n128 chains read
-        A once and B twice (48 KiB): 144 KiB, at most 91%. Registers: two halves and one raw, 3 x 64."""
+        activity, about what Nsight Compute measured. Two m64n128 chains read A once and B twice
+        (48 KiB): 144 KiB, at most 91%. Measured: 1-4% faster, the tensor pipe 70-75% busy, so that
+        bound was not the binding one (bench/RESULTS.md, issue 29, fifth session of 2026-11-26).
+        Registers: two halves and one raw, 3 x 64."""
         acc0 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
         acc1 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
         raw = gl.zeros((SUB, WIDE_N), gl.float32, layout)
