@@ -223,40 +223,33 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # fp4 in NVFP4 (storage): the same tensors kept, each quantized with NVFP4's rules instead
         # (x and h from bf16, a from its FP8 codes), and MXFP4 rows received from the dispatch as they came.
         nv = fp4 and storage is StorageFormat.NVFP4
-        # The FC1 operand first, then the weights and the FC1 GEMM, and only then what forward keeps:
-        # this runs right after the routing's host sync, when the GPU has nothing queued, and each
-        # kernel issued early hides the host time of what follows it (bench/RESULTS.md, issue 29).
+        # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
+        # operands are forward's, and micro-batches between two optimizer steps share them.
+        (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
+        report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
+        report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
             # A received MXFP4 FC1 input: decoded inside the grouped GEMM where the engine does that
             # faster than a conversion pass (moe_fp4.gemm.decodes_mxfp4_in_gemm), else converted first.
             xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
-        elif isinstance(x_q, FP8BlockTensor):
-            xq = x_q
-        elif fp4 and not nv:
-            xq, x_mx = quantize_fp8_and_mxfp4(x)
-        else:
-            xq = quantize_fp8(x)
-        # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
-        # operands are forward's, and micro-batches between two optimizer steps share them.
-        (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
-        h = grouped_fp8_mm_nt(xq, w13q, counts, torch.bfloat16)
-        report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
-        report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
-        if isinstance(x_q, MXFP4Tensor):
             kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor):
+            xq = x_q
             x_kept, before = ((quantize_nvfp4(x_q) if nv else quantize_mxfp4(x_q)), None) if fp4 else _keep_fp8(x_q)
             kept.add("x", x_kept, "fc1_input", converted_from=before)
         elif nv:
+            xq = quantize_fp8(x)
             kept.add("x", quantize_nvfp4(x), "fc1_input")
         elif fp4:
+            xq, x_mx = quantize_fp8_and_mxfp4(x)
             kept.add("x", x_mx, "fc1_input")
         else:
+            xq = quantize_fp8(x)
             x_kept, before = _keep_fp8(xq)
             kept.add("x", x_kept, "fc1_input", converted_from=before)
+        h = grouped_fp8_mm_nt(xq, w13q, counts, torch.bfloat16)
         del xq, w13q
         aq, a_mx, h_mx = _swiglu_quantize(h, row_w, fp4 and not nv)
-        y = grouped_fp8_mm_nt(aq, w2q, counts, torch.bfloat16)   # before the keeping, as FC1
         if nv:
             kept.add("a", quantize_nvfp4(aq), "fc2_input")
             kept.add("h", quantize_nvfp4(h), "swiglu_input")
@@ -273,7 +266,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 kept.add("a", a_kept, "fc2_input", converted_from=before)
             kept.add("h", h, "swiglu_input", exact=False)
         kept.save(ctx, w13, w2)
-        return y
+        return grouped_fp8_mm_nt(aq, w2q, counts, torch.bfloat16)
 
     @staticmethod
     def backward(ctx, dy):
