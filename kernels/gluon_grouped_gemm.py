@@ -225,9 +225,9 @@ if AVAILABLE:
 
         Per K block: one m64nWIDE_N wgmma chain per 64-row half into one raw accumulator, waited, then
         promoted (acc += raw * s_a * s_b, the twin's fma) while the other warpgroup's chain runs on the
-        tensor cores. Why not four [64, 64] quarters through two raw accumulators (the quarter path
-        below), which also overlaps a promotion with the same warpgroup's next quarter: a wgmma reads
-        both operands from shared memory, and four m64n64 chains read A twice and B twice per wave and
+        tensor cores. Why not four [64, 64] quarters through two raw accumulators (_quarter_wave),
+        which also overlaps a promotion with the same warpgroup's next quarter: a wgmma reads both
+        operands from shared memory, and four m64n64 chains read A twice and B twice per wave and
         K block (64 KiB); with the ring's TMA writes (48 KiB per 256-row stage) that is 176 KiB per
         1024 tensor-core cycles, where shared memory moves 128 bytes a cycle: at most 74% tensor-pipe
         activity, about what Nsight Compute measured. Two m64n128 chains read A once and B twice
@@ -237,7 +237,7 @@ if AVAILABLE:
         acc0 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
         acc1 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
         raw = gl.zeros((SUB, WIDE_N), gl.float32, layout)
-        if not A_MXFP4:   # the scales one K block ahead, as the quarter path
+        if not A_MXFP4:   # the scales one K block ahead, as _quarter_wave
             sa0 = gl.load(as_ptrs)
             sa1 = gl.load(as_ptrs + SUB)
         sb = gl.load(bs_ptr)
@@ -261,19 +261,55 @@ if AVAILABLE:
         return acc0, acc1, it
 
     @gluon.jit
-    def _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                          b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                          tiles_m, tiles_n, as_smem, decoded,
-                          KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                          D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
-        # GluonConfig(wide=False): the wave as four
-        # [64, BLOCK_N/2] float32 quarters (two 64-row halves x two column halves, 32 registers each).
-        # Per K block the four quarter products run through two raw accumulators in turn: while one
-        # quarter is promoted (acc += raw * s_a * s_b on the CUDA cores) the next one's wgmma runs, so
-        # only the last promotion of a block leaves the tensor cores idle; 4 x 32 + 2 x 32 registers
-        # fit without spills. (Issuing the next block's first wgmma before that promotion keeps a
-        # wgmma in flight across the loop's back edge; ptxas then serializes every wgmma, C7514
-        # "non wgmma instructions reading accumulator registers", for any such schedule tried.)
+    def _quarter_wave(a_smem, b_smem, ready, empty, decoded, as_smem, as_ptrs, stride_as_k, bs_ptr, it,
+                      KB: gl.constexpr, NUM_STAGES: gl.constexpr, BASE: gl.constexpr, SUB: gl.constexpr,
+                      HALF: gl.constexpr, A_MXFP4: gl.constexpr, layout: gl.constexpr):
+        """GluonConfig(wide=False): one wave over the KB K blocks as _wide_wave, but as four [SUB, HALF]
+        float32 quarters (two 64-row halves x two column halves, 32 registers each) -> (acc00, acc01,
+        acc10, acc11, it), acc<row half><column half>.
+
+        Per K block the four quarter products run through two raw accumulators in turn: while one
+        quarter is promoted (acc += raw * s_a * s_b on the CUDA cores) the next one's wgmma runs, so
+        only the last promotion of a block leaves the tensor cores idle; 4 x 32 + 2 x 32 registers fit
+        without spills. (Issuing the next block's first wgmma before that promotion keeps a wgmma in
+        flight across the loop's back edge; ptxas then serializes every wgmma, C7514 "non wgmma
+        instructions reading accumulator registers", for any such schedule tried.)"""
+        acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
+        # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas) later, so its
+        # latency never stalls a promotion (loaded just in time, it stalled a third of the consumers'
+        # cycles: bench/tools/gemm_limiters.py). The last block reloads itself.
+        if not A_MXFP4:   # (an MXFP4 A's row scales come with each stage: no registers carried)
+            sa0 = gl.load(as_ptrs)
+            sa1 = gl.load(as_ptrs + SUB)
+        sb = gl.load(bs_ptr)
+        for kb in range(KB):
+            s = it % NUM_STAGES
+            nk = gl.minimum(kb + 1, KB - 1)
+            if not A_MXFP4:
+                # The next block's scale loads go out before the stage wait, in flight while it waits.
+                s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
+            _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
+            a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
+            ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+            rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
+            if A_MXFP4:   # read from the stage while its first wgmmas run
+                s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
+            acc00, acc01, acc10, ra, rb = _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1)
+            rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+            mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
+            acc11 += rb * s1[:, None]
+            it += 1
+        return acc00, acc01, acc10, acc11, it
+
+    @gluon.jit
+    def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
+                     b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
+                     tiles_m, tiles_n, as_smem, decoded,
+                     KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
+        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile, as two
+        # [64, BLOCK_N] halves (WIDE, GluonConfig.wide: _wide_wave) or four [64, BLOCK_N/2] quarters
+        # (_quarter_wave), each stored through its staging buffers (the d_desc box) and TMA.
         # Its own partition, because Triton puts a partition-wide bar.sync before every mbarrier wait
         # and arrive: one 8-warp consumer for both waves (9a5e346 and before) was held in step by that
         # barrier, so neither warpgroup's promotion overlapped the other's wgmma (4.6 of 11.2 cycles
@@ -284,9 +320,9 @@ if AVAILABLE:
         # shared memory: the consumer waits on the stage's `decoded` barrier instead of `ready` and
         # reads the 128 row scales of its wave there.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
-        HALF: gl.constexpr = d_desc.block_type.shape[1]    # BLOCK_N / 2 columns
+        BOX_N: gl.constexpr = d_desc.block_type.shape[1]   # BLOCK_N (WIDE), else BLOCK_N / 2 columns
         BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
-        layout: gl.constexpr = _acc_layout(HALF, 4)
+        layout: gl.constexpr = _acc_layout(BOX_N, 4)
         rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
         it = 0
         n_store = 0
@@ -302,41 +338,28 @@ if AVAILABLE:
                 row0 = gl.load(tile_row_ptr + mt) + BASE
                 bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
                           + (nt * BLOCK_N // 128) * stride_bs_n)
-                as_ptrs = a_scale_ptr + row0 + rows
-                acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)   # acc<row half><column half>
-                # Scales one K block ahead: a load issued now is consumed a whole block (4 wgmmas)
-                # later, so its latency never stalls a promotion (loaded just in time, it stalled a
-                # third of the consumers' cycles: bench/tools/gemm_limiters.py). The last block
-                # reloads itself.
-                if not A_MXFP4:   # (an MXFP4 A's row scales come with each stage: no registers carried)
-                    sa0 = gl.load(as_ptrs)
-                    sa1 = gl.load(as_ptrs + SUB)
-                sb = gl.load(bs_ptr)
-                for kb in range(KB):
-                    s = it % NUM_STAGES
-                    nk = gl.minimum(kb + 1, KB - 1)
-                    if not A_MXFP4:
-                        # The next block's scale loads go out before the stage wait, in flight while it waits.
-                        s0, s1, sa0, sa1, sb = _fp8_block_scales(nk, sa0, sa1, sb, as_ptrs, bs_ptr, stride_as_k, SUB)
-                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
-                    a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
-                    ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                    rb = warpgroup_mma(a0, b1, rb, use_acc=False, is_async=True)
-                    if A_MXFP4:   # read from the stage while its first wgmmas run
-                        s0, s1, sb = _mxfp4_block_scales(s, nk, sb, bs_ptr, as_smem, BASE, SUB, layout)
-                    acc00, acc01, acc10, ra, rb = _block_head(acc00, acc01, acc10, ra, rb, a1, b0, b1, s0, s1)
-                    rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                    mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases
-                    acc11 += rb * s1[:, None]
-                    it += 1
-                if valid:
-                    # This warpgroup's staging buffers: WG * D_BUFS ... of the 2 x D_BUFS.
-                    col = nt * BLOCK_N
-                    n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + HALF, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + SUB, col + HALF, D_BUFS,
-                                             WG * D_BUFS)
+                col = nt * BLOCK_N
+                # This warpgroup's staging buffers: WG * D_BUFS ... of the 2 x D_BUFS.
+                if WIDE:
+                    acc0, acc1, it = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem,
+                                                a_scale_ptr + row0 + rows, stride_as_k, bs_ptr, it, KB, NUM_STAGES,
+                                                BASE, SUB, BOX_N, A_MXFP4, layout)
+                    if valid:
+                        n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS, WG * D_BUFS)
+                else:
+                    acc00, acc01, acc10, acc11, it = _quarter_wave(a_smem, b_smem, ready, empty, decoded, as_smem,
+                                                                   a_scale_ptr + row0 + rows, stride_as_k, bs_ptr,
+                                                                   it, KB, NUM_STAGES, BASE, SUB, BOX_N, A_MXFP4,
+                                                                   layout)
+                    if valid:
+                        n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row0, col, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row0, col + BOX_N, D_BUFS,
+                                                 WG * D_BUFS)
+                        n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row0 + SUB, col, D_BUFS,
+                                                 WG * D_BUFS)
+                        n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row0 + SUB, col + BOX_N, D_BUFS,
+                                                 WG * D_BUFS)
             else:
                 # Warpgroup 1 in a one-wave tile: no rows of its own. It still releases every stage,
                 # each after it was filled (the empty barrier counts two arrivals per fill).
@@ -346,63 +369,6 @@ if AVAILABLE:
                     mbarrier.arrive(empty.index(s), count=1)
                     it += 1
         tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                       b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                       tiles_m, tiles_n, as_smem, decoded,
-                       KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                       D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr):
-        # One warpgroup, its own partition: wave WG (rows 128 WG .. 128 WG + 127) of every tile as two
-        # [64, BLOCK_N] float32 halves (_wide_wave); the rest as _quarter_consumer (one-wave tiles, an
-        # MXFP4 A's decoded stages), each half stored through one [64, BLOCK_N] staging buffer.
-        SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
-        WIDE_N: gl.constexpr = d_desc.block_type.shape[1]  # BLOCK_N columns
-        BASE: gl.constexpr = WG * 2 * SUB                  # this warpgroup's first row in the tile
-        layout: gl.constexpr = _acc_layout(WIDE_N, 4)
-        rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
-        it = 0
-        n_store = 0
-        for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            mt, nt = _tile(t, tiles_m, tiles_n, GROUP_M)
-            valid = (WG == 0) | (gl.load(tile_waves_ptr + mt) == 2)
-            run = valid
-            if A_MXFP4:   # (as _quarter_consumer)
-                run = True
-            if run:
-                row0 = gl.load(tile_row_ptr + mt) + BASE
-                bs_ptr = (b_scale_ptr + gl.load(tile_expert_ptr + mt).to(gl.int64) * stride_bs_e
-                          + (nt * BLOCK_N // 128) * stride_bs_n)
-                acc0, acc1, it = _wide_wave(a_smem, b_smem, ready, empty, decoded, as_smem, a_scale_ptr + row0 + rows,
-                                            stride_as_k, bs_ptr, it, KB, NUM_STAGES, BASE, SUB, WIDE_N, A_MXFP4,
-                                            layout)
-                if valid:
-                    n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row0, nt * BLOCK_N, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row0 + SUB, nt * BLOCK_N, D_BUFS,
-                                             WG * D_BUFS)
-            else:
-                for kb in range(KB):   # a one-wave tile's warpgroup 1, as _quarter_consumer
-                    s = it % NUM_STAGES
-                    _stage_wait(ready, decoded, s, it, NUM_STAGES, A_MXFP4)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    it += 1
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _wg_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
-                     b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                     tiles_m, tiles_n, as_smem, decoded,
-                     KB: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     D_BUFS: gl.constexpr, WG: gl.constexpr, A_MXFP4: gl.constexpr, WIDE: gl.constexpr):
-        """Consumer warpgroup WG: the wide layout (GluonConfig.wide, the default) or the quarter one."""
-        if WIDE:
-            _wide_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
-                           stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, tiles_n,
-                           as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
-        else:
-            _quarter_consumer(d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k, b_scale_ptr,
-                              stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m,
-                              tiles_n, as_smem, decoded, KB, BLOCK_N, NUM_STAGES, GROUP_M, D_BUFS, WG, A_MXFP4)
 
     @gluon.jit
     def _mxfp4_decoder(pk_smem, a_smem, as_smem, sc_smem, ready, decoded, e8w_ptr, stride_e8w, R, tile_row_ptr,
