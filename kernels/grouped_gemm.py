@@ -273,24 +273,18 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(st % 16 == 0 for st in t.stride()[:-1]))
 
 
-@functools.lru_cache(maxsize=256)
-def _valid_counts(counts: tuple, rows: int, n_exp: int) -> tuple[int, ...] | None:
-    """-> counts as ints when they pass _check_counts, else None. Cached per routing: every grouped GEMM
-    of a step meets the same counts, and the checks cost host time at each launch."""
-    c = tuple(int(x) for x in counts)
-    if len(c) != n_exp or any(x < 0 or x % GROUP_ALIGN for x in c) or sum(c) != rows:
-        return None
-    return c
-
-
 def _check_counts(counts, rows: int, n_exp: int, fn: str) -> tuple[int, ...]:
     key = counts if isinstance(counts, tuple) else tuple(counts)
     try:
-        ok = _valid_counts(key, rows, n_exp)
-    except TypeError:   # unhashable entries: check them uncached
-        ok = None
-    if ok is not None:
-        return ok
+        return _checked_counts(key, rows, n_exp, fn)
+    except TypeError:   # unhashable entries: checked uncached
+        return _checked_counts.__wrapped__(key, rows, n_exp, fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_counts(counts: tuple, rows: int, n_exp: int, fn: str) -> tuple[int, ...]:
+    """counts as ints, or ValueError. Cached per routing (a failure is not cached): every grouped GEMM
+    of a step meets the same counts, and the checks cost host time at each launch."""
     counts = tuple(int(c) for c in counts)
     if len(counts) != n_exp:
         raise ValueError(f"{fn}: expected {n_exp} counts (one per expert), got {len(counts)}")
