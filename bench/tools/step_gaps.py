@@ -1,0 +1,73 @@
+"""Where a MoE layer step leaves the GPU idle: the gaps between consecutive kernels of steps issued
+back to back, largest first, each named by the kernels around it.
+
+    python bench/tools/step_gaps.py --config dsv3 --precision fp8 bf16
+
+The layer of bench/tools/profile_moe.py (weights cached: a later micro-batch), --warmup steps, then
+--steps steps under torch.profiler (CPU and CUDA activities; the profiler's own host overhead widens
+host-bound gaps somewhat). Prints per precision the summed kernel time and the profiled window per step,
+the gaps over --min-gap-us summed per step, and the --top largest. A gap after a device-to-host copy is
+the host's time from the routing's sync to its next launch; one before a kernel that follows a cheap
+one is host time spent issuing it. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (python -P too)
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from profile_moe import make_layer  # noqa: E402  (bench/tools/profile_moe.py: the benchmark's layer)
+
+
+def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int) -> None:
+    m, _, x, g = make_layer(config)
+    m.precision = precision
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        m(x).backward(g)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+    window = kern[-1].time_range.end - kern[0].time_range.start
+    busy = sum(e.time_range.elapsed_us() for e in kern)
+    found = [(b.time_range.start - a.time_range.end, a.name[:60], b.name[:60])
+             for a, b in zip(kern, kern[1:]) if b.time_range.start - a.time_range.end > min_gap_us]
+    print(f"\n{config} {precision}: {len(kern)} kernels in {steps} steps; summed kernel time "
+          f"{busy / steps / 1e3:.2f} ms/step, window {window / steps / 1e3:.2f} ms/step; "
+          f"gaps > {min_gap_us:g} us: {len(found)}, {sum(f[0] for f in found) / steps / 1e3:.2f} ms/step")
+    for gap, before, after in sorted(found, reverse=True)[:top]:
+        print(f"{gap:8.0f} us  after {before:60s} before {after}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="dsv3", help="a config of bench/moe_layer.py")
+    ap.add_argument("--precision", nargs="+", default=["fp8", "bf16"], choices=["bf16", "fp8", "fp4"])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--min-gap-us", type=float, default=15.0)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_gaps: needs a CUDA GPU")
+    for p in a.precision:
+        gaps(a.config, p, a.warmup, a.steps, a.min_gap_us, a.top)
+
+
+if __name__ == "__main__":
+    main()
