@@ -210,9 +210,31 @@ class DispatchPlan:
         return sum(self.padded_counts)
 
 
-def plan_dispatch(experts: torch.Tensor, num_experts: int, group) -> DispatchPlan:
+def counts_to_host(counts: torch.Tensor, while_waiting=None) -> list:
+    """counts: an integer tensor (the routing's counts) -> its values as (nested) lists.
+
+    On CUDA through a non-blocking copy into pinned memory and an event: ``while_waiting()`` is called
+    after the copy is queued and before the host waits for it, so the GPU work it queues (work that does
+    not need the counts, such as the layer's FP8 weights) runs while the host takes the counts and issues
+    what follows them; a plain ``tolist()`` would leave the GPU idle from the copy to the host's next
+    launch. Elsewhere ``while_waiting()`` then ``tolist()``."""
+    if counts.device.type != "cuda":
+        if while_waiting is not None:
+            while_waiting()
+        return counts.tolist()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    if while_waiting is not None:
+        while_waiting()
+    copied.synchronize()
+    return host.tolist()
+
+
+def plan_dispatch(experts: torch.Tensor, num_experts: int, group, while_waiting=None) -> DispatchPlan:
     """experts: int64 [T, k] global expert ids of each token's k slots -> DispatchPlan (one count
-    exchange, one host sync)."""
+    exchange, one host sync; ``while_waiting`` queues GPU work for that sync, :func:`counts_to_host`)."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if num_experts % world:
@@ -229,7 +251,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group) -> DispatchPla
     msg = torch.cat([send_counts[:, None], pairs.view(world, num_local)], dim=1)
     ones = [1] * world
     got = exchange_rows(msg, ones, ones, group)                                   # [world, 1 + El] by source
-    host = torch.cat([send_counts, got.flatten()]).tolist()
+    host = counts_to_host(torch.cat([send_counts, got.flatten()]), while_waiting)
     send_splits = tuple(host[:world])
     table = [host[world + s * (1 + num_local): world + (s + 1) * (1 + num_local)] for s in range(world)]
     recv_splits = tuple(row[0] for row in table)
@@ -509,4 +531,4 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
 
 
 __all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradWireRule", "ReceivedRoute", "SQRT3", "combine",
-           "dispatch", "grad_format", "plan_dispatch", "simulate_dispatch_rows", "simulate_exchange"]
+           "counts_to_host", "dispatch", "grad_format", "plan_dispatch", "simulate_dispatch_rows", "simulate_exchange"]

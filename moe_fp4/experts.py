@@ -311,6 +311,20 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx, dw13, dw2, d_row, None, None, None, None, None
 
 
+def prefetch_fp8_weights(*weights) -> None:
+    """weights: [E, N, K] tensors (or None, skipped) -> nothing: each one's FP8 pair (W, W^T) made now,
+    as the experts would make it (:data:`moe_fp4.gemm.FP8_WEIGHTS`), so that their forward finds it
+    cached. The MoE layer calls it while the host waits for the routing's counts (no GPU work of the
+    step is queued then, and the weights need no routing). Nothing when the cache is off: the experts
+    would quantize a second time."""
+    if not FP8_WEIGHTS.enabled:
+        return
+    with torch.no_grad():
+        for w in weights:
+            if w is not None:
+                FP8_WEIGHTS.get(w)
+
+
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
                            row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,

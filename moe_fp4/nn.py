@@ -25,9 +25,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.ep import EPConfig, GradWireRule, combine, dispatch, plan_dispatch, simulate_dispatch_rows, \
-    simulate_exchange
-from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
+from moe_fp4.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch, \
+    simulate_dispatch_rows, simulate_exchange
+from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts, prefetch_fp8_weights
 from moe_fp4.gemm import WEIGHT_BLOCK
 from moe_fp4.hook import StorageFormat, as_current, current_compression
 from moe_fp4.wire import WireFormat
@@ -167,8 +167,13 @@ class Routing:
         return sum(self.padded_counts)
 
 
-def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN) -> Routing:
-    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts)."""
+def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN,
+                 while_waiting=None) -> Routing:
+    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts).
+
+    ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FP8
+    weights), run between the counts' copy to the host and the wait for it (:func:`moe_fp4.ep.counts_to_host`);
+    called once, and not again when a checkpoint's recomputation replays the routing."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: bincount reads the maximum on the host (a sync) on CUDA.
@@ -181,7 +186,8 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     rank = torch.arange(flat.numel(), device=flat.device) - start[sorted_e]
     dest = torch.empty_like(flat)
     dest[order] = pad_start[sorted_e] + rank
-    host = once(lambda: torch.stack([counts, padded]).tolist())   # the host sync: not repeated by a recomputation
+    # the host sync: not repeated by a recomputation
+    host = once(lambda: counts_to_host(torch.stack([counts, padded]), while_waiting))
     t, k = experts.shape
     src_row = torch.full((sum(host[1]),), t, dtype=torch.int64, device=flat.device)
     src_row[dest] = torch.arange(t * k, device=flat.device) // k
@@ -361,9 +367,16 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, experts
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts)."""
-        return make_routing(*self.gate(x), self.config.num_experts)
+    def route(self, x: torch.Tensor, while_waiting=None) -> Routing:
+        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts; ``while_waiting``
+        as in :func:`make_routing`)."""
+        return make_routing(*self.gate(x), self.config.num_experts, while_waiting=while_waiting)
+
+    def _prefetch_fp8_weights(self) -> None:
+        """fp8 / fp4: the expert weights' FP8 pairs made now (:func:`moe_fp4.experts.prefetch_fp8_weights`),
+        so the GPU makes them while the host waits for and handles the routing's counts."""
+        if self.precision is not Precision.BF16:
+            prefetch_fp8_weights(self.w13, self.w2, self.shared_w13, self.shared_w2)
 
     def _routed_ep(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -371,7 +384,8 @@ class MoE(nn.Module):
         # once(): inside a checkpoint the recomputation reuses these (no second exchange; the received
         # rows stay as they arrived, MXFP4 in fp4). The combine's output is kept detached: downstream
         # ops of a recomputation may read it, its gradient flows through the first run's graph.
-        plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group))
+        plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group,
+                                          while_waiting=self._prefetch_fp8_weights))
         rules = self.grad_rules
         sent = once(lambda: dispatch(x, weights, experts, plan, self.dispatch_format, ep.dispatch_grad,
                                      rule=rules.get("dispatch_grad")))
@@ -398,7 +412,7 @@ class MoE(nn.Module):
         if self.ep is not None and sim is None:
             y = self._routed_ep(x2)
         else:
-            routing = self.route(x2)
+            routing = self.route(x2, while_waiting=self._prefetch_fp8_weights)
             # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
             # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then only
             # carries the gradient, whose round trip simulate_exchange applies (its forward then sends

@@ -16,6 +16,8 @@ import moe_fp4
 from helpers import torch_references
 from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.metrics import sqnr_db
+from moe_fp4 import nn as nn_module
+from moe_fp4.ep import counts_to_host
 from moe_fp4.nn import MoE, MoEConfig, make_routing, permute, row_weights, unpermute
 from moe_fp4.saved import saved_bytes
 
@@ -186,6 +188,58 @@ def test_routing_is_exact():
     padding = torch.ones(r.rows, dtype=torch.bool)
     padding[r.dest] = False
     assert torch.count_nonzero(rw[padding]) == 0
+
+
+def test_routing_runs_the_waiting_work_once_between_copy_and_wait():
+    torch.manual_seed(2)
+    t, k, e = 40, 2, 4
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    weights = torch.rand(t, k)
+    calls = []
+    r = make_routing(weights, experts, e, while_waiting=lambda: calls.append(1))
+    plain = make_routing(weights, experts, e)
+    assert calls == [1]
+    assert (r.counts, r.padded_counts) == (plain.counts, plain.padded_counts)
+    assert torch.equal(r.dest, plain.dest) and torch.equal(r.src_row, plain.src_row)
+    assert counts_to_host(torch.tensor([[3, 0], [128, 0]]), lambda: calls.append(2)) == [[3, 0], [128, 0]]
+    assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("recompute", ["none", "moe"])
+def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, references, recompute):
+    """The layer quantizes its four expert weights inside the routing's wait (prefetch_fp8_weights); the
+    experts then find every pair cached (forward, backward and a checkpoint's recomputation), the
+    numbers are those of the layer without the cache, and bf16 quantizes nothing."""
+    from moe_fp4 import experts
+    from moe_fp4.gemm import FP8WeightCache
+
+    cache = FP8WeightCache()
+    monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)
+    torch.manual_seed(4)
+    m = MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1, shared_ffn=128), "fp8", recompute=recompute)
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    seen = []
+    real = nn_module.counts_to_host
+
+    def spy(counts, while_waiting=None):
+        def work():
+            before = cache.misses
+            while_waiting()
+            seen.append(cache.misses - before)
+        return real(counts, work)
+
+    monkeypatch.setattr(nn_module, "counts_to_host", spy)
+    got = _step(m, x, "fp8")[0]
+    assert seen == [4] and cache.misses == 4
+    assert cache.hits == (8 if recompute == "moe" else 4)   # each Function forward finds the 4 pairs
+    cache.enabled = False
+    want = _step(m, x, "fp8")[0]
+    assert cache.misses == 4 and seen == [4, 0]
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    cache.enabled = True
+    _step(m, x, "bf16")
+    assert cache.misses == 4 and seen[-1] == 0
 
 
 def test_permute_and_unpermute_gradients_are_exact():
