@@ -197,7 +197,7 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage):
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
         ctx.precision, ctx.counts = precision, counts
@@ -233,6 +233,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
             # faster than a conversion pass (moe_fp4.gemm.decodes_mxfp4_in_gemm), else converted first.
             xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
             kept.add("x", x_q, "fc1_input")
+        elif isinstance(x_q, FP8BlockTensor) and x_saved is not None:
+            xq = x_q   # fp4 (MXFP4 storage): the layer's per-token FP8 + MXFP4 from bf16, rows gathered
+            kept.add("x", x_saved, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
             x_kept, before = ((quantize_nvfp4(x_q) if nv else quantize_mxfp4(x_q)), None) if fp4 else _keep_fp8(x_q)
@@ -287,7 +290,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None, None, None
 
         h = kept["h"]
         if isinstance(h, MXFP4Tensor):
@@ -308,7 +311,40 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None, None, None
+        return dx, dw13, dw2, d_row, None, None, None, None, None, None
+
+
+def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFormat = "mxfp4"):
+    """x: bf16 [T, H] tokens -> (FP8BlockTensor [T+1, H], MXFP4Tensor [T+1, H] (fp4) or None): the experts'
+    FC1 operand (and fp4's kept copy, from the same read) quantized per token, before the tokens are
+    copied to their k expert rows; the last row is a zero token, the source of the padding rows. None
+    where the experts quantize their own rows: bf16, and fp4 with NVFP4 storage (its per-tensor scale).
+
+    Both formats are row-wise (FP8 1x128 tiles and MXFP4 1x32 blocks along H), so the gathered rows
+    (:func:`gather_expert_tokens`) are bit for bit what the experts make of gathered bf16 rows, while
+    the quantizer reads T rows instead of T*k and the gather moves 1 (+0.53) bytes an element, not 2."""
+    precision, storage = Precision(precision), StorageFormat(storage)
+    if precision is Precision.BF16 or (precision is Precision.FP4 and storage is StorageFormat.NVFP4):
+        return None
+    with torch.no_grad():
+        xz = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        if precision is Precision.FP4:
+            return quantize_fp8_and_mxfp4(xz)
+        return quantize_fp8(xz), None
+
+
+def gather_expert_tokens(tokens, src_row: torch.Tensor):
+    """tokens: :func:`quantize_expert_tokens` of T tokens; src_row: int64 [R], the token of each expert row
+    (T for a padding row) -> (x_q FP8BlockTensor [R, H], x_saved MXFP4Tensor [R, H] or None), the
+    ``x_q`` and ``x_saved`` of :func:`grouped_swiglu_experts`."""
+    fp8, mx = tokens
+    shape = (src_row.shape[0], fp8.k)
+    # The scales are M-major: gathering columns of scale^T keeps that layout without a copy.
+    x_q = FP8BlockTensor(fp8.data.index_select(0, src_row), fp8.scale.t().index_select(1, src_row).t(),
+                         shape, fp8.dtype)
+    if mx is None:
+        return x_q, None
+    return x_q, MXFP4Tensor(mx.data.index_select(0, src_row), mx.scale.index_select(0, src_row), shape, mx.dtype)
 
 
 def prefetch_fp8_weights(*weights) -> None:
@@ -328,7 +364,7 @@ def prefetch_fp8_weights(*weights) -> None:
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
                            row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,
-                           storage: str | StorageFormat = "mxfp4") -> torch.Tensor:
+                           storage: str | StorageFormat = "mxfp4", x_saved: MXFP4Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -357,6 +393,10 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             likewise; an MXFP4 x_q is kept as received. Backward converts NVFP4 -> FP8 along tokens for
             the weight gradients (``nvfp4_to_fp8_colwise``). Other precisions ignore it (the fp8
             precision's storage inside a compression scope is the scope's ``CompressionConfig.storage``).
+    x_saved: optional MXFP4Tensor [R, H], with an FP8 x_q in fp4 with MXFP4 storage only: the MXFP4 copy
+            of the same rows that fp4 keeps for backward, instead of converting x_q's FP8 codes.
+            :func:`gather_expert_tokens` makes the pair from bf16 tokens (the same bits as
+            ``quantize_fp8_and_mxfp4`` of the gathered rows, which the experts run without x_q).
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
     :func:`moe_fp4.nn.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
@@ -396,4 +436,13 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_q is [{x_q.m}, {x_q.k}], expected {tuple(x.shape)}")
     elif not x.is_contiguous():
         x = x.contiguous()
-    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage)
+    if x_saved is not None:
+        if not (precision is Precision.FP4 and storage is StorageFormat.MXFP4 and isinstance(x_q, FP8BlockTensor)):
+            raise ValueError("grouped_swiglu_experts: x_saved goes with an FP8BlockTensor x_q in fp4 with MXFP4 "
+                             f"storage, got precision {precision.value}, storage {storage.value}, x_q "
+                             f"{type(x_q).__name__}")
+        if not isinstance(x_saved, MXFP4Tensor) or (x_saved.m, x_saved.k) != tuple(x.shape):
+            raise ValueError(f"grouped_swiglu_experts: x_saved must be an MXFP4Tensor {tuple(x.shape)}, got "
+                             f"{type(x_saved).__name__} {getattr(x_saved, 'shape', '')}")
+    return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
+                                x_saved)

@@ -27,7 +27,8 @@ from torch import nn
 
 from moe_fp4.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch, \
     simulate_dispatch_rows, simulate_exchange
-from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts, prefetch_fp8_weights
+from moe_fp4.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
+    prefetch_fp8_weights, quantize_expert_tokens
 from moe_fp4.gemm import WEIGHT_BLOCK
 from moe_fp4.hook import StorageFormat, as_current, current_compression
 from moe_fp4.wire import WireFormat
@@ -225,15 +226,17 @@ class _Permute(torch.autograd.Function):
     autograd of index_copy / index_select would keep [T*k, H] or scatter-add with atomics)."""
 
     @staticmethod
-    def forward(ctx, x, dest, src_row, k):
+    def forward(ctx, x, dest, src_row, k, values):
         ctx.save_for_backward(dest, src_row)
         ctx.tokens, ctx.k = x.shape[0], k
+        if not values:   # the experts read their rows from x_q: only the gradient's path is needed
+            return x.new_zeros(()).expand(src_row.shape[0], x.shape[1])
         return _gather_rows(x, src_row)
 
     @staticmethod
     def backward(ctx, g):
         dest, _ = ctx.saved_tensors
-        return _sum_slots(g, dest, ctx.tokens, ctx.k), None, None, None
+        return _sum_slots(g, dest, ctx.tokens, ctx.k), None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -248,9 +251,11 @@ class _Unpermute(torch.autograd.Function):
         return _gather_rows(g, src_row), None, None, None, None
 
 
-def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero."""
-    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1])
+def permute(x: torch.Tensor, routing: Routing, values: bool = True) -> torch.Tensor:
+    """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero. With
+    ``values=False`` only its gradient's path: a zero-stride [rows, H] of zeros, for experts that take
+    their rows from ``x_q`` (backward is the same sum over slots)."""
+    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1], values)
 
 
 def row_weights(routing: Routing) -> torch.Tensor:
@@ -412,18 +417,35 @@ class MoE(nn.Module):
         if self.ep is not None and sim is None:
             y = self._routed_ep(x2)
         else:
-            routing = self.route(x2, while_waiting=self._prefetch_fp8_weights)
-            # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
-            # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then only
-            # carries the gradient, whose round trip simulate_exchange applies (its forward then sends
-            # native rows, a view: the values would not be read).
-            x_q = None if sim is None else simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
-            fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
-            xd = x2 if sim is None else simulate_exchange(x2, fmt, sim.dispatch_grad,
-                                                                   self.grad_rules.get("dispatch_grad"))
-            y_perm = grouped_swiglu_experts(permute(xd, routing), self.w13, self.w2, routing.padded_counts,
-                                            self.precision, x_q=x_q, row_weights=row_weights(routing),
-                                            recompute_swiglu=self._swiglu_recompute, storage=self.storage)
+            staged = {}
+
+            def while_waiting():   # GPU work that needs no routing, run while the host reads the counts
+                self._prefetch_fp8_weights()
+                if sim is None:
+                    staged["tokens"] = quantize_expert_tokens(x2, self.precision, self.storage)
+
+            routing = self.route(x2, while_waiting=while_waiting)
+            x_saved = None
+            if sim is None:
+                # The experts' quantized input made per token and gathered to their rows (bit for bit
+                # what they would make of the gathered bf16 rows); a checkpoint's recomputation, which
+                # replays the routing without waiting, quantizes here.
+                tokens = staged["tokens"] if "tokens" in staged else quantize_expert_tokens(
+                    x2, self.precision, self.storage)
+                x_q, x_saved = (None, None) if tokens is None else gather_expert_tokens(tokens, routing.src_row)
+                xd = x2
+            else:
+                # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
+                # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then only
+                # carries the gradient, whose round trip simulate_exchange applies (its forward then sends
+                # native rows, a view: the values would not be read).
+                x_q = simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
+                fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
+                xd = simulate_exchange(x2, fmt, sim.dispatch_grad, self.grad_rules.get("dispatch_grad"))
+            y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
+                                            routing.padded_counts, self.precision, x_q=x_q,
+                                            row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
+                                            storage=self.storage, x_saved=x_saved)
             y = unpermute(y_perm, routing)
             if sim is not None:
                 y = simulate_exchange(y, sim.combine, sim.combine_grad, self.grad_rules.get("combine_grad"))

@@ -14,7 +14,8 @@ import torch
 
 import moe_fp4
 from helpers import torch_references
-from moe_fp4.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
+from moe_fp4.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
+    quantize_expert_tokens
 from moe_fp4.metrics import sqnr_db
 from moe_fp4 import nn as nn_module
 from moe_fp4.ep import counts_to_host
@@ -240,6 +241,55 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
     cache.enabled = True
     _step(m, x, "bf16")
     assert cache.misses == 4 and seen[-1] == 0
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_tokens_quantized_then_gathered_equal_gathered_then_quantized(precision):
+    """quantize_expert_tokens + gather_expert_tokens (what the layer runs) against the experts' own
+    quantization of the permuted bf16 rows, padding rows included: the same bytes (Triton kernels)."""
+    torch.manual_seed(9)
+    t, k, e = 37, 2, 3
+    experts_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    r = make_routing(torch.rand(t, k), experts_ids, e)
+    x = torch.randn(t, 256, dtype=torch.bfloat16) * torch.logspace(-3, 3, t)[:, None].to(torch.bfloat16)
+    x_q, x_saved = gather_expert_tokens(quantize_expert_tokens(x, precision), r.src_row)
+    rows = permute(x, r)
+    if precision == "fp4":
+        want_q, want_mx = moe_fp4.quantize_fp8_and_mxfp4(rows)
+        assert torch.equal(x_saved.data, want_mx.data) and torch.equal(x_saved.scale, want_mx.scale)
+    else:
+        want_q = moe_fp4.quantize_fp8(rows)
+        assert x_saved is None
+    assert torch.equal(x_q.data.view(torch.uint8), want_q.data.view(torch.uint8))
+    assert torch.equal(x_q.scale, want_q.scale) and x_q.scale.stride() == want_q.scale.stride()
+    assert quantize_expert_tokens(x, "bf16") is None and quantize_expert_tokens(x, "fp4", "nvfp4") is None
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_layer_equals_experts_on_permuted_rows(precision, references):
+    """The layer (tokens quantized before the permutation, a gradient-only permute) against the experts
+    called on the permuted bf16 rows: output and every gradient bit for bit."""
+    torch.manual_seed(5)
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=3, top_k=2, shared_ffn=128)
+    m = MoE(cfg, precision)
+    x = torch.randn(45, cfg.hidden, dtype=torch.bfloat16)
+
+    def run(layer):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        if layer:
+            y = m(xi)
+        else:
+            r = m.route(xi)
+            y = unpermute(grouped_swiglu_experts(permute(xi, r), m.w13, m.w2, r.padded_counts, precision,
+                                                 row_weights=row_weights(r)), r)
+            xp = torch.nn.functional.pad(xi, (0, 0, 0, 128 - xi.shape[0]))
+            y = y + grouped_swiglu_experts(xp, m.shared_w13, m.shared_w2, (128,), precision)[:xi.shape[0]]
+        y.float().square().sum().backward()
+        return [y.detach(), xi.grad] + [p.grad for p in m.parameters()]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
 
 
 def test_permute_and_unpermute_gradients_are_exact():
