@@ -298,6 +298,7 @@ class MoE(nn.Module):
         self.recompute = recompute
         self.storage = storage
         self.ep = ep
+        self._while_routing = None   # forward's GPU work queued during the routing's sync (route())
         # The sqrt(3) rule of each gradient exchange set to "auto" (EPConfig.grad_rules): this layer's own.
         self.grad_rules: dict[str, GradWireRule] = {} if ep is None else ep.grad_rules()
         c, kw = config, {"dtype": dtype, "device": device}
@@ -372,10 +373,12 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, experts
 
-    def route(self, x: torch.Tensor, while_waiting=None) -> Routing:
-        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts; ``while_waiting``
-        as in :func:`make_routing`)."""
-        return make_routing(*self.gate(x), self.config.num_experts, while_waiting=while_waiting)
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts). Inside forward,
+        the GPU work that needs no routing is queued during that sync (``make_routing``'s
+        ``while_waiting``); a subclass may override this method with the same signature."""
+        return make_routing(*self.gate(x), self.config.num_experts,
+                            while_waiting=getattr(self, "_while_routing", None))
 
     def _prefetch_fp8_weights(self) -> None:
         """fp8 / fp4: the expert weights' FP8 pairs made now (:func:`moe_fp4.experts.prefetch_fp8_weights`),
@@ -424,7 +427,11 @@ class MoE(nn.Module):
                 if sim is None:
                     staged["tokens"] = quantize_expert_tokens(x2, self.precision, self.storage)
 
-            routing = self.route(x2, while_waiting=while_waiting)
+            self._while_routing = while_waiting
+            try:
+                routing = self.route(x2)
+            finally:
+                self._while_routing = None
             x_saved = None
             if sim is None:
                 # The experts' quantized input made per token and gathered to their rows (bit for bit

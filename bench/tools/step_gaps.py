@@ -1,9 +1,10 @@
 """Where a MoE layer step leaves the GPU idle: the gaps between consecutive kernels of steps issued
 back to back, largest first, each named by the kernels around it.
 
-    python bench/tools/step_gaps.py --config dsv3 --precision fp8 bf16
+    python bench/tools/step_gaps.py --config dsv3 --precision fp8 bf16 [--new-weights]
 
-The layer of bench/tools/profile_moe.py (weights cached: a later micro-batch), --warmup steps, then
+The layer of bench/tools/profile_moe.py (weights cached, a later micro-batch; or with --new-weights
+made again each step, as bench/moe_layer.py times it), --warmup steps, then
 --steps steps under torch.profiler (CPU and CUDA activities; the profiler's own host overhead widens
 host-bound gaps somewhat). Prints per precision the summed kernel time and the profiled window per step,
 the gaps over --min-gap-us summed per step, and the --top largest. A gap after a device-to-host copy is
@@ -25,13 +26,17 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from profile_moe import make_layer  # noqa: E402  (bench/tools/profile_moe.py: the benchmark's layer)
 
 
-def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int) -> None:
+def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int,
+         new_weights: bool = False) -> None:
     m, _, x, g = make_layer(config)
     m.precision = precision
 
     def step():
         m.zero_grad(set_to_none=True)
         x.grad = None
+        if new_weights:   # as bench/moe_layer.py: an optimizer step's new weights, quantized again
+            for p in m.parameters():
+                torch.autograd.graph.increment_version(p)
         m(x).backward(g)
 
     for _ in range(warmup):
@@ -62,11 +67,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-gap-us", type=float, default=15.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--new-weights", action="store_true",
+                    help="bump the weights' versions before each step (bench/moe_layer.py's step: the FP8 "
+                         "weights made again), instead of a later micro-batch's cached ones")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_gaps: needs a CUDA GPU")
     for p in a.precision:
-        gaps(a.config, p, a.warmup, a.steps, a.min_gap_us, a.top)
+        gaps(a.config, p, a.warmup, a.steps, a.min_gap_us, a.top, a.new_weights)
 
 
 if __name__ == "__main__":
