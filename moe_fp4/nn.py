@@ -380,11 +380,12 @@ class MoE(nn.Module):
         return make_routing(*self.gate(x), self.config.num_experts,
                             while_waiting=getattr(self, "_while_routing", None))
 
-    def _prefetch_fp8_weights(self) -> None:
-        """fp8 / fp4: the expert weights' FP8 pairs made now (:func:`moe_fp4.experts.prefetch_fp8_weights`),
-        so the GPU makes them while the host waits for and handles the routing's counts."""
+    def _prefetch_fp8_weights(self, fc1: bool = True, fc2: bool = True) -> None:
+        """fp8 / fp4: the FP8 pairs of the FC1 (w13) and / or FC2 (w2) weights, routed and shared, made now
+        (:func:`moe_fp4.experts.prefetch_fp8_weights`), where the GPU would otherwise wait for the host."""
         if self.precision is not Precision.BF16:
-            prefetch_fp8_weights(self.w13, self.w2, self.shared_w13, self.shared_w2)
+            prefetch_fp8_weights(*((self.w13, self.shared_w13) if fc1 else ()),
+                                 *((self.w2, self.shared_w2) if fc2 else ()))
 
     def _routed_ep(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -420,10 +421,15 @@ class MoE(nn.Module):
         if self.ep is not None and sim is None:
             y = self._routed_ep(x2)
         else:
+            # GPU work that needs no routing, queued where the GPU would wait for the host: the FC1
+            # weights before the router (the host then issues the router's small kernels while the GPU
+            # quantizes), the FC2 weights and the experts' input during the routing's count read (the
+            # host then takes the counts and builds the row maps while the GPU quantizes).
+            self._prefetch_fp8_weights(fc2=False)
             staged = {}
 
-            def while_waiting():   # GPU work that needs no routing, run while the host reads the counts
-                self._prefetch_fp8_weights()
+            def while_waiting():
+                self._prefetch_fp8_weights(fc1=False)
                 if sim is None:
                     staged["tokens"] = quantize_expert_tokens(x2, self.precision, self.storage)
 

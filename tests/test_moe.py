@@ -208,8 +208,8 @@ def test_routing_runs_the_waiting_work_once_between_copy_and_wait():
 
 @pytest.mark.parametrize("recompute", ["none", "moe"])
 def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, references, recompute):
-    """The layer quantizes its four expert weights inside the routing's wait (prefetch_fp8_weights); the
-    experts then find every pair cached (forward, backward and a checkpoint's recomputation), the
+    """The layer quantizes its FC1 weights before the router and its FC2 weights inside the routing's
+    wait (prefetch_fp8_weights); the experts then find every pair cached (forward, backward and a checkpoint's recomputation), the
     numbers are those of the layer without the cache, and bf16 quantizes nothing."""
     from moe_fp4 import experts
     from moe_fp4.gemm import FP8WeightCache
@@ -231,11 +231,13 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
 
     monkeypatch.setattr(nn_module, "counts_to_host", spy)
     got = _step(m, x, "fp8")[0]
-    assert seen == [4] and cache.misses == 4
-    assert cache.hits == (8 if recompute == "moe" else 4)   # each Function forward finds the 4 pairs
+    assert seen == [2] and cache.misses == 4   # FC1's two before the router, FC2's two during the wait
+    # Each Function forward finds the 4 pairs; a recomputation's FC1 prefetch finds its 2 (its routing
+    # is replayed, so the wait's work does not run again).
+    assert cache.hits == (10 if recompute == "moe" else 4)
     cache.enabled = False
     want = _step(m, x, "fp8")[0]
-    assert cache.misses == 4 and seen == [4, 0]
+    assert cache.misses == 4 and seen == [2, 0]
     for name in want:
         assert torch.equal(got[name], want[name]), name
     cache.enabled = True
