@@ -1,9 +1,10 @@
 """Is the MoE layer step bound by the host? Step time against GPU time, host-to-device syncs, the ops
 that spend the most host time, and the host cost of one launch of each kernel family.
 
-    python bench/tools/host_bound.py --config dsv3 --precisions bf16 fp8 fp4
+    python bench/tools/host_bound.py --config dsv3 --precisions bf16 fp8 fp4 [--new-weights]
 
-Per precision, after warm-up, gradients set to None before every step (as bench/moe_layer.py does):
+Per precision, after warm-up, gradients set to None before every step (as bench/moe_layer.py does;
+with --new-weights the weights' versions are bumped too, so each step makes its FP8 weights again):
 - ``isolated``: median ms of one step timed with CUDA events from an idle GPU to its end (what
   bench/moe_layer.py reports);
 - ``back-to-back``: ms per step of steps issued one after another, synchronized only at the end (the
@@ -38,9 +39,12 @@ from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
 from profile_moe import layer_args, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 
 
-def _step(m, x, g):
+def _step(m, x, g, new_weights: bool = False):
     m.zero_grad(set_to_none=True)
     x.grad = None
+    if new_weights:   # as bench/moe_layer.py: an optimizer step's new weights, quantized again
+        for p in m.parameters():
+            torch.autograd.graph.increment_version(p)
     m(x).backward(g)
 
 
@@ -78,18 +82,22 @@ def _syncs(fn) -> list[str]:
 def main() -> None:
     p = layer_args(__doc__.splitlines()[0], 20)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--new-weights", action="store_true",
+                   help="bump the weights' versions before each step, so the FP8 weights are made again "
+                        "(bench/moe_layer.py's step); default: cached, as in a later micro-batch")
     a = p.parse_args()
     m, cfg, x, g = make_layer(a.config)
+    step = _step if not a.new_weights else (lambda m, x, g: _step(m, x, g, True))
     tokens = x.shape[0]
     print(f"{a.config}: {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for prec in a.precisions:
         m.precision = prec
         for _ in range(3):
-            _step(m, x, g)
+            step(m, x, g)
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(a.iters):
-            _step(m, x, g)
+            step(m, x, g)
         torch.cuda.synchronize()
         back_to_back = (time.perf_counter() - t) * 1e3 / a.iters
         isolated, hosts = [], []
@@ -98,18 +106,18 @@ def main() -> None:
             torch.cuda.synchronize()
             t = time.perf_counter()
             start.record()
-            _step(m, x, g)
+            step(m, x, g)
             end.record()
             hosts.append((time.perf_counter() - t) * 1e3)
             end.synchronize()
             isolated.append(start.elapsed_time(end))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _step(m, x, g)
+            step(m, x, g)
             torch.cuda.synchronize()
         gpu = sum(e.time_range.elapsed_us() for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-        syncs = _syncs(lambda: _step(m, x, g))
+        syncs = _syncs(lambda: step(m, x, g))
         print(f"\n=== {a.config} {prec}: isolated {statistics.median(isolated):.2f} ms/step, back-to-back "
               f"{back_to_back:.2f} ms/step, gpu {gpu:.2f} ms (kernel time), host {statistics.median(hosts):.2f} ms "
               f"to issue the step; {len(syncs)} synchronizing calls", flush=True)
