@@ -592,9 +592,42 @@ if AVAILABLE:
                 it += 1
 
     @gluon.jit
+    def _wgrad_wide_wave(a_smem, b_smem, as_smem, bs_smem, ready, empty, it, blocks, NUM_STAGES: gl.constexpr,
+                         BASE: gl.constexpr, SUB: gl.constexpr, layout: gl.constexpr):
+        """One wave of a weight-gradient tile (rows BASE .. BASE + 2 SUB - 1 of each stage) over its expert's
+        token blocks -> (acc0, acc1, it): two [SUB, 128] float32 halves, as _wide_wave does for fprop.
+        Per token block: one m64n128 wgmma chain per 64-row half into one raw accumulator, waited, then
+        promoted with the row and column scales (_promote_rc); B's 128 column scales are read from the
+        stage once per block (32 registers a thread in this layout). Registers: two halves, one raw and
+        the column scales, 3 x 64 + 32."""
+        TILE_N: gl.constexpr = a_smem.type.shape[1]
+        BLOCK_K: gl.constexpr = b_smem.type.shape[1]
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        acc0 = gl.zeros((SUB, BLOCK_K), gl.float32, layout)
+        acc1 = gl.zeros((SUB, BLOCK_K), gl.float32, layout)
+        raw = gl.zeros((SUB, BLOCK_K), gl.float32, layout)
+        for kb in range(blocks):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            b = b_smem.index(s).permute((1, 0))
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            sa = _as_vector(as_smem.index(s), TILE_N, flat)
+            s0 = sa.slice(BASE, SUB).load(gl.SliceLayout(1, layout))[:, None]
+            s1 = sa.slice(BASE + SUB, SUB).load(gl.SliceLayout(1, layout))[:, None]
+            col = _as_vector(bs_smem.index(s), BLOCK_K, flat).load(gl.SliceLayout(0, layout))[None, :]
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            acc0 = _promote_rc(acc0, raw, s0, col)
+            raw = warpgroup_mma(a_smem.index(s).slice(BASE + SUB, SUB, dim=0), b, raw, use_acc=False, is_async=True)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
+            acc1 = _promote_rc(acc1, raw, s1, col)
+            it += 1
+        return acc0, acc1, it
+
+    @gluon.jit
     def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                         num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
-                        WG: gl.constexpr, SPLIT: gl.constexpr):
+                        WG: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
         # One warpgroup, its own partition: wave WG of every tile as four [64, 64] float32 quarters
         # through two raw accumulators, as _wg_consumer. What differs is the column scale: B's scale
         # varies along the output's columns (one per column and token block), so the promotion is
@@ -604,11 +637,12 @@ if AVAILABLE:
         # global-load latency. The quarters go column half by column half (00, 10, 01, 11), so one
         # half's 16 column scales are live at a time; the promotion is _promote_rc (why: there).
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
-        HALF: gl.constexpr = d_desc.block_type.shape[1]    # 64 columns
         TILE_N: gl.constexpr = a_smem.type.shape[1]        # rows per tile: 256 (2 waves), or 128 with SPLIT
         BLOCK_K: gl.constexpr = b_smem.type.shape[1]       # 128 columns per tile
+        HALF: gl.constexpr = BLOCK_K // 2                  # a quarter's 64 columns (not WIDE)
         BASE: gl.constexpr = 0 if SPLIT else WG * 2 * SUB
         layout: gl.constexpr = _acc_layout(HALF, 4)
+        wide: gl.constexpr = _acc_layout(BLOCK_K, 4)       # a [64, 128] half (WIDE)
         row_scale: gl.constexpr = gl.SliceLayout(1, layout)
         col_scale: gl.constexpr = gl.SliceLayout(0, layout)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])   # a stage's [1, n] scale row as [n]
@@ -637,31 +671,35 @@ if AVAILABLE:
                 if SPLIT:
                     if (WG == 1) or (own > 0):
                         mbarrier.wait(turn.index(WG), (own - 1 + WG) & 1)
-                acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
-                for kb in range(blocks):
-                    s = it % NUM_STAGES
-                    mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                    a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
-                    ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                    rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
-                    sa = _as_vector(as_smem.index(s), TILE_N, flat)
-                    sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
-                    s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
-                    s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
-                    col = sb.slice(0, HALF).load(col_scale)[None, :]
-                    ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                    acc00 = _promote_rc(acc00, ra, s0, col)
-                    ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
-                    rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
-                    acc10 = _promote_rc(acc10, rb, s1, col)
-                    rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
-                    col = sb.slice(HALF, HALF).load(col_scale)[None, :]
-                    ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                    acc01 = _promote_rc(acc01, ra, s0, col)
-                    rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                    mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
-                    acc11 = _promote_rc(acc11, rb, s1, col)
-                    it += 1
+                if WIDE:
+                    acc0, acc1, it = _wgrad_wide_wave(a_smem, b_smem, as_smem, bs_smem, ready, empty, it, blocks,
+                                                      NUM_STAGES, BASE, SUB, wide)
+                else:
+                    acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
+                    for kb in range(blocks):
+                        s = it % NUM_STAGES
+                        mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                        a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
+                        ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+                        rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
+                        sa = _as_vector(as_smem.index(s), TILE_N, flat)
+                        sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
+                        s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
+                        s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
+                        col = sb.slice(0, HALF).load(col_scale)[None, :]
+                        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                        acc00 = _promote_rc(acc00, ra, s0, col)
+                        ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
+                        rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+                        acc10 = _promote_rc(acc10, rb, s1, col)
+                        rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+                        col = sb.slice(HALF, HALF).load(col_scale)[None, :]
+                        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+                        acc01 = _promote_rc(acc01, ra, s0, col)
+                        rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+                        mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
+                        acc11 = _promote_rc(acc11, rb, s1, col)
+                        it += 1
                 if SPLIT:
                     mbarrier.arrive(turn.index(1 - WG), count=1)   # the other warpgroup's turn
                     own += 1
@@ -670,10 +708,15 @@ if AVAILABLE:
                 if row0 < N:
                     row = e * N + row0    # the output viewed as [E N, K]
                     c = kt * BLOCK_K
-                    n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row, c + HALF, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
-                    n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row + SUB, c + HALF, D_BUFS, WG * D_BUFS)
+                    if WIDE:
+                        n_store = _store_quarter(acc0, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc1, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
+                    else:
+                        n_store = _store_quarter(acc00, d_desc, d_smem, n_store, row, c, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc01, d_desc, d_smem, n_store, row, c + HALF, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc10, d_desc, d_smem, n_store, row + SUB, c, D_BUFS, WG * D_BUFS)
+                        n_store = _store_quarter(acc11, d_desc, d_smem, n_store, row + SUB, c + HALF, D_BUFS,
+                                                 WG * D_BUFS)
             else:
                 it += blocks   # the other warpgroup's tile (SPLIT): its stages pass by
         tma.store_wait(pendings=0)
@@ -681,7 +724,7 @@ if AVAILABLE:
     @gluon.jit
     def _grouped_mm_wgrad_kernel(a_desc, b_desc, as_desc, bs_desc, d_desc, offsets_ptr, num_experts, N, K,
                                  NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
-                                 SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                                 SPLIT: gl.constexpr, WIDE: gl.constexpr, num_warps: gl.constexpr):
         # offsets_ptr: the E + 1 group offsets (int32) of the tokens; N, K multiples of 128.
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -698,9 +741,9 @@ if AVAILABLE:
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize(
             [(_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
-                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0, SPLIT)),
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 0, SPLIT, WIDE)),
              (_wgrad_consumer, (d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
-                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1, SPLIT)),
+                                num_experts, N, K, NUM_STAGES, GROUP_M, D_BUFS, 1, SPLIT, WIDE)),
              (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_smem, b_smem, as_smem, bs_smem, ready, empty,
                                 offsets_ptr, num_experts, N, K, NUM_STAGES, GROUP_M))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])
@@ -795,7 +838,7 @@ class GluonConfig:
 
     def store_box(self, wgrad: bool = False) -> list[int]:
         """[rows, columns] of one staging buffer and TMA store box."""
-        return WIDE_BOX if self.wide and not wgrad else QUARTER
+        return WIDE_BOX if self.wide else QUARTER
 
     def staging(self, out_dtype: torch.dtype, wgrad: bool = False) -> int:
         if self.d_bufs is not None:
@@ -940,9 +983,9 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_wgrad_kernel[grid](
         _desc(a, [rows, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, rows]),
-        _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), QUARTER), _offsets(counts, a.device), n_exp, n, k,
-        NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype, wgrad=True), SPLIT=cfg.split,
-        num_warps=NUM_WARPS)
+        _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), cfg.store_box(wgrad=True)), _offsets(counts, a.device),
+        n_exp, n, k, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype, wgrad=True),
+        SPLIT=cfg.split, WIDE=cfg.wide, num_warps=NUM_WARPS)
     return out
 
 
@@ -987,8 +1030,9 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
         rows = config.wgrad_rows()
         args = {"a_desc": _desc(a, [rows, FP8_TILE]), "b_desc": _desc(a, [FP8_TILE, FP8_TILE]),
                 "as_desc": _desc(scale_rows, [1, rows]), "bs_desc": _desc(scale_rows, [1, FP8_TILE]),
-                "d_desc": _desc(out, QUARTER), "offsets_ptr": tables, "num_experts": e, "N": n, "K": n}
-        constexprs = {"SPLIT": config.split, **common}
+                "d_desc": _desc(out, config.store_box(wgrad=True)), "offsets_ptr": tables, "num_experts": e, "N": n,
+                "K": n}
+        constexprs = {"SPLIT": config.split, "WIDE": config.wide, **common}
     else:
         raise ValueError(f"compile_sm90: kind must be 'nt', 'nt_mxfp4' or 'wgrad', got {kind!r}")
     names = [p.name for p in kernel.params]

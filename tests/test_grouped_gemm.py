@@ -372,7 +372,7 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
                                                   ("nt_quarters", "bfloat16", False),
                                                   ("nt_mxfp4", "bfloat16", False),
                                                   ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
-                                                  ("wgrad", "bfloat16", True)])
+                                                  ("wgrad", "bfloat16", True), ("wgrad_quarters", "bfloat16", False)])
 def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split):
     # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
     # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
@@ -387,7 +387,7 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
             "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
-            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=sys.argv[3] != 'nt_quarters'); "
+            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=not sys.argv[3].endswith('_quarters')); "
             "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', ''), "
             "out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
@@ -396,9 +396,9 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
-    wide = kind == "nt"
+    wide = kind in ("nt", "wgrad")
     if wide:
-        # Per K block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
+        # Per K (token) block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
         wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
         assert wgmmas == 2 * 8
     else:
@@ -558,8 +558,8 @@ def _wgrad_ref64(a, b, counts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
-@pytest.mark.parametrize("config", [GL.GluonConfig(), GL.GluonConfig(num_stages=4, split=True)],
-                         ids=["waves", "split"])
+@pytest.mark.parametrize("config", [GL.GluonConfig(), GL.GluonConfig(num_stages=4, split=True),
+                                    GL.GluonConfig(wide=False)], ids=["waves", "split", "quarters"])
 @pytest.mark.parametrize("n,k,e", [(7168, 2048, 6), (1408, 2048, 9), (384, 640, 5)])
 def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     # Ragged reality for the K-grouped GEMM: experts without tokens (their dW is zeros, written), one
@@ -584,6 +584,10 @@ def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     if config == GL.WGRAD_CONFIG:   # the layer's path: moe_fp4.gemm picks the engine and its config
         with use_grouped_backend("gluon"):
             assert torch.equal(grouped_fp8_mm_wgrad(a, b, counts), got)
+    if config.wide:   # [64, 128] halves and [64, 64] quarters: the same wgmma dots, the same promotion
+        quarters = GL.GluonConfig(num_stages=config.num_stages, split=config.split, wide=False)
+        assert torch.equal(GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32,
+                                               config=quarters), got)
 
 
 @pytest.mark.gpu
