@@ -628,14 +628,15 @@ if AVAILABLE:
     def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                         num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
                         WG: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
-        # One warpgroup, its own partition: wave WG of every tile as four [64, 64] float32 quarters
-        # through two raw accumulators, as _wg_consumer. What differs is the column scale: B's scale
-        # varies along the output's columns (one per column and token block), so the promotion is
-        # acc += raw * s_a[row] * s_b[col], and in the wgmma layout a thread holds 16 columns of a
-        # quarter. The scales come with the operands through the ring (TMA), so a consumer reads them
-        # from shared memory right after issuing the wgmma they scale: no prefetch registers, no
-        # global-load latency. The quarters go column half by column half (00, 10, 01, 11), so one
-        # half's 16 column scales are live at a time; the promotion is _promote_rc (why: there).
+        # One warpgroup, its own partition: wave WG of every tile as two [64, 128] float32 halves (WIDE:
+        # _wgrad_wide_wave) or four [64, 64] quarters through two raw accumulators, as _wg_consumer. What
+        # differs is the column scale: B's scale varies along the output's columns (one per column and
+        # token block), so the promotion is acc += raw * s_a[row] * s_b[col] (_promote_rc, why: there),
+        # and in the wgmma layout a thread holds 32 columns of a half (16 of a quarter). The scales come
+        # with the operands through the ring (TMA), so a consumer reads them from shared memory right
+        # after issuing the wgmma they scale: no prefetch registers, no global-load latency. The
+        # quarters go column half by column half (00, 10, 01, 11), so one half's 16 column scales are
+        # live at a time.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         TILE_N: gl.constexpr = a_smem.type.shape[1]        # rows per tile: 256 (2 waves), or 128 with SPLIT
         BLOCK_K: gl.constexpr = b_smem.type.shape[1]       # 128 columns per tile
@@ -812,11 +813,11 @@ class GluonConfig:
     split:      wgrad only: each consumer warpgroup takes whole 128-row tiles of its own (every second
                 tile of the program), so one's epilogue runs beside the other's wgmmas; False: both take
                 one 128-row wave of a 256-row tile.
-    wide:       fprop/dgrad: each consumer warpgroup computes its 128-row wave as two [64, 128] halves,
-                one m64n128 wgmma per half and K block (the default); False: as four [64, 64] quarters
-                through two raw accumulators (the engine before 2026-11-26's fifth session), which read
-                A and B from shared memory more often (why: _wide_wave). The weight gradients always
-                use quarters (their column scales vary along N).
+    wide:       each consumer warpgroup computes its 128-row wave as two [64, 128] halves, one m64n128
+                wgmma per half and K block (the default; the weight gradients too since 2026-11-26's
+                sixth session, 1.08-1.12x their quarters on an H100); False: as four [64, 64] quarters
+                through two raw accumulators (the engine before), which read A and B from shared
+                memory more often (why: _wide_wave).
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition
                 writes each stage's FP8 codes to shared memory; NT_MXFP4_CONFIGS); False (the
                 default): convert it with mxfp4_to_fp8_rowwise first, then the FP8-A kernel, which

@@ -312,10 +312,14 @@ def test_gluon_config_shared_memory_per_layout():
     assert GL.GluonConfig(num_stages=4).smem_bytes(torch.bfloat16, wgrad=True) > GL.SMEM_LIMIT
     with pytest.raises(ValueError, match="num_stages"):
         GL.GluonConfig(num_stages=1)
-    # The wide layout stages [64, 128] boxes, the quarter one [64, 64]: 64 KiB of staging either way;
-    # the in-kernel MXFP4 decoder keeps quarters (a wide box would not fit beside its stages).
-    assert c.staging(torch.bfloat16) == 2 and c.staging(torch.float32) == 1
-    assert GL.GluonConfig(wide=False).staging(torch.bfloat16) == 4 == c.staging(torch.bfloat16, wgrad=True)
+    # The wide layout stages [64, 128] boxes, the quarter one [64, 64]: 64 KiB of staging either way,
+    # fprop/dgrad and weight gradients alike; the in-kernel MXFP4 decoder keeps quarters (a wide box
+    # would not fit beside its stages).
+    assert c.staging(torch.bfloat16) == 2 == c.staging(torch.bfloat16, wgrad=True) and c.staging(torch.float32) == 1
+    quarters = GL.GluonConfig(wide=False)
+    assert quarters.staging(torch.bfloat16) == 4 == quarters.staging(torch.bfloat16, wgrad=True)
+    assert quarters.store_box(wgrad=True) == GL.QUARTER and c.store_box(wgrad=True) == GL.WIDE_BOX
+    assert quarters.smem_bytes(torch.bfloat16, wgrad=True) == c.smem_bytes(torch.bfloat16, wgrad=True)
     mx = GL.NT_MXFP4_CONFIGS[torch.bfloat16]
     assert not mx.wide and mx.smem_bytes(torch.bfloat16, mxfp4=True) + GL.MBARRIER_BYTES <= GL.SMEM_LIMIT
 
