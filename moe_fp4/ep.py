@@ -225,7 +225,7 @@ def counts_to_host(counts: torch.Tensor, while_waiting=None) -> list:
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
     host.copy_(counts, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(counts.device))   # the copy's stream, whatever device is current
     if while_waiting is not None:
         while_waiting()
     copied.synchronize()

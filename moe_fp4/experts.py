@@ -350,9 +350,9 @@ def gather_expert_tokens(tokens, src_row: torch.Tensor):
 def prefetch_fp8_weights(*weights) -> None:
     """weights: [E, N, K] tensors (or None, skipped) -> nothing: each one's FP8 pair (W, W^T) made now,
     as the experts would make it (:data:`moe_fp4.gemm.FP8_WEIGHTS`), so that their forward finds it
-    cached. The MoE layer calls it while the host waits for the routing's counts (no GPU work of the
-    step is queued then, and the weights need no routing). Nothing when the cache is off: the experts
-    would quantize a second time."""
+    cached. The MoE layer calls it where the GPU would otherwise wait for the host (the weights need no
+    routing): the FC1 weights before the router, the FC2 weights while the host waits for the routing's
+    counts. Nothing when the cache is off: the experts would quantize a second time."""
     if not FP8_WEIGHTS.enabled:
         return
     with torch.no_grad():

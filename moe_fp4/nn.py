@@ -172,9 +172,10 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
                  while_waiting=None) -> Routing:
     """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts).
 
-    ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FP8
-    weights), run between the counts' copy to the host and the wait for it (:func:`moe_fp4.ep.counts_to_host`);
-    called once, and not again when a checkpoint's recomputation replays the routing."""
+    ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FC2
+    weights and quantized input), run between the counts' copy to the host and the wait for it
+    (:func:`moe_fp4.ep.counts_to_host`); called once, and not again when a checkpoint's recomputation
+    replays the routing."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: bincount reads the maximum on the host (a sync) on CUDA.
