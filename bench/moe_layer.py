@@ -292,8 +292,9 @@ def _target(name: str, value, op: str | None = None, threshold: float = 0.0) -> 
     return {"name": name, "value": value, "target": f"{op} {threshold:g}" if op else None, "met": met}
 
 
-# The expert-layer issue's targets, per config: fp8 step / bf16 step, fp4 step / fp8 step, GEMM TFLOP/s.
-STEP_TARGETS = {"dsv3": (0.85, 1.03, 600.0), "small": (1.0, None, None)}
+# Targets per config: fp8 step / bf16 step, fp4 step / fp8 step (the GEMM-engine issue, 29), GEMM
+# TFLOP/s (the expert-layer issue, 10).
+STEP_TARGETS = {"dsv3": (0.80, 1.00, 600.0), "small": (0.95, None, None)}
 ACT_SAVING_TARGET = 0.45       # fp4 activation memory at least this far below fp8's
 T_MAX_TARGET = 1.4
 
