@@ -625,6 +625,45 @@ if AVAILABLE:
         return acc0, acc1, it
 
     @gluon.jit
+    def _wgrad_quarter_wave(a_smem, b_smem, as_smem, bs_smem, ready, empty, it, blocks, NUM_STAGES: gl.constexpr,
+                            BASE: gl.constexpr, SUB: gl.constexpr, layout: gl.constexpr):
+        """GluonConfig(wide=False): one wave of a weight-gradient tile as _wgrad_wide_wave, but as four
+        [SUB, 64] quarters through two raw accumulators -> (acc00, acc01, acc10, acc11, it). The quarters
+        go column half by column half (00, 10, 01, 11), so one half's 16 column scales are live at a time."""
+        TILE_N: gl.constexpr = a_smem.type.shape[1]
+        BLOCK_K: gl.constexpr = b_smem.type.shape[1]
+        HALF: gl.constexpr = BLOCK_K // 2
+        row_scale: gl.constexpr = gl.SliceLayout(1, layout)
+        col_scale: gl.constexpr = gl.SliceLayout(0, layout)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
+        for kb in range(blocks):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
+            ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
+            rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
+            sa = _as_vector(as_smem.index(s), TILE_N, flat)
+            sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
+            s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
+            s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
+            col = sb.slice(0, HALF).load(col_scale)[None, :]
+            ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+            acc00 = _promote_rc(acc00, ra, s0, col)
+            ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
+            rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
+            acc10 = _promote_rc(acc10, rb, s1, col)
+            rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
+            col = sb.slice(HALF, HALF).load(col_scale)[None, :]
+            ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
+            acc01 = _promote_rc(acc01, ra, s0, col)
+            rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
+            mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
+            acc11 = _promote_rc(acc11, rb, s1, col)
+            it += 1
+        return acc00, acc01, acc10, acc11, it
+
+    @gluon.jit
     def _wgrad_consumer(d_desc, a_smem, b_smem, as_smem, bs_smem, d_smem, ready, empty, turn, offsets_ptr,
                         num_experts, N, K, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, D_BUFS: gl.constexpr,
                         WG: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
@@ -634,19 +673,14 @@ if AVAILABLE:
         # token block), so the promotion is acc += raw * s_a[row] * s_b[col] (_promote_rc, why: there),
         # and in the wgmma layout a thread holds 32 columns of a half (16 of a quarter). The scales come
         # with the operands through the ring (TMA), so a consumer reads them from shared memory right
-        # after issuing the wgmma they scale: no prefetch registers, no global-load latency. The
-        # quarters go column half by column half (00, 10, 01, 11), so one half's 16 column scales are
-        # live at a time.
+        # after issuing the wgmma they scale: no prefetch registers, no global-load latency.
         SUB: gl.constexpr = d_desc.block_type.shape[0]     # 64 rows: one m64 wgmma
         TILE_N: gl.constexpr = a_smem.type.shape[1]        # rows per tile: 256 (2 waves), or 128 with SPLIT
         BLOCK_K: gl.constexpr = b_smem.type.shape[1]       # 128 columns per tile
         HALF: gl.constexpr = BLOCK_K // 2                  # a quarter's 64 columns (not WIDE)
         BASE: gl.constexpr = 0 if SPLIT else WG * 2 * SUB
-        layout: gl.constexpr = _acc_layout(HALF, 4)
+        layout: gl.constexpr = _acc_layout(HALF, 4)        # a [64, 64] quarter
         wide: gl.constexpr = _acc_layout(BLOCK_K, 4)       # a [64, 128] half (WIDE)
-        row_scale: gl.constexpr = gl.SliceLayout(1, layout)
-        col_scale: gl.constexpr = gl.SliceLayout(0, layout)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])   # a stage's [1, n] scale row as [n]
         tiles_n = (N + TILE_N - 1) // TILE_N
         tiles_k = K // BLOCK_K
         it = 0
@@ -676,31 +710,8 @@ if AVAILABLE:
                     acc0, acc1, it = _wgrad_wide_wave(a_smem, b_smem, as_smem, bs_smem, ready, empty, it, blocks,
                                                       NUM_STAGES, BASE, SUB, wide)
                 else:
-                    acc00, acc01, acc10, acc11, ra, rb = _zero_quarters(SUB, HALF, layout)
-                    for kb in range(blocks):
-                        s = it % NUM_STAGES
-                        mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                        a0, a1, b0, b1 = _stage_operands(a_smem, b_smem, s, BASE, SUB, HALF)
-                        ra = warpgroup_mma(a0, b0, ra, use_acc=False, is_async=True)
-                        rb = warpgroup_mma(a1, b0, rb, use_acc=False, is_async=True)
-                        sa = _as_vector(as_smem.index(s), TILE_N, flat)
-                        sb = _as_vector(bs_smem.index(s), BLOCK_K, flat)
-                        s0 = sa.slice(BASE, SUB).load(row_scale)[:, None]
-                        s1 = sa.slice(BASE + SUB, SUB).load(row_scale)[:, None]
-                        col = sb.slice(0, HALF).load(col_scale)[None, :]
-                        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                        acc00 = _promote_rc(acc00, ra, s0, col)
-                        ra = warpgroup_mma(a0, b1, ra, use_acc=False, is_async=True)
-                        rb = warpgroup_mma_wait(num_outstanding=1, deps=(rb,))
-                        acc10 = _promote_rc(acc10, rb, s1, col)
-                        rb = warpgroup_mma(a1, b1, rb, use_acc=False, is_async=True)
-                        col = sb.slice(HALF, HALF).load(col_scale)[None, :]
-                        ra = warpgroup_mma_wait(num_outstanding=1, deps=(ra,))
-                        acc01 = _promote_rc(acc01, ra, s0, col)
-                        rb = warpgroup_mma_wait(num_outstanding=0, deps=(rb,))
-                        mbarrier.arrive(empty.index(s), count=1)   # one of the stage's two releases (SPLIT: its one)
-                        acc11 = _promote_rc(acc11, rb, s1, col)
-                        it += 1
+                    acc00, acc01, acc10, acc11, it = _wgrad_quarter_wave(a_smem, b_smem, as_smem, bs_smem, ready, empty,
+                                                                         it, blocks, NUM_STAGES, BASE, SUB, layout)
                 if SPLIT:
                     mbarrier.arrive(turn.index(1 - WG), count=1)   # the other warpgroup's turn
                     own += 1
