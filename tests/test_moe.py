@@ -209,8 +209,9 @@ def test_routing_runs_the_waiting_work_once_between_copy_and_wait():
 @pytest.mark.parametrize("recompute", ["none", "moe"])
 def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, references, recompute):
     """The layer quantizes its FC1 weights before the router and its FC2 weights inside the routing's
-    wait (prefetch_fp8_weights); the experts then find every pair cached (forward, backward and a checkpoint's recomputation), the
-    numbers are those of the layer without the cache, and bf16 quantizes nothing."""
+    wait (prefetch_fp8_weights); the experts then find every pair cached (forward, backward and a
+    checkpoint's recomputation), the numbers are those of the layer without the cache, and bf16
+    quantizes nothing."""
     from moe_fp4 import experts
     from moe_fp4.gemm import FP8WeightCache
 
