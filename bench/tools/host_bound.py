@@ -36,16 +36,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
-from profile_moe import layer_args, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
-
-
-def _step(m, x, g, new_weights: bool = False):
-    m.zero_grad(set_to_none=True)
-    x.grad = None
-    if new_weights:   # as bench/moe_layer.py: an optimizer step's new weights, quantized again
-        for p in m.parameters():
-            torch.autograd.graph.increment_version(p)
-    m(x).backward(g)
+from profile_moe import layer_args, layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 
 
 def _host_us(fn, n: int = 200) -> float:
@@ -87,7 +78,9 @@ def main() -> None:
                         "(bench/moe_layer.py's step); default: cached, as in a later micro-batch")
     a = p.parse_args()
     m, cfg, x, g = make_layer(a.config)
-    step = _step if not a.new_weights else (lambda m, x, g: _step(m, x, g, True))
+    def step(m, x, g):
+        layer_step(m, x, g, a.new_weights)
+
     tokens = x.shape[0]
     print(f"{a.config}: {tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for prec in a.precisions:

@@ -39,6 +39,18 @@ def make_layer(config: str):
     return m, cfg, x, g
 
 
+def layer_step(m: MoE, x: torch.Tensor, g: torch.Tensor, new_weights: bool = False) -> None:
+    """One forward + backward of the layer with the gradients set to None first (as bench/moe_layer.py
+    steps); new_weights: bump the weights' versions too, as an optimizer step would, so the step makes
+    its FP8 weights again (moe_layer.py's step) instead of reusing a micro-batch's cached ones."""
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    if new_weights:
+        for p in m.parameters():
+            torch.autograd.graph.increment_version(p)
+    m(x).backward(g)
+
+
 def main() -> None:
     a = layer_args(__doc__.splitlines()[0], 25).parse_args()
     m, _, x, g = make_layer(a.config)

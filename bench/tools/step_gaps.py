@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/,
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from profile_moe import make_layer  # noqa: E402  (bench/tools/profile_moe.py: the benchmark's layer)
+from profile_moe import layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the benchmark's layer)
 
 
 def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int,
@@ -32,12 +32,7 @@ def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float
     m.precision = precision
 
     def step():
-        m.zero_grad(set_to_none=True)
-        x.grad = None
-        if new_weights:   # as bench/moe_layer.py: an optimizer step's new weights, quantized again
-            for p in m.parameters():
-                torch.autograd.graph.increment_version(p)
-        m(x).backward(g)
+        layer_step(m, x, g, new_weights)
 
     for _ in range(warmup):
         step()
