@@ -13,6 +13,12 @@ Backward (``swiglu_backward``): with s = sigmoid(g), in float32,
     dgate = da * w * u * s * (1 + g * (1 - s)),   dup = da * w * silu(g),
     dh = bf16([dgate | dup]),   dw = sum over the F columns of da * silu(g) * u.
 
+Backward with the dgrad / wgrad operands (``swiglu_backward_quantize``): the same dh, never written
+in bf16: from one read of h (bf16, or MXFP4 as fp4 keeps it, decoded in registers) and da, the FP8
+1x128 quantization of dh along its columns (the FC1 dgrad operand) and along tokens (dh^T, the FC1
+wgrad operand), and dw. Bit for bit ``quantize_fp8_rowwise_colwise`` of ``swiglu_backward``'s dh (of
+``dequantize_mxfp4(h)``): the same device functions, one launch instead of two (three with MXFP4).
+
 Each launcher ``name`` has a twin ``name_ref`` with the same signature, in torch, doing the same
 float32 operations in the same order. Only the exponential differs between them (``tl.sigmoid``,
 an approximate exp on sm_90, vs ``torch.sigmoid``): the bf16 results may differ by one bf16 ulp in
@@ -27,14 +33,21 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.fp8 import empty_m_major, quantize_fp8_rowwise_ref
-from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
+from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref, quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, with_canonical_nan
+from moe_fp4.kernels.transpose import quantize_fp8_rowwise_colwise_ref
 from moe_fp4.kernels.triton_numerics import (
     bf16_pair_bits,
     bf16_pair_word,
     bf16_rne_bits,
+    e4m3_rne,
+    e4m3_rne_asm,
+    fp8_encode_columns,
     fp8_encode_tiles,
+    fp8_scale_exp,
     load_pairs_as_f32_bits,
+    mxfp4_bytes_to_f32_bits,
+    pow2_f32,
     mx_encode_bf16_pairs,
     row_column_grid,
     tile_program,
@@ -58,6 +71,16 @@ SWIGLU_MAX_ULP = 1
 SWIGLU_DW_RTOL = 1e-5
 
 
+def _check_w(name: str, w, m: int, device: torch.device) -> None:
+    if w is not None:
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+            raise TypeError(f"{name}: w must be a float32 tensor [M] or None, got {getattr(w, 'dtype', type(w))}")
+        if w.shape != (m,):
+            raise ValueError(f"{name}: w must be [M] = [{m}], got {tuple(w.shape)}")
+        if w.device != device:
+            raise ValueError(f"{name}: w is on {w.device}, h on {device}")
+
+
 def _check_inputs(name: str, h: torch.Tensor, w, da=None, contiguous: bool = True) -> int:
     """Validate the SwiGLU operands of launcher / reference ``name`` -> F."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -70,13 +93,7 @@ def _check_inputs(name: str, h: torch.Tensor, w, da=None, contiguous: bool = Tru
     if contiguous and not h.is_contiguous():
         raise ValueError(f"{name}: h must be contiguous, got strides {h.stride()}")
     f = two_f // 2
-    if w is not None:
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
-            raise TypeError(f"{name}: w must be a float32 tensor [M] or None, got {getattr(w, 'dtype', type(w))}")
-        if w.shape != (m,):
-            raise ValueError(f"{name}: w must be [M] = [{m}], got {tuple(w.shape)}")
-        if w.device != h.device:
-            raise ValueError(f"{name}: w is on {w.device}, h on {h.device}")
+    _check_w(name, w, m, h.device)
     if da is not None:
         if not isinstance(da, torch.Tensor) or da.dtype != torch.bfloat16:
             raise TypeError(f"{name}: da must be a bfloat16 tensor [M, F], got {getattr(da, 'dtype', type(da))}")
@@ -146,6 +163,56 @@ def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor, w):
     return dh, (None if w is None else (d * silu * u).sum(dim=1))
 
 
+def _check_backward_quantize_inputs(name: str, h: torch.Tensor, da: torch.Tensor, w, h_scale) -> torch.Tensor:
+    """Validate swiglu_backward_quantize's operands (h bf16 [M, 2F], or MXFP4 codes [M, F] with h_scale) -> F."""
+    if h_scale is None:
+        f = _check_inputs(name, h, w, da)
+    else:
+        if not isinstance(h, torch.Tensor) or h.dtype != torch.uint8 or h.dim() != 2:
+            raise TypeError(f"{name}: with h_scale, h must be the MXFP4 codes, uint8 [M, F], got "
+                            f"{getattr(h, 'dtype', type(h))} {tuple(getattr(h, 'shape', ()))}")
+        m, f = h.shape
+        if not isinstance(h_scale, torch.Tensor) or h_scale.dtype != torch.uint8 or \
+                tuple(h_scale.shape) != (m, 2 * f // MXFP4_BLOCK):
+            raise ValueError(f"{name}: h_scale must be uint8 [M, 2F/{MXFP4_BLOCK}] = [{m}, {2 * f // MXFP4_BLOCK}], got "
+                             f"{getattr(h_scale, 'dtype', type(h_scale))} {tuple(getattr(h_scale, 'shape', ()))}")
+        if not (h.is_contiguous() and h_scale.is_contiguous()):
+            raise ValueError(f"{name}: the MXFP4 h and h_scale must be contiguous, got strides {h.stride()}, "
+                             f"{h_scale.stride()}")
+        if h_scale.device != h.device:
+            raise ValueError(f"{name}: h_scale is on {h_scale.device}, h on {h.device}")
+        if f % FP8_TILE:
+            raise ValueError(f"{name}: h must be [M, F] MXFP4 codes with F a multiple of {FP8_TILE}, got {tuple(h.shape)}")
+        _check_w(name, w, m, h.device)
+        if not isinstance(da, torch.Tensor) or da.dtype != torch.bfloat16 or tuple(da.shape) != (m, f) \
+                or not da.is_contiguous() or da.device != h.device:
+            raise ValueError(f"{name}: da must be a contiguous bfloat16 [M, F] = {(m, f)} tensor on {h.device}, got "
+                             f"{getattr(da, 'dtype', type(da))} {tuple(getattr(da, 'shape', ()))}")
+    if h.shape[0] % FP8_TILE:
+        raise ValueError(f"{name}: M must be a multiple of {FP8_TILE} (dh^T is quantized in 1x{FP8_TILE} tiles "
+                         f"along M), got M = {h.shape[0]}")
+    return f
+
+
+def swiglu_backward_quantize_ref(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None,
+                                 rowwise: bool = True):
+    """h: bf16 [M, 2F] = [gate | up], or with h_scale the MXFP4 codes uint8 [M, F] and h_scale uint8
+    [M, 2F/32]; da: bf16 [M, F]; w: float32 [M] or None; M % 128 == 0, F % 128 == 0
+    -> (rows: (data float8_e4m3fn [M, 2F], scale float32 [M, 2F/128] strides (1, M)) or None when not
+        rowwise, cols: (data float8_e4m3fn [2F, M], scale float32 [2F, M/128] strides (1, 2F)),
+        dw float32 [M] or None when w is None).
+
+    dh, dw = swiglu_backward_ref(h, da, w) (h = dequantize_mxfp4_ref(h, h_scale, bf16) for MXFP4), then
+    (rows, cols) = quantize_fp8_rowwise_colwise_ref(dh): dh's dgrad and wgrad operands.
+    """
+    _check_backward_quantize_inputs("swiglu_backward_quantize_ref", h, da, w, h_scale)
+    if h_scale is not None:
+        h = dequantize_mxfp4_ref(h, h_scale, torch.bfloat16)
+    dh, dw = swiglu_backward_ref(h, da, w)
+    rows, cols = quantize_fp8_rowwise_colwise_ref(dh, rowwise=rowwise, colwise=True)
+    return rows, cols, dw
+
+
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
@@ -208,19 +275,36 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
 
 
 @triton.jit
-def _swiglu_grad(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
-    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits, dup bits) of bf16, and da * silu * u float32."""
+def _swiglu_grad_up(g_bits, d_bits, w, HAS_W: tl.constexpr):
+    """int32 fp32 bits of g, da; float32 w -> dup bits of bf16 (dup = da * w * silu(g))."""
+    g = g_bits.to(tl.float32, bitcast=True)
+    d = d_bits.to(tl.float32, bitcast=True)
+    dwd = d
+    if HAS_W:
+        dwd = d * w
+    return bf16_rne_bits(dwd * (g * tl.sigmoid(g)))
+
+
+@triton.jit
+def _swiglu_grad_gate(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
+    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits of bf16, da * silu * u float32)."""
     g = g_bits.to(tl.float32, bitcast=True)
     u = u_bits.to(tl.float32, bitcast=True)
     d = d_bits.to(tl.float32, bitcast=True)
     s = tl.sigmoid(g)
-    silu = g * s
     dwd = d
     if HAS_W:
         dwd = d * w
-    dgate = dwd * u * s * (1 + g * (1 - s))
-    dup = dwd * silu
-    return bf16_rne_bits(dgate), bf16_rne_bits(dup), d * silu * u
+    return bf16_rne_bits(dwd * u * s * (1 + g * (1 - s))), d * (g * s) * u
+
+
+@triton.jit
+def _swiglu_grad(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
+    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits, dup bits) of bf16, and da * silu * u float32.
+    Two functions, so that the fused quantizing backward can finish dup's tile before it loads u (its
+    registers), with the same float32 operations in the same order."""
+    dgate, term = _swiglu_grad_gate(g_bits, u_bits, d_bits, w, HAS_W)
+    return dgate, _swiglu_grad_up(g_bits, d_bits, w, HAS_W), term
 
 
 @triton.jit
@@ -250,6 +334,93 @@ def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_
             acc += tl.sum(t_lo + t_hi, axis=1)  # masked lanes load zeros: their terms are 0
     if HAS_W:
         tl.store(dw_ptr + rows, acc, mask=rmask)
+
+
+@triton.jit
+def _swiglu_backward_quantize_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, dwp_ptr,
+                                     M, NT, stride_w,
+                                     H_MXFP4: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr,
+                                     ASM: tl.constexpr):
+    # A program: 128 tokens x FP8 tile t of F's columns, as [128, 64] pair words (elements 2i / 2i+1 in
+    # lo / hi). Column j of gate and up and of da gives column j of dgate (dh's tile t) and of dup
+    # (dh's tile NT + t), so the program owns two whole 128 x 128 tiles of dh: their row amaxes (the
+    # row-wise operand) and column amaxes (the 1x128 tiles along tokens of dh^T) are in registers.
+    # dh is rounded to bf16 in registers (_swiglu_grad, as swiglu_backward stores it) and quantized
+    # from those bits. dw's row sums span NT programs: each writes its partial [NT, M] (no atomics:
+    # deterministic), summed by the launcher.
+    pid_m = tl.program_id(0)
+    t = tl.program_id(1)
+    HALF = NT * 64                                                            # pair words of F
+    tok = pid_m.to(tl.int64) * 128 + tl.arange(0, 128).to(tl.int64)
+    blk = tl.arange(0, 4)[None, :, None]
+    pair3 = (t * 64 + blk * 16 + tl.arange(0, 16)[None, None, :]).to(tl.int64)   # [1, 4, 16] pair words
+    h_off = tok[:, None, None] * (2 * HALF) + pair3
+    # Registers: g, u and da stay bf16 pair words (one register a pair; unpacked where used), and dup's
+    # tile is finished (it needs g and da only) before up is loaded for dgate's.
+    g_w = _load_h_words(h_ptr, hs_ptr, h_off, tok, t * 4 + blk, NT, H_MXFP4)
+    d_w = tl.load(da_ptr + tok[:, None, None] * HALF + pair3)
+    w = 1.0
+    if HAS_W:
+        w = tl.load(w_ptr + tok * stride_w)[:, None, None]
+    _fp8_rows_cols_tile(_swiglu_grad_up(g_w << 16, d_w << 16, w, HAS_W),
+                        _swiglu_grad_up(g_w & -65536, d_w & -65536, w, HAS_W),
+                        tok, NT + t, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr, WRITE_ROWS, ASM)
+    u_w = _load_h_words(h_ptr, hs_ptr, h_off + HALF, tok, 4 * NT + t * 4 + blk, NT, H_MXFP4)
+    dg_lo, s_lo = _swiglu_grad_gate(g_w << 16, u_w << 16, d_w << 16, w, HAS_W)
+    dg_hi, s_hi = _swiglu_grad_gate(g_w & -65536, u_w & -65536, d_w & -65536, w, HAS_W)
+    if HAS_W:
+        tl.store(dwp_ptr + t.to(tl.int64) * M + tok, tl.sum(tl.sum(s_lo + s_hi, axis=2), axis=1))
+    _fp8_rows_cols_tile(dg_lo, dg_hi, tok, t, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr, WRITE_ROWS, ASM)
+
+
+@triton.jit
+def _load_h_words(h_ptr, hs_ptr, off, tok, sblk, NT, H_MXFP4: tl.constexpr):
+    """-> int32 bf16 pair words [128, 4, 16] of h's pairs at ``off`` (pair words of bf16 h, or MXFP4
+    bytes, one a pair, decoded exactly: their values are bf16) with, for MXFP4, the scale bytes of
+    blocks ``sblk`` [1, 4, 1] of rows tok."""
+    if H_MXFP4:
+        sb = tl.load(hs_ptr + tok[:, None, None] * (8 * NT) + sblk).to(tl.int32)
+        lo, hi = mxfp4_bytes_to_f32_bits(tl.load(h_ptr + off).to(tl.int32), sb)
+        words = bf16_pair_word(lo, hi)
+    else:
+        words = tl.load(h_ptr + off)
+    return words
+
+
+@triton.jit
+def _fp8_rows_cols_tile(lo, hi, tok, tile, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr,
+                        WRITE_ROWS: tl.constexpr, ASM: tl.constexpr):
+    """lo/hi: int32 [128, 4, 16] fp32 bits of one 128 x 128 tile (tokens tok, columns 128 tile + 2i / 2i+1) of
+    X [M, 128 * 2 NT] -> nothing: the tile's FP8 1x128 row-wise quantization (fp8_encode_tiles) into
+    r (int16 pair words [M, 64 * 2 NT]) and rs (strides (1, M)) if WRITE_ROWS, and its column-wise one
+    (fp8_encode_columns) into c ([128 * 2 NT, M] bytes) and cs (strides (1, 128 * 2 NT))."""
+    K = NT * 256
+    pair = tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    if WRITE_ROWS:
+        # Every element through e4m3_rne(_asm), as _cast_transpose_fp8_kernel does: fp8_encode_tiles'
+        # all-finite fast path behind a program-wide branch doubled the registers here (spills).
+        a_lo = lo & 0x7FFFFFFF
+        a_hi = hi & 0x7FFFFFFF
+        fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
+        S = fp8_scale_exp(tl.max(tl.max(fin, axis=2), axis=1))
+        mult = pow2_f32(-tl.minimum(S, 126))[:, None, None]
+        if ASM:
+            q_lo = e4m3_rne_asm(lo.to(tl.float32, bitcast=True) * mult)
+            q_hi = e4m3_rne_asm(hi.to(tl.float32, bitcast=True) * mult)
+        else:
+            q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult)
+            q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
+        tl.store(r_ptr + tok[:, None, None] * (K // 2) + tile * 64 + pair, (q_lo | (q_hi << 8)).to(tl.int16))
+        tl.store(rs_ptr + tile.to(tl.int64) * M + tok, pow2_f32(S))
+    # Columns: even ones from lo, odd ones from hi; each stored transposed, tokens fastest (128 bytes
+    # a column), as _cast_transpose_fp8_kernel does.
+    col = (tile * 128 + 2 * tl.reshape(pair, [64])).to(tl.int64)                # even columns of the tile
+    q, sc = fp8_encode_columns(tl.reshape(lo, [128, 64]), ASM)
+    tl.store(c_ptr + col[:, None] * M + tok[None, :], tl.trans(q.to(tl.uint8)))
+    tl.store(cs_ptr + pid_m.to(tl.int64) * K + col, sc)
+    q, sc = fp8_encode_columns(tl.reshape(hi, [128, 64]), ASM)
+    tl.store(c_ptr + (col + 1)[:, None] * M + tok[None, :], tl.trans(q.to(tl.uint8)))
+    tl.store(cs_ptr + pid_m.to(tl.int64) * K + col + 1, sc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,3 +489,36 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w, block_m: int = 2, bloc
             dhw if dw is None else dw, m, f // FP8_TILE, 0 if w is None else w.stride(0),
             HAS_W=w is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
     return dh, dw
+
+
+def swiglu_backward_quantize(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None,
+                             rowwise: bool = True, num_warps: int = 8, asm: bool | None = None):
+    """h: bf16 [M, 2F] = [gate | up], or with h_scale the MXFP4 codes uint8 [M, F] and h_scale uint8
+    [M, 2F/32], contiguous; da: bf16 [M, F] contiguous; w: float32 [M] or None; M % 128 == 0, F % 128 == 0
+    -> (rows: (data float8_e4m3fn [M, 2F], scale float32 [M, 2F/128] strides (1, M)) or None when not
+        rowwise, cols: (data float8_e4m3fn [2F, M], scale float32 [2F, M/128] strides (1, 2F)),
+        dw float32 [M] or None when w is None), in one launch.
+
+    rows and cols are bit for bit quantize_fp8_rowwise_colwise of swiglu_backward(h, da, w)'s dh (of
+    dequantize_mxfp4(h, h_scale, bf16) for MXFP4), so within SWIGLU_MAX_ULP of the reference's dh before
+    quantization; dw within SWIGLU_DW_RTOL (its row sums in another order: per 128-column tile, then
+    the tiles). asm: None = the PTX E4M3 rounding on sm_90+ outside the interpreter (use_asm), True /
+    False to force it or its twin.
+    """
+    f = _check_backward_quantize_inputs("swiglu_backward_quantize", h, da, w, h_scale)
+    m, dev = h.shape[0], h.device
+    k = 2 * f
+    rows = (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(m, k // FP8_TILE, dev)) \
+        if rowwise else None
+    cols = (torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(k, m // FP8_TILE, dev))
+    nt = f // FP8_TILE
+    dwp = None if w is None else torch.empty(nt, m, dtype=torch.float32, device=dev)
+    if m and f:
+        r, rs = (rows[0].view(torch.int16), rows[1]) if rowwise else (cols[1], cols[1])
+        _swiglu_backward_quantize_kernel[(m // FP8_TILE, nt)](
+            h if h_scale is not None else words_view(h, torch.int32), h if h_scale is None else h_scale,
+            words_view(da, torch.int32), cols[1] if w is None else w, r, rs, cols[0].view(torch.uint8), cols[1],
+            cols[1] if dwp is None else dwp, m, nt, 0 if w is None else w.stride(0),
+            H_MXFP4=h_scale is not None, HAS_W=w is not None, WRITE_ROWS=rowwise,
+            ASM=use_asm(da) if asm is None else asm, num_warps=num_warps)
+    return rows, cols, None if w is None else dwp.sum(dim=0)

@@ -122,6 +122,20 @@ def e2m1_decode_scaled(code, sbyte):
 
 
 @triton.jit
+def mxfp4_bytes_to_f32_bits(b, sbyte):
+    """b: int32 MXFP4 bytes (element 2i's code in the low nibble, 2i+1's in the high), sbyte: int32 E8M0
+    byte of their block (broadcastable) -> (lo, hi) int32 fp32 bits of elements 2i and 2i+1: exact
+    (e2m1_decode_scaled; one mantissa bit, so the low halves are zero and the values are bf16 too),
+    +-Inf past float32's range, the canonical NaN 0x7FC00000 for NaN blocks (byte 255): the bits of
+    mxfp4.dequantize_mxfp4_ref in float32 and in bf16."""
+    nan = sbyte == 255
+    s = tl.where(nan, 2, sbyte)
+    lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, s))
+    hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled((b >> 4) & 15, s))
+    return lo, hi
+
+
+@triton.jit
 def e4m3_to_f32_bits(b):
     """int32 E4M3 byte 0..255 (not NaN) -> int32 fp32 bits of its exact value.
 
@@ -549,6 +563,22 @@ def e4m3_rne_asm(v):
         }""",
         "=h,f", [v], dtype=tl.int16, is_pure=True, pack=1).to(tl.int32) & 0xFF
     return tl.where((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000, 0x7F, q)
+
+
+@triton.jit
+def fp8_encode_columns(bits, ASM: tl.constexpr = False):
+    """bits: int32 [T, C] fp32 bits of T = 128 tokens x C columns -> (int32 [T, C] E4M3 bytes, float32 [C]
+    scales 2^S): the FP8 1x128 rule of fp8.quantize_fp8_rowwise_ref along axis 0, each column one tile
+    (the tile of X^T). Non-finite elements take no part in the amax and encode as 0x7F. ASM: the PTX
+    rounding e4m3_rne_asm (the same bytes) instead of e4m3_rne."""
+    a = bits & 0x7FFFFFFF
+    S = fp8_scale_exp(tl.max(tl.where(a < 0x7F800000, a, 0), axis=0))
+    v = bits.to(tl.float32, bitcast=True) * pow2_f32(-tl.minimum(S, 126))[None, :]   # 2^-S normal: exact
+    if ASM:
+        q = e4m3_rne_asm(v)
+    else:
+        q = e4m3_rne(v)
+    return q, pow2_f32(S)
 
 
 @triton.jit

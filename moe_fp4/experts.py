@@ -28,7 +28,9 @@ NVFP4 straight from their codes.
 
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
-for dgrad and its column-wise FP8 for wgrad from one read). The FP8 weights (128x128 blocks) and
+for dgrad and its column-wise FP8 for wgrad from one read). The SwiGLU backward writes its gradient
+dh straight as those two FP8 operands (``swiglu_backward_quantize``: dh is never in memory in bf16),
+reading fp4's MXFP4 h as kept (no bf16 copy of it). The FP8 weights (128x128 blocks) and
 their transposed copies come from :data:`moe_fp4.gemm.FP8_WEIGHTS`, made once per weight version and
 shared by forward, backward and every micro-batch of an optimizer step.
 
@@ -51,7 +53,7 @@ import enum
 import torch
 
 from moe_fp4 import _ops
-from moe_fp4.api import _use_triton, dequantize_mxfp4, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
+from moe_fp4.api import _use_triton, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
     mxfp4_to_fp8_colwise, nvfp4_to_fp8_colwise, quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4, quantize_nvfp4
 from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.gemm import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
@@ -148,6 +150,19 @@ def _swiglu_quantize(h: torch.Tensor, w, fp4: bool):
 def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, w):
     """-> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass."""
     return _ops._pick(_swiglu, "swiglu_backward", _use_triton(h))(h, da, w)
+
+
+def _swiglu_backward_quantize(h, da: torch.Tensor, w, rows: bool):
+    """h: bf16 [R, 2F] or MXFP4Tensor [R, 2F] (fp4 keeps it so: decoded in the kernel's registers),
+    da: bf16 [R, F] -> (FP8BlockTensor [R, 2F] of dh or None, FP8BlockTensor [2F, R] of dh in 1x128 tiles
+    along R, dw float32 [R] or None): dh's dgrad and wgrad operands from one pass, dh never in memory.
+    Bit for bit _rows_and_cols of _swiglu_backward's dh (of the dequantized h)."""
+    hd, hs = (h.data.contiguous(), h.scale.contiguous()) if isinstance(h, MXFP4Tensor) else (h.contiguous(), None)
+    fn = _ops._pick(_swiglu, "swiglu_backward_quantize", _use_triton(hd))
+    r_pair, c_pair, dw = fn(hd, da, w, hs, rowwise=rows)
+    m, two_f = tuple(h.shape)
+    rq = FP8BlockTensor(*r_pair, (m, two_f), da.dtype) if rows else None
+    return rq, FP8BlockTensor(*c_pair, (two_f, m), da.dtype), dw
 
 
 def _rows_and_cols(g: torch.Tensor, rows: bool):
@@ -292,10 +307,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
             return dx, dw13, dw2, d_row, None, None, None, None, None, None
 
-        h = kept["h"]
-        if isinstance(h, MXFP4Tensor):
-            h = dequantize_mxfp4(h, dy.dtype)
-        elif isinstance(h, NVFP4Tensor):
+        h = kept["h"]   # bf16, or MXFP4 read as is by the fused SwiGLU backward
+        if isinstance(h, NVFP4Tensor):
             h = dequantize_nvfp4(h, dy.dtype)
         a_kept = kept["a"]
         if a_kept is None:   # recompute_swiglu (fp8): the same kernel on the same h gives the forward's bytes
@@ -305,10 +318,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
         del dyt, a_kept
-        dh, d_row = _swiglu_backward(h, da, row_w)
+        dhq, dht, d_row = _swiglu_backward_quantize(h, da, row_w, rows=need_dx)
         del h, da
-        dhq, dht = _rows_and_cols(dh, rows=need_dx)
-        del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
         return dx, dw13, dw2, d_row, None, None, None, None, None, None
