@@ -12,11 +12,10 @@ tests define it: the FP8 and MXFP4 forms of a against the references applied to 
 (which may differ from ``swiglu_ref``'s by one bf16 ulp, ``SWIGLU_MAX_ULP``), MXFP4 h against
 ``quantize_mxfp4_rowwise_ref(h)``. GPU only.
 
-Then the backward (``--warps`` picks the fused kernel's warps to time): ``swiglu_backward_quantize`` (dh's
-FP8 rows and columns and dw from one pass, h in bf16 (fp8) or MXFP4 (fp4)) against the chain it replaces
-in the experts' backward, timed the same way in the same process: ``swiglu_backward`` then
-``quantize_fp8_rowwise_colwise`` of its dh (after ``dequantize_mxfp4`` of h for MXFP4). Each checked once
-bit for bit against that chain (dw to SWIGLU_DW_RTOL: another summation order).
+Then the backward, ``swiglu_backward(h, da, w)``: with bf16 h (fp8's), and with fp4's MXFP4 h both ways,
+``dequantize_mxfp4`` then the bf16 kernel (the path before 2026-11-26's seventh session) against the
+kernel decoding h in registers (``h_scale=``), each checked bit for bit (dh) against the first; ``--bwd
+BM,BW,WARPS ...`` times the MXFP4 kernel at other configurations too.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import triton.testing
 from moe_fp4.kernels import swiglu as KS
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4_rowwise, quantize_mxfp4_rowwise_ref
-from moe_fp4.kernels.transpose import quantize_fp8_rowwise_colwise
 
 OUTPUT_SETS = ((True, True), (False, True), (False, False))   # (write_h_mxfp4, write_a_mxfp4)
 
@@ -46,7 +44,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--ffn", type=int, default=2048, help="F: h is [tokens, 2F] (F % 128 == 0)")
-    ap.add_argument("--warps", type=int, nargs="+", default=[8], help="swiglu_backward_quantize's num_warps to time")
+    ap.add_argument("--bwd", nargs="*", default=[], metavar="BM,BW,WARPS",
+                    help="more block_m,block_w,num_warps configurations of the MXFP4 backward to time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/swiglu.py needs a CUDA GPU")
@@ -73,33 +72,24 @@ def main() -> None:
     backward(h, w, a)
 
 
-def _same(got, want) -> bool:
-    return all(torch.equal(g.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
-               for g, r in zip(_leaves(got), _leaves(want)))
-
-
 def backward(h: torch.Tensor, w: torch.Tensor, a) -> None:
-    """The fused backward against the chain it replaces, for bf16 h and MXFP4 h."""
     da = torch.randn(h.shape[0], h.shape[1] // 2, device="cuda", dtype=torch.bfloat16)
-    h_mx = quantize_mxfp4_rowwise(h)
-    for name, hin, hs in (("bf16 h", h, None), ("MXFP4 h", h_mx[0], h_mx[1])):
-        def chain():
-            hb = h if hs is None else dequantize_mxfp4(hin, hs, torch.bfloat16)
-            dh, dw = KS.swiglu_backward(hb, da, w)
-            return (*quantize_fp8_rowwise_colwise(dh), dw)
-        want = chain()
-        g, u = (h if hs is None else dequantize_mxfp4(hin, hs, torch.bfloat16)).float().chunk(2, dim=1)
-        bound = KS.SWIGLU_DW_RTOL * (da.float() * g * torch.sigmoid(g) * u).abs().sum(dim=1)   # tests' rule
-        del g, u
-        t_chain = triton.testing.do_bench(chain, return_mode="median")
-        for nw in a.warps:
-            rows, cols, dw = KS.swiglu_backward_quantize(hin, da, w, hs, num_warps=nw)
-            if not (_same((rows, cols), want[:2]) and bool(((dw - want[2]).abs() <= bound).all())):
-                raise SystemExit(f"MISMATCH: swiglu_backward_quantize ({name}, {nw} warps) differs from the chain")
-            t = triton.testing.do_bench(lambda: KS.swiglu_backward_quantize(hin, da, w, hs, num_warps=nw),
-                                        return_mode="median")
-            print(f"swiglu backward, {name}, {h.shape[0]}x{h.shape[1] // 2}: fused ({nw} warps) {t * 1e3:.1f} us, "
-                  f"chain {t_chain * 1e3:.1f} us, fused / chain {t / t_chain:.3f}", flush=True)
+    hd, hs = quantize_mxfp4_rowwise(h)
+    shape = f"{h.shape[0]}x{h.shape[1] // 2}"
+    t_bf16 = triton.testing.do_bench(lambda: KS.swiglu_backward(h, da, w), return_mode="median")
+    print(f"swiglu_backward, bf16 h, {shape}: {t_bf16 * 1e3:.1f} us", flush=True)
+    want = KS.swiglu_backward(dequantize_mxfp4(hd, hs, torch.bfloat16), da, w)[0]
+    t_deq = triton.testing.do_bench(lambda: KS.swiglu_backward(dequantize_mxfp4(hd, hs, torch.bfloat16), da, w),
+                                    return_mode="median")
+    print(f"swiglu_backward, MXFP4 h, dequantize_mxfp4 + bf16 kernel, {shape}: {t_deq * 1e3:.1f} us", flush=True)
+    configs = [None] + [tuple(int(v) for v in c.split(",")) for c in a.bwd]
+    for cfg in configs:
+        kw = {} if cfg is None else dict(block_m=cfg[0], block_w=cfg[1], num_warps=cfg[2])
+        if not torch.equal(KS.swiglu_backward(hd, da, w, h_scale=hs, **kw)[0].view(torch.int16), want.view(torch.int16)):
+            raise SystemExit(f"MISMATCH: swiglu_backward with MXFP4 h ({kw or 'defaults'}) differs from dequantize + bf16")
+        t = triton.testing.do_bench(lambda: KS.swiglu_backward(hd, da, w, h_scale=hs, **kw), return_mode="median")
+        print(f"swiglu_backward, MXFP4 h decoded in the kernel ({kw or 'defaults'}), {shape}: {t * 1e3:.1f} us, "
+              f"/ dequantize + bf16 kernel {t / t_deq:.3f}", flush=True)
 
 
 if __name__ == "__main__":

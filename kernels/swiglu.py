@@ -12,12 +12,8 @@ bf16 ``a`` (and to h): the quantizers are composed of the device functions of tr
 Backward (``swiglu_backward``): with s = sigmoid(g), in float32,
     dgate = da * w * u * s * (1 + g * (1 - s)),   dup = da * w * silu(g),
     dh = bf16([dgate | dup]),   dw = sum over the F columns of da * silu(g) * u.
-
-Backward with the dgrad / wgrad operands (``swiglu_backward_quantize``): the same dh, never written
-in bf16: from one read of h (bf16, or MXFP4 as fp4 keeps it, decoded in registers) and da, the FP8
-1x128 quantization of dh along its columns (the FC1 dgrad operand) and along tokens (dh^T, the FC1
-wgrad operand), and dw. Bit for bit ``quantize_fp8_rowwise_colwise`` of ``swiglu_backward``'s dh (of
-``dequantize_mxfp4(h)``): the same device functions, one launch instead of two (three with MXFP4).
+h may arrive as fp4 keeps it, MXFP4 codes and scales (``h_scale=``): decoded exactly in registers, so
+dh is the bf16 kernel's on ``dequantize_mxfp4(h)`` without that bf16 copy being written and read.
 
 Each launcher ``name`` has a twin ``name_ref`` with the same signature, in torch, doing the same
 float32 operations in the same order. Only the exponential differs between them (``tl.sigmoid``,
@@ -35,19 +31,13 @@ import triton.language as tl
 from moe_fp4.kernels.fp8 import empty_m_major, quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref, quantize_mxfp4_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, with_canonical_nan
-from moe_fp4.kernels.transpose import quantize_fp8_rowwise_colwise_ref
 from moe_fp4.kernels.triton_numerics import (
     bf16_pair_bits,
     bf16_pair_word,
     bf16_rne_bits,
-    e4m3_rne,
-    e4m3_rne_asm,
-    fp8_encode_columns,
     fp8_encode_tiles,
-    fp8_scale_exp,
     load_pairs_as_f32_bits,
     mxfp4_bytes_to_f32_bits,
-    pow2_f32,
     mx_encode_bf16_pairs,
     row_column_grid,
     tile_program,
@@ -71,16 +61,6 @@ SWIGLU_MAX_ULP = 1
 SWIGLU_DW_RTOL = 1e-5
 
 
-def _check_w(name: str, w, m: int, device: torch.device) -> None:
-    if w is not None:
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
-            raise TypeError(f"{name}: w must be a float32 tensor [M] or None, got {getattr(w, 'dtype', type(w))}")
-        if w.shape != (m,):
-            raise ValueError(f"{name}: w must be [M] = [{m}], got {tuple(w.shape)}")
-        if w.device != device:
-            raise ValueError(f"{name}: w is on {w.device}, h on {device}")
-
-
 def _check_inputs(name: str, h: torch.Tensor, w, da=None, contiguous: bool = True) -> int:
     """Validate the SwiGLU operands of launcher / reference ``name`` -> F."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -93,7 +73,19 @@ def _check_inputs(name: str, h: torch.Tensor, w, da=None, contiguous: bool = Tru
     if contiguous and not h.is_contiguous():
         raise ValueError(f"{name}: h must be contiguous, got strides {h.stride()}")
     f = two_f // 2
-    _check_w(name, w, m, h.device)
+    _check_w_da(name, m, f, h.device, w, da, contiguous)
+    return f
+
+
+def _check_w_da(name: str, m: int, f: int, device, w, da, contiguous: bool) -> None:
+    """The router weights w (float32 [M] or None) and the gradient da (bf16 [M, F] or None) of an h on device."""
+    if w is not None:
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+            raise TypeError(f"{name}: w must be a float32 tensor [M] or None, got {getattr(w, 'dtype', type(w))}")
+        if w.shape != (m,):
+            raise ValueError(f"{name}: w must be [M] = [{m}], got {tuple(w.shape)}")
+        if w.device != device:
+            raise ValueError(f"{name}: w is on {w.device}, h on {device}")
     if da is not None:
         if not isinstance(da, torch.Tensor) or da.dtype != torch.bfloat16:
             raise TypeError(f"{name}: da must be a bfloat16 tensor [M, F], got {getattr(da, 'dtype', type(da))}")
@@ -101,8 +93,30 @@ def _check_inputs(name: str, h: torch.Tensor, w, da=None, contiguous: bool = Tru
             raise ValueError(f"{name}: da must be [M, F] = {(m, f)}, got {tuple(da.shape)}")
         if contiguous and not da.is_contiguous():
             raise ValueError(f"{name}: da must be contiguous, got strides {da.stride()}")
-        if da.device != h.device:
-            raise ValueError(f"{name}: da is on {da.device}, h on {h.device}")
+        if da.device != device:
+            raise ValueError(f"{name}: da is on {da.device}, h on {device}")
+
+
+def _check_backward_inputs(name: str, h: torch.Tensor, w, da, h_scale, contiguous: bool = True) -> int:
+    """Validate the backward's operands, h bf16 [M, 2F] or (with h_scale) MXFP4 codes uint8 [M, F] and
+    E8M0 scales uint8 [M, 2F/32] -> F."""
+    if h_scale is None:
+        return _check_inputs(name, h, w, da, contiguous)
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.uint8 or h.dim() != 2:
+        raise TypeError(f"{name}: with h_scale, h must be the MXFP4 codes, uint8 [M, F], got "
+                        f"{getattr(h, 'dtype', type(h))} {tuple(getattr(h, 'shape', ()))}")
+    m, f = h.shape
+    if f % FP8_TILE:
+        raise ValueError(f"{name}: h must be [M, F] MXFP4 codes with F a multiple of {FP8_TILE}, got {tuple(h.shape)}")
+    if not isinstance(h_scale, torch.Tensor) or h_scale.dtype != torch.uint8 or \
+            tuple(h_scale.shape) != (m, 2 * f // MXFP4_BLOCK):
+        raise ValueError(f"{name}: h_scale must be uint8 [M, 2F/{MXFP4_BLOCK}] = [{m}, {2 * f // MXFP4_BLOCK}], got "
+                         f"{getattr(h_scale, 'dtype', type(h_scale))} {tuple(getattr(h_scale, 'shape', ()))}")
+    if h_scale.device != h.device:
+        raise ValueError(f"{name}: h_scale is on {h_scale.device}, h on {h.device}")
+    if contiguous and not (h.is_contiguous() and h_scale.is_contiguous()):
+        raise ValueError(f"{name}: h and h_scale must be contiguous, got strides {h.stride()}, {h_scale.stride()}")
+    _check_w_da(name, m, f, h.device, w, da, contiguous)
     return f
 
 
@@ -143,15 +157,18 @@ def swiglu_quantize_ref(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: 
             a if write_a else None)
 
 
-def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor, w):
-    """h: bf16 [M, 2F] = [gate | up], da: bf16 [M, F], w: float32 [M] or None
-    -> (dh bf16 [M, 2F], dw float32 [M] or None when w is None).
+def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None):
+    """h: bf16 [M, 2F] = [gate | up], or with h_scale the MXFP4 codes of [gate | up], uint8 [M, F], and
+    their E8M0 scales uint8 [M, 2F/32] (h = dequantize_mxfp4_ref(h, h_scale, bf16)); da: bf16 [M, F];
+    w: float32 [M] or None -> (dh bf16 [M, 2F], dw float32 [M] or None when w is None).
 
     In float32, left to right: s = sigmoid(g), silu = g * s, dgate = da * w * u * s * (1 + g * (1 - s)),
     dup = da * w * silu (w None: no multiply), dh = bf16([dgate | dup]) (NaN as 0x7FC0),
     dw = sum_j da * silu * u.
     """
-    _check_inputs("swiglu_backward_ref", h, w, da, contiguous=False)
+    _check_backward_inputs("swiglu_backward_ref", h, w, da, h_scale, contiguous=False)
+    if h_scale is not None:
+        h = dequantize_mxfp4_ref(h, h_scale, torch.bfloat16)
     g, u = h.float().chunk(2, dim=-1)
     d = da.float()
     s = torch.sigmoid(g)
@@ -161,56 +178,6 @@ def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor, w):
     dup = dw_ * silu
     dh = _to_bf16(torch.cat([dgate, dup], dim=1))
     return dh, (None if w is None else (d * silu * u).sum(dim=1))
-
-
-def _check_backward_quantize_inputs(name: str, h: torch.Tensor, da: torch.Tensor, w, h_scale) -> torch.Tensor:
-    """Validate swiglu_backward_quantize's operands (h bf16 [M, 2F], or MXFP4 codes [M, F] with h_scale) -> F."""
-    if h_scale is None:
-        f = _check_inputs(name, h, w, da)
-    else:
-        if not isinstance(h, torch.Tensor) or h.dtype != torch.uint8 or h.dim() != 2:
-            raise TypeError(f"{name}: with h_scale, h must be the MXFP4 codes, uint8 [M, F], got "
-                            f"{getattr(h, 'dtype', type(h))} {tuple(getattr(h, 'shape', ()))}")
-        m, f = h.shape
-        if not isinstance(h_scale, torch.Tensor) or h_scale.dtype != torch.uint8 or \
-                tuple(h_scale.shape) != (m, 2 * f // MXFP4_BLOCK):
-            raise ValueError(f"{name}: h_scale must be uint8 [M, 2F/{MXFP4_BLOCK}] = [{m}, {2 * f // MXFP4_BLOCK}], got "
-                             f"{getattr(h_scale, 'dtype', type(h_scale))} {tuple(getattr(h_scale, 'shape', ()))}")
-        if not (h.is_contiguous() and h_scale.is_contiguous()):
-            raise ValueError(f"{name}: the MXFP4 h and h_scale must be contiguous, got strides {h.stride()}, "
-                             f"{h_scale.stride()}")
-        if h_scale.device != h.device:
-            raise ValueError(f"{name}: h_scale is on {h_scale.device}, h on {h.device}")
-        if f % FP8_TILE:
-            raise ValueError(f"{name}: h must be [M, F] MXFP4 codes with F a multiple of {FP8_TILE}, got {tuple(h.shape)}")
-        _check_w(name, w, m, h.device)
-        if not isinstance(da, torch.Tensor) or da.dtype != torch.bfloat16 or tuple(da.shape) != (m, f) \
-                or not da.is_contiguous() or da.device != h.device:
-            raise ValueError(f"{name}: da must be a contiguous bfloat16 [M, F] = {(m, f)} tensor on {h.device}, got "
-                             f"{getattr(da, 'dtype', type(da))} {tuple(getattr(da, 'shape', ()))}")
-    if h.shape[0] % FP8_TILE:
-        raise ValueError(f"{name}: M must be a multiple of {FP8_TILE} (dh^T is quantized in 1x{FP8_TILE} tiles "
-                         f"along M), got M = {h.shape[0]}")
-    return f
-
-
-def swiglu_backward_quantize_ref(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None,
-                                 rowwise: bool = True):
-    """h: bf16 [M, 2F] = [gate | up], or with h_scale the MXFP4 codes uint8 [M, F] and h_scale uint8
-    [M, 2F/32]; da: bf16 [M, F]; w: float32 [M] or None; M % 128 == 0, F % 128 == 0
-    -> (rows: (data float8_e4m3fn [M, 2F], scale float32 [M, 2F/128] strides (1, M)) or None when not
-        rowwise, cols: (data float8_e4m3fn [2F, M], scale float32 [2F, M/128] strides (1, 2F)),
-        dw float32 [M] or None when w is None).
-
-    dh, dw = swiglu_backward_ref(h, da, w) (h = dequantize_mxfp4_ref(h, h_scale, bf16) for MXFP4), then
-    (rows, cols) = quantize_fp8_rowwise_colwise_ref(dh): dh's dgrad and wgrad operands.
-    """
-    _check_backward_quantize_inputs("swiglu_backward_quantize_ref", h, da, w, h_scale)
-    if h_scale is not None:
-        h = dequantize_mxfp4_ref(h, h_scale, torch.bfloat16)
-    dh, dw = swiglu_backward_ref(h, da, w)
-    rows, cols = quantize_fp8_rowwise_colwise_ref(dh, rowwise=rowwise, colwise=True)
-    return rows, cols, dw
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,36 +242,19 @@ def _swiglu_quantize_kernel(h_ptr, w_ptr, fp8_ptr, fscale_ptr, amx_ptr, amxs_ptr
 
 
 @triton.jit
-def _swiglu_grad_up(g_bits, d_bits, w, HAS_W: tl.constexpr):
-    """int32 fp32 bits of g, da; float32 w -> dup bits of bf16 (dup = da * w * silu(g))."""
-    g = g_bits.to(tl.float32, bitcast=True)
-    d = d_bits.to(tl.float32, bitcast=True)
-    dwd = d
-    if HAS_W:
-        dwd = d * w
-    return bf16_rne_bits(dwd * (g * tl.sigmoid(g)))
-
-
-@triton.jit
-def _swiglu_grad_gate(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
-    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits of bf16, da * silu * u float32)."""
+def _swiglu_grad(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
+    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits, dup bits) of bf16, and da * silu * u float32."""
     g = g_bits.to(tl.float32, bitcast=True)
     u = u_bits.to(tl.float32, bitcast=True)
     d = d_bits.to(tl.float32, bitcast=True)
     s = tl.sigmoid(g)
+    silu = g * s
     dwd = d
     if HAS_W:
         dwd = d * w
-    return bf16_rne_bits(dwd * u * s * (1 + g * (1 - s))), d * (g * s) * u
-
-
-@triton.jit
-def _swiglu_grad(g_bits, u_bits, d_bits, w, HAS_W: tl.constexpr):
-    """int32 fp32 bits of g, u, da; float32 w -> (dgate bits, dup bits) of bf16, and da * silu * u float32.
-    Two functions, so that the fused quantizing backward can finish dup's tile before it loads u (its
-    registers), with the same float32 operations in the same order."""
-    dgate, term = _swiglu_grad_gate(g_bits, u_bits, d_bits, w, HAS_W)
-    return dgate, _swiglu_grad_up(g_bits, d_bits, w, HAS_W), term
+    dgate = dwd * u * s * (1 + g * (1 - s))
+    dup = dwd * silu
+    return bf16_rne_bits(dgate), bf16_rne_bits(dup), d * silu * u
 
 
 @triton.jit
@@ -337,90 +287,52 @@ def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_
 
 
 @triton.jit
-def _swiglu_backward_quantize_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, dwp_ptr,
-                                     M, NT, stride_w,
-                                     H_MXFP4: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr,
-                                     ASM: tl.constexpr):
-    # A program: 128 tokens x FP8 tile t of F's columns, as [128, 64] pair words (elements 2i / 2i+1 in
-    # lo / hi). Column j of gate and up and of da gives column j of dgate (dh's tile t) and of dup
-    # (dh's tile NT + t), so the program owns two whole 128 x 128 tiles of dh: their row amaxes (the
-    # row-wise operand) and column amaxes (the 1x128 tiles along tokens of dh^T) are in registers.
-    # dh is rounded to bf16 in registers (_swiglu_grad, as swiglu_backward stores it) and quantized
-    # from those bits. dw's row sums span NT programs: each writes its partial [NT, M] (no atomics:
-    # deterministic), summed by the launcher.
-    pid_m = tl.program_id(0)
-    t = tl.program_id(1)
-    HALF = NT * 64                                                            # pair words of F
-    tok = pid_m.to(tl.int64) * 128 + tl.arange(0, 128).to(tl.int64)
-    blk = tl.arange(0, 4)[None, :, None]
-    pair3 = (t * 64 + blk * 16 + tl.arange(0, 16)[None, None, :]).to(tl.int64)   # [1, 4, 16] pair words
-    h_off = tok[:, None, None] * (2 * HALF) + pair3
-    # Registers: g, u and da stay bf16 pair words (one register a pair; unpacked where used), and dup's
-    # tile is finished (it needs g and da only) before up is loaded for dgate's.
-    g_w = _load_h_words(h_ptr, hs_ptr, h_off, tok, t * 4 + blk, NT, H_MXFP4)
-    d_w = tl.load(da_ptr + tok[:, None, None] * HALF + pair3)
+def _swiglu_backward_mxfp4_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_w,
+                                  HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    # _swiglu_backward_kernel with h as fp4 keeps it: MXFP4 codes [M, 2F / 2] (one byte = one pair)
+    # and E8M0 scales [M, 2F/32], decoded in registers. A chunk is [BLOCK_M, BLOCK_W / 16 blocks, 16
+    # pairs]: each scale byte is loaded once for its 16 pairs (a per-pair load made the first version,
+    # 61d6c8f, instruction-bound and slower than dequantizing first). Each code is decoded exactly
+    # (mxfp4_bytes_to_f32_bits: the bits of dequantize_mxfp4(h, bf16)), so dh equals swiglu_backward's
+    # on that tensor. The two-codes-at-once fast path of the MXFP4 -> bf16 kernel needs every scale
+    # byte in [2, 252], a check that would cost a host sync (or a per-chunk block-wide reduction); the
+    # exact decode costs 10% more instructions a chunk (sm_90a SASS: 552 against 496; bf16 h: 379).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    rmask = rows < M
+    HALF = NT * 64                                       # pairs (bytes of codes) of F
+    NB: tl.constexpr = BLOCK_W // 16
+    r3 = rows[:, None, None]
     w = 1.0
     if HAS_W:
-        w = tl.load(w_ptr + tok * stride_w)[:, None, None]
-    _fp8_rows_cols_tile(_swiglu_grad_up(g_w << 16, d_w << 16, w, HAS_W),
-                        _swiglu_grad_up(g_w & -65536, d_w & -65536, w, HAS_W),
-                        tok, NT + t, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr, WRITE_ROWS, ASM)
-    u_w = _load_h_words(h_ptr, hs_ptr, h_off + HALF, tok, 4 * NT + t * 4 + blk, NT, H_MXFP4)
-    dg_lo, s_lo = _swiglu_grad_gate(g_w << 16, u_w << 16, d_w << 16, w, HAS_W)
-    dg_hi, s_hi = _swiglu_grad_gate(g_w & -65536, u_w & -65536, d_w & -65536, w, HAS_W)
+        w = tl.load(w_ptr + rows * stride_w, mask=rmask, other=1.0)[:, None, None]
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, HALF, BLOCK_W):
+        blk = c0 // 16 + tl.arange(0, NB)[None, :, None]                                 # [1, NB, 1]
+        c = blk * 16 + tl.arange(0, 16)[None, None, :]                                   # [1, NB, 16] pairs
+        mask = rmask[:, None, None] & (c < HALF)
+        smask = rmask[:, None, None] & (blk < HALF // 16)
+        off = r3 * (2 * HALF) + c
+        s_off = r3 * (HALF // 8) + blk
+        g_lo, g_hi = _mxfp4_pairs(h_ptr, hs_ptr, off, s_off, mask, smask)
+        u_lo, u_hi = _mxfp4_pairs(h_ptr, hs_ptr, off + HALF, s_off + HALF // 16, mask, smask)
+        d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, r3 * HALF + c, mask, 0)
+        dg_lo, du_lo, t_lo = _swiglu_grad(g_lo, u_lo, d_lo, w, HAS_W)
+        dg_hi, du_hi, t_hi = _swiglu_grad(g_hi, u_hi, d_hi, w, HAS_W)
+        tl.store(dh_ptr + off, bf16_pair_word(dg_lo, dg_hi), mask=mask)
+        tl.store(dh_ptr + off + HALF, bf16_pair_word(du_lo, du_hi), mask=mask)
+        if HAS_W:
+            acc += tl.sum(tl.sum(t_lo + t_hi, axis=2), axis=1)   # masked lanes decode zeros: terms 0
     if HAS_W:
-        tl.store(dwp_ptr + t.to(tl.int64) * M + tok, tl.sum(tl.sum(s_lo + s_hi, axis=2), axis=1))
-    _fp8_rows_cols_tile(dg_lo, dg_hi, tok, t, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr, WRITE_ROWS, ASM)
+        tl.store(dw_ptr + rows, acc, mask=rmask)
 
 
 @triton.jit
-def _load_h_words(h_ptr, hs_ptr, off, tok, sblk, NT, H_MXFP4: tl.constexpr):
-    """-> int32 bf16 pair words [128, 4, 16] of h's pairs at ``off`` (pair words of bf16 h, or MXFP4
-    bytes, one a pair, decoded exactly: their values are bf16) with, for MXFP4, the scale bytes of
-    blocks ``sblk`` [1, 4, 1] of rows tok."""
-    if H_MXFP4:
-        sb = tl.load(hs_ptr + tok[:, None, None] * (8 * NT) + sblk).to(tl.int32)
-        lo, hi = mxfp4_bytes_to_f32_bits(tl.load(h_ptr + off).to(tl.int32), sb)
-        words = bf16_pair_word(lo, hi)
-    else:
-        words = tl.load(h_ptr + off)
-    return words
-
-
-@triton.jit
-def _fp8_rows_cols_tile(lo, hi, tok, tile, pid_m, M, NT, r_ptr, rs_ptr, c_ptr, cs_ptr,
-                        WRITE_ROWS: tl.constexpr, ASM: tl.constexpr):
-    """lo/hi: int32 [128, 4, 16] fp32 bits of one 128 x 128 tile (tokens tok, columns 128 tile + 2i / 2i+1) of
-    X [M, 128 * 2 NT] -> nothing: the tile's FP8 1x128 row-wise quantization (fp8_encode_tiles) into
-    r (int16 pair words [M, 64 * 2 NT]) and rs (strides (1, M)) if WRITE_ROWS, and its column-wise one
-    (fp8_encode_columns) into c ([128 * 2 NT, M] bytes) and cs (strides (1, 128 * 2 NT))."""
-    K = NT * 256
-    pair = tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    if WRITE_ROWS:
-        # Every element through e4m3_rne(_asm), as _cast_transpose_fp8_kernel does: fp8_encode_tiles'
-        # all-finite fast path behind a program-wide branch doubled the registers here (spills).
-        a_lo = lo & 0x7FFFFFFF
-        a_hi = hi & 0x7FFFFFFF
-        fin = tl.maximum(tl.where(a_lo < 0x7F800000, a_lo, 0), tl.where(a_hi < 0x7F800000, a_hi, 0))
-        S = fp8_scale_exp(tl.max(tl.max(fin, axis=2), axis=1))
-        mult = pow2_f32(-tl.minimum(S, 126))[:, None, None]
-        if ASM:
-            q_lo = e4m3_rne_asm(lo.to(tl.float32, bitcast=True) * mult)
-            q_hi = e4m3_rne_asm(hi.to(tl.float32, bitcast=True) * mult)
-        else:
-            q_lo = e4m3_rne(lo.to(tl.float32, bitcast=True) * mult)
-            q_hi = e4m3_rne(hi.to(tl.float32, bitcast=True) * mult)
-        tl.store(r_ptr + tok[:, None, None] * (K // 2) + tile * 64 + pair, (q_lo | (q_hi << 8)).to(tl.int16))
-        tl.store(rs_ptr + tile.to(tl.int64) * M + tok, pow2_f32(S))
-    # Columns: even ones from lo, odd ones from hi; each stored transposed, tokens fastest (128 bytes
-    # a column), as _cast_transpose_fp8_kernel does.
-    col = (tile * 128 + 2 * tl.reshape(pair, [64])).to(tl.int64)                # even columns of the tile
-    q, sc = fp8_encode_columns(tl.reshape(lo, [128, 64]), ASM)
-    tl.store(c_ptr + col[:, None] * M + tok[None, :], tl.trans(q.to(tl.uint8)))
-    tl.store(cs_ptr + pid_m.to(tl.int64) * K + col, sc)
-    q, sc = fp8_encode_columns(tl.reshape(hi, [128, 64]), ASM)
-    tl.store(c_ptr + (col + 1)[:, None] * M + tok[None, :], tl.trans(q.to(tl.uint8)))
-    tl.store(cs_ptr + pid_m.to(tl.int64) * K + col + 1, sc)
+def _mxfp4_pairs(h_ptr, hs_ptr, off, s_off, mask, smask):
+    """-> (lo, hi) int32 fp32 bits of the MXFP4 pairs at byte offsets ``off`` [BM, NB, 16] whose block
+    scales are at ``s_off`` [BM, NB, 1]: exact, the bits of dequantize_mxfp4 in bf16 (zeros where masked)."""
+    b = tl.load(h_ptr + off, mask=mask, other=0).to(tl.int32)
+    sb = tl.load(hs_ptr + s_off, mask=smask, other=127).to(tl.int32)
+    return mxfp4_bytes_to_f32_bits(b, sb)
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,56 +381,34 @@ def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool
     return ((fp8, fscale), (amx, amxs) if write_a_mxfp4 else None, (hmx, hmxs) if write_h_mxfp4 else None, a)
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w, block_m: int = 2, block_w: int = 256,
-                    num_warps: int = 4):
-    """h: bf16 [M, 2F] = [gate | up] contiguous (F % 128 == 0), da: bf16 [M, F] contiguous,
-    w: float32 [M] or None -> (dh bf16 [M, 2F], dw float32 [M] or None when w is None), one launch.
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None,
+                    block_m: int = 2, block_w: int = 256, num_warps: int = 4):
+    """h: bf16 [M, 2F] = [gate | up] contiguous (F % 128 == 0), or with h_scale the MXFP4 codes uint8
+    [M, F] and scales uint8 [M, 2F/32] (as swiglu_quantize writes h for fp4), decoded in registers;
+    da: bf16 [M, F] contiguous; w: float32 [M] or None
+    -> (dh bf16 [M, 2F], dw float32 [M] or None when w is None), one launch.
 
     The math of swiglu_backward_ref: dh within SWIGLU_MAX_ULP bf16 ulps of it, dw within
-    SWIGLU_DW_RTOL * sum_j |da * silu * u|. Defaults measured on an H100 (Triton 3.6) at M = 4096,
-    F = 2048: 35.5 us (80 MiB moved, 2.4 TB/s); block_m = 8, block_w = 64: 39 us.
+    SWIGLU_DW_RTOL * sum_j |da * silu * u|. With MXFP4 h, dh is bit for bit this kernel's on
+    dequantize_mxfp4(h, h_scale, bf16) (the decode is exact), dw its sum in the compiler's order.
+    Defaults measured on an H100 (Triton 3.6) at M = 4096, F = 2048: 35.5 us (80 MiB moved, 2.4 TB/s);
+    block_m = 8, block_w = 64: 39 us.
     """
-    f = _check_inputs("swiglu_backward", h, w, da)
+    f = _check_backward_inputs("swiglu_backward", h, w, da, h_scale)
     m = h.shape[0]
-    dh = torch.empty_like(h)
+    dh = torch.empty(m, 2 * f, dtype=torch.bfloat16, device=h.device)
     dw = None if w is None else torch.empty(m, dtype=torch.float32, device=h.device)
     if m and f:
         dhw = dh.view(torch.int32)
-        _swiglu_backward_kernel[(triton.cdiv(m, block_m),)](
-            words_view(h, torch.int32), words_view(da, torch.int32), dhw if w is None else w, dhw,
-            dhw if dw is None else dw, m, f // FP8_TILE, 0 if w is None else w.stride(0),
-            HAS_W=w is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
+        da_w = words_view(da, torch.int32)
+        grid = (triton.cdiv(m, block_m),)
+        w_arg, dw_arg, stride_w = (dhw, dhw, 0) if w is None else (w, dw, w.stride(0))
+        if h_scale is None:
+            _swiglu_backward_kernel[grid](
+                words_view(h, torch.int32), da_w, w_arg, dhw, dw_arg, m, f // FP8_TILE, stride_w,
+                HAS_W=w is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
+        else:
+            _swiglu_backward_mxfp4_kernel[grid](
+                h, h_scale, da_w, w_arg, dhw, dw_arg, m, f // FP8_TILE, stride_w,
+                HAS_W=w is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps)
     return dh, dw
-
-
-def swiglu_backward_quantize(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor | None = None,
-                             rowwise: bool = True, num_warps: int = 8, asm: bool | None = None):
-    """h: bf16 [M, 2F] = [gate | up], or with h_scale the MXFP4 codes uint8 [M, F] and h_scale uint8
-    [M, 2F/32], contiguous; da: bf16 [M, F] contiguous; w: float32 [M] or None; M % 128 == 0, F % 128 == 0
-    -> (rows: (data float8_e4m3fn [M, 2F], scale float32 [M, 2F/128] strides (1, M)) or None when not
-        rowwise, cols: (data float8_e4m3fn [2F, M], scale float32 [2F, M/128] strides (1, 2F)),
-        dw float32 [M] or None when w is None), in one launch.
-
-    rows and cols are bit for bit quantize_fp8_rowwise_colwise of swiglu_backward(h, da, w)'s dh (of
-    dequantize_mxfp4(h, h_scale, bf16) for MXFP4), so within SWIGLU_MAX_ULP of the reference's dh before
-    quantization; dw within SWIGLU_DW_RTOL (its row sums in another order: per 128-column tile, then
-    the tiles). asm: None = the PTX E4M3 rounding on sm_90+ outside the interpreter (use_asm), True /
-    False to force it or its twin.
-    """
-    f = _check_backward_quantize_inputs("swiglu_backward_quantize", h, da, w, h_scale)
-    m, dev = h.shape[0], h.device
-    k = 2 * f
-    rows = (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(m, k // FP8_TILE, dev)) \
-        if rowwise else None
-    cols = (torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(k, m // FP8_TILE, dev))
-    nt = f // FP8_TILE
-    dwp = None if w is None else torch.empty(nt, m, dtype=torch.float32, device=dev)
-    if m and f:
-        r, rs = (rows[0].view(torch.int16), rows[1]) if rowwise else (cols[1], cols[1])
-        _swiglu_backward_quantize_kernel[(m // FP8_TILE, nt)](
-            h if h_scale is not None else words_view(h, torch.int32), h if h_scale is None else h_scale,
-            words_view(da, torch.int32), cols[1] if w is None else w, r, rs, cols[0].view(torch.uint8), cols[1],
-            cols[1] if dwp is None else dwp, m, nt, 0 if w is None else w.stride(0),
-            H_MXFP4=h_scale is not None, HAS_W=w is not None, WRITE_ROWS=rowwise,
-            ASM=use_asm(da) if asm is None else asm, num_warps=num_warps)
-    return rows, cols, None if w is None else dwp.sum(dim=0)

@@ -29,7 +29,6 @@ from moe_fp4.kernels.triton_numerics import (
     f16x2x2_to_e4m3x4,
     f16x2x2_to_e4m3x4_asm,
     f32_to_f16_lo,
-    fp8_encode_columns,
     fp8_scale_exp,
     max_abs_f16x2_asm,
     max_u16x2_asm,
@@ -665,13 +664,17 @@ def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
                     q_r = e4m3_rne(v * pow2_f32(-tl.minimum(S_r, 126))[:, None])
                 tl.store(r_ptr + tok[:, None] * K + cols[None, :], q_r.to(tl.uint8))
             if WRITE_COLS:
-                q_c, s_c = fp8_encode_columns(bits, ASM)                          # [SUB] scales, per column
+                S_c = fp8_scale_exp(tl.max(fin, axis=0))                         # [SUB] per column
+                if ASM:
+                    q_c = e4m3_rne_asm(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
+                else:
+                    q_c = e4m3_rne(v * pow2_f32(-tl.minimum(S_c, 126))[None, :])
                 # Element (token, column) goes to out[column, token]. Storing the transposed [column,
                 # token] tile makes tokens the fastest axis of both the registers' order and memory:
                 # the compiler moves the bytes through shared memory and each output row segment of
                 # 128 bytes is written by consecutive threads.
                 tl.store(c_ptr + cols[:, None] * M + tok[None, :], tl.trans(q_c.to(tl.uint8)))
-                tl.store(cs_ptr + pid_m.to(tl.int64) * K + cols, s_c)             # strides (1, K)
+                tl.store(cs_ptr + pid_m.to(tl.int64) * K + cols, pow2_f32(S_c))  # strides (1, K)
 
 
 def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise: bool = True,

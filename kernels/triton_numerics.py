@@ -566,22 +566,6 @@ def e4m3_rne_asm(v):
 
 
 @triton.jit
-def fp8_encode_columns(bits, ASM: tl.constexpr = False):
-    """bits: int32 [T, C] fp32 bits of T = 128 tokens x C columns -> (int32 [T, C] E4M3 bytes, float32 [C]
-    scales 2^S): the FP8 1x128 rule of fp8.quantize_fp8_rowwise_ref along axis 0, each column one tile
-    (the tile of X^T). Non-finite elements take no part in the amax and encode as 0x7F. ASM: the PTX
-    rounding e4m3_rne_asm (the same bytes) instead of e4m3_rne."""
-    a = bits & 0x7FFFFFFF
-    S = fp8_scale_exp(tl.max(tl.where(a < 0x7F800000, a, 0), axis=0))
-    v = bits.to(tl.float32, bitcast=True) * pow2_f32(-tl.minimum(S, 126))[None, :]   # 2^-S normal: exact
-    if ASM:
-        q = e4m3_rne_asm(v)
-    else:
-        q = e4m3_rne(v)
-    return q, pow2_f32(S)
-
-
-@triton.jit
 def fp8_encode_tiles(lo, hi, ASM: tl.constexpr = False):
     """lo/hi: int32 [BM, TILES, 4, 16] fp32 bits of elements 2i / 2i+1 of each 128-column tile
     -> (int16 [BM, TILES, 4, 16] pair words of E4M3 bytes, float32 [BM, TILES] tile scales 2^S).

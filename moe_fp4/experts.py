@@ -28,9 +28,8 @@ NVFP4 straight from their codes.
 
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
-for dgrad and its column-wise FP8 for wgrad from one read). The SwiGLU backward writes its gradient
-dh straight as those two FP8 operands (``swiglu_backward_quantize``: dh is never in memory in bf16),
-reading fp4's MXFP4 h as kept (no bf16 copy of it). The FP8 weights (128x128 blocks) and
+for dgrad and its column-wise FP8 for wgrad from one read). The SwiGLU backward reads fp4's MXFP4
+SwiGLU input as kept, decoding it in registers (no bf16 copy of it). The FP8 weights (128x128 blocks) and
 their transposed copies come from :data:`moe_fp4.gemm.FP8_WEIGHTS`, made once per weight version and
 shared by forward, backward and every micro-batch of an optimizer step.
 
@@ -147,22 +146,13 @@ def _swiglu_quantize(h: torch.Tensor, w, fp4: bool):
     return aq, MXFP4Tensor(*a_mx, (r, f), h.dtype), MXFP4Tensor(*h_mx, tuple(h.shape), h.dtype)
 
 
-def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, w):
-    """-> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass."""
+def _swiglu_backward(h, da: torch.Tensor, w):
+    """h: bf16 [R, 2F], or fp4's MXFP4Tensor [R, 2F] (decoded in the kernel's registers: no bf16 copy of
+    it), da: bf16 [R, F] -> (dh bf16 [R, 2F], dw float32 [R] or None): one fused pass."""
+    if isinstance(h, MXFP4Tensor):
+        fn = _ops._pick(_swiglu, "swiglu_backward", _use_triton(h.data))
+        return fn(h.data.contiguous(), da, w, h_scale=h.scale.contiguous())
     return _ops._pick(_swiglu, "swiglu_backward", _use_triton(h))(h, da, w)
-
-
-def _swiglu_backward_quantize(h, da: torch.Tensor, w, rows: bool):
-    """h: bf16 [R, 2F] or MXFP4Tensor [R, 2F] (fp4 keeps it so: decoded in the kernel's registers),
-    da: bf16 [R, F] -> (FP8BlockTensor [R, 2F] of dh or None, FP8BlockTensor [2F, R] of dh in 1x128 tiles
-    along R, dw float32 [R] or None): dh's dgrad and wgrad operands from one pass, dh never in memory.
-    Bit for bit _rows_and_cols of _swiglu_backward's dh (of the dequantized h)."""
-    hd, hs = (h.data.contiguous(), h.scale.contiguous()) if isinstance(h, MXFP4Tensor) else (h.contiguous(), None)
-    fn = _ops._pick(_swiglu, "swiglu_backward_quantize", _use_triton(hd))
-    r_pair, c_pair, dw = fn(hd, da, w, hs, rowwise=rows)
-    m, two_f = tuple(h.shape)
-    rq = FP8BlockTensor(*r_pair, (m, two_f), da.dtype) if rows else None
-    return rq, FP8BlockTensor(*c_pair, (two_f, m), da.dtype), dw
 
 
 def _rows_and_cols(g: torch.Tensor, rows: bool):
@@ -307,7 +297,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
             return dx, dw13, dw2, d_row, None, None, None, None, None, None
 
-        h = kept["h"]   # bf16, or MXFP4 read as is by the fused SwiGLU backward
+        h = kept["h"]   # bf16, or MXFP4 read as kept by the SwiGLU backward
         if isinstance(h, NVFP4Tensor):
             h = dequantize_nvfp4(h, dy.dtype)
         a_kept = kept["a"]
@@ -318,8 +308,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
         del dyt, a_kept
-        dhq, dht, d_row = _swiglu_backward_quantize(h, da, row_w, rows=need_dx)
+        dh, d_row = _swiglu_backward(h, da, row_w)
         del h, da
+        dhq, dht = _rows_and_cols(dh, rows=need_dx)
+        del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
         return dx, dw13, dw2, d_row, None, None, None, None, None, None

@@ -16,7 +16,6 @@ from helpers import same_bits
 from moe_fp4.kernels import swiglu as KS
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4_rowwise, quantize_mxfp4_rowwise_ref
-from moe_fp4.kernels.transpose import quantize_fp8_rowwise_colwise, quantize_fp8_rowwise_colwise_ref
 
 # The interpreter evaluates exp / products of non-finite and huge inputs in numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -245,99 +244,73 @@ def test_backward_gradient_validation(bad):
         KS.swiglu_backward(h, make(da), w)
 
 
-# ---- backward straight to dh's FP8 rows and columns (swiglu_backward_quantize) ------------------
+# ---- backward from fp4's MXFP4 h (decoded in the kernel) ---------------------------------------
 
-def _mxfp4_h(h):
-    """bf16 h -> (codes uint8 [M, F], scales uint8 [M, 2F/32], the bf16 values they decode to)."""
-    d, s = quantize_mxfp4_rowwise(h)
-    return d, s, dequantize_mxfp4(d, s, torch.bfloat16)
+def _check_backward_mxfp4(h, da, w, **kw):
+    """h bf16 -> its MXFP4 codes and scales (quantize_mxfp4_rowwise), through swiglu_backward(h_scale=):
+    dh bit for bit the bf16 kernel's on the dequantized h, dw within SWIGLU_DW_RTOL of it (the sum's
+    order is the compiler's); the reference likewise against swiglu_backward_ref on that tensor."""
+    d, sc = quantize_mxfp4_rowwise(h)
+    return _check_backward_mxfp4_codes(d, sc, da, w, **kw)
 
 
-def _check_backward_quantize(h, da, w, h_scale=None, rowwise=True, **kw):
-    """The fused kernel against the chain it replaces (swiglu_backward of the bf16 h, or of MXFP4 h
-    decoded, then the FP8 rows / columns of that dh): bytes and scales bit for bit, dw to SWIGLU_DW_RTOL
-    (its sums run per 128-column tile); and against the reference quantizers of the chain's own dh."""
-    hb = h if h_scale is None else dequantize_mxfp4(h, h_scale, torch.bfloat16)
-    rows, cols, dw = KS.swiglu_backward_quantize(h, da, w, h_scale, rowwise=rowwise, **kw)
-    dh, dw_chain = KS.swiglu_backward(hb, da, w)
-    for got, want in ((rows, quantize_fp8_rowwise_colwise(dh, rowwise, True)[0]),
-                      (cols, quantize_fp8_rowwise_colwise_ref(dh)[1]),
-                      (rows, quantize_fp8_rowwise_colwise_ref(dh, rowwise, False)[0])):
-        if not rowwise and got is rows:
-            assert got is None and want is None
-            continue
-        assert got[0].dtype == torch.float8_e4m3fn and same_bits(got[0], want[0])
-        assert same_bits(got[1], want[1]) and got[1].stride() == want[1].stride()   # M-major scales
-    _check_dw(hb, da, dw, dw_chain)
-    # The reference (torch throughout): the same chain with swiglu_backward_ref's dh, within one ulp.
-    ref = KS.swiglu_backward_quantize_ref(h, da, w, h_scale, rowwise=rowwise)
-    dh_ref, dw_ref = KS.swiglu_backward_ref(hb, da, w)
+def _check_backward_mxfp4_codes(d, sc, da, w, **kw):
+    hb = dequantize_mxfp4(d, sc, torch.bfloat16)
+    dh, dw = KS.swiglu_backward(d, da, w, h_scale=sc, **kw)
+    dh_b, dw_b = KS.swiglu_backward(hb, da, w, **kw)
+    assert same_bits(dh, dh_b)
+    _check_dw(hb, da, dw, dw_b)
+    dh_ref, dw_ref = KS.swiglu_backward_ref(d, da, w, h_scale=sc)
+    want = KS.swiglu_backward_ref(hb, da, w)
+    assert same_bits(dh_ref, want[0])
+    _check_dw(hb, da, dw_ref, want[1])
     _check_bf16_close(dh, dh_ref)
-    assert all(same_bits(a, b) for a, b in zip(ref[1], quantize_fp8_rowwise_colwise_ref(dh_ref)[1]))
-    _check_dw(hb, da, ref[2], dw_ref)
-    return rows, cols, dw
+    return dh, dw
 
 
-@pytest.mark.parametrize("mxfp4", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("m,f", [(0, 128), (128, 128), (256, 384)])
-def test_backward_quantize_matches_the_chain(m, f, weighted, mxfp4):
-    h, w, da = _inputs(m, f, weighted, seed=m * 13 + f + weighted)
-    if mxfp4:
-        d, sc, _ = _mxfp4_h(h)
-        _check_backward_quantize(d, da, w, sc)
-    else:
-        _check_backward_quantize(h, da, w)
+@pytest.mark.parametrize("m,f", [(0, 128), (1, 128), (7, 384), (130, 128)])
+def test_backward_mxfp4_matches_bf16_kernel(m, f, weighted):
+    """Odd and zero row counts, F a multiple of 128 but not of the kernel's 256-pair chunk (384)."""
+    h, w, da = _inputs(m, f, weighted, seed=m * 17 + f + weighted)
+    _check_backward_mxfp4(h, da, w, **BWD_KW)
 
 
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_backward_quantize_without_rows(mxfp4):
-    h, w, da = _inputs(128, 256, True, seed=21)
-    args = _mxfp4_h(h)[:2] if mxfp4 else (h, None)
-    _check_backward_quantize(args[0], da, w, args[1], rowwise=False)
+def test_backward_mxfp4_extreme_scales():
+    """Every E2M1 code under the E8M0 bytes that leave the normal range: 0 and 1 (float32 subnormal
+    values), 253 and 254 (6 * 2^127 and 4 * 2^127 overflow to Inf), 255 (a NaN block); the NaN / Inf
+    they give in h make dh NaN / Inf and dw NaN exactly as the bf16 kernel's on the decoded h."""
+    _, w, da = _inputs(8, 256, True, seed=7)
+    g = torch.Generator().manual_seed(8)
+    d = torch.randint(0, 256, (8, 256), dtype=torch.uint8, generator=g)
+    d[0, :128] = torch.arange(128, dtype=torch.uint8) * 2 + 1        # every code pair, low and high nibble
+    sc = torch.randint(100, 140, (8, 16), dtype=torch.uint8, generator=g)
+    sc[0, :4] = torch.tensor([0, 1, 253, 254], dtype=torch.uint8)
+    sc[1, 3], sc[2, 9], sc[3, 0] = 255, 0, 254
+    dh, dw = _check_backward_mxfp4_codes(d.to(DEVICE), sc.to(DEVICE), da, w)
+    assert torch.isnan(dh).any() and torch.isinf(dh).any() and torch.isnan(dw).any()
 
 
-def test_backward_quantize_non_finite_and_extreme_blocks():
-    """bf16 h with NaN / Inf gates and ups and overflowing products; MXFP4 h with a NaN block (scale
-    0xFF), blocks at E8M0 bytes 0, 1 (float32 subnormal values) and 254 (codes >= 2 decode to Inf):
-    their dh elements are NaN / Inf, which take no part in any amax and encode as 0x7F."""
-    h, w, da = _inputs(128, 256, True, seed=3)
-    h[0, 5] = float("nan")
-    h[1, 256 + 40] = float("inf")
-    h[2, 130] = float("-inf")
-    h[4, 0], h[4, 256] = 3e38, 3e38
-    h[5, 64], h[5, 320] = -100.0, 1e30
-    rows, cols, _ = _check_backward_quantize(h, da, w)
-    assert (rows[0].view(torch.uint8) == 0x7F).any() and (cols[0].view(torch.uint8) == 0x7F).any()
-    d, sc, _ = _mxfp4_h(_inputs(128, 256, True, seed=4)[0])
-    sc[3, 2], sc[7, 9], sc[8, 1], sc[9, 12] = 255, 0, 1, 254
-    d[9, 12 * 16:13 * 16] = 0x7F   # codes 15 and 7 (-6, 6): Inf at scale 2^127
-    rows, cols, _ = _check_backward_quantize(d, da, w, sc)
-    assert (cols[0].view(torch.uint8) == 0x7F).any()
-
-
-def test_backward_quantize_validation():
-    h, w, da = _inputs(128, 128, True, seed=0)
-    d, sc, _ = _mxfp4_h(h)
-    fn = KS.swiglu_backward_quantize
+def test_backward_mxfp4_validation():
+    h, w, da = _inputs(4, 128, True, seed=0)
+    d, sc = quantize_mxfp4_rowwise(h)
+    fn = KS.swiglu_backward
     cases = [
-        (lambda: fn(h[:100], da[:100], w[:100]), ValueError, "M must be a multiple of 128"),
-        (lambda: fn(h.float(), da, w), TypeError, "h must be bfloat16"),
-        (lambda: fn(h, da[:, :64], w), ValueError, r"da must be \[M, F\]"),
-        (lambda: fn(h, da, w[:-1]), ValueError, r"w must be \[M\]"),
-        (lambda: fn(h, da, w, sc), TypeError, "MXFP4 codes"),
-        (lambda: fn(d, da, w, sc[:, :4]), ValueError, "h_scale must be uint8"),
-        (lambda: fn(d, da, w, sc.int()), ValueError, "h_scale must be uint8"),
-        (lambda: fn(d.t().contiguous().t(), da, w, sc), ValueError, "contiguous"),
-        (lambda: fn(d, da.float(), w, sc), ValueError, "da must be a contiguous bfloat16"),
-        (lambda: fn(d, da, w.double(), sc), TypeError, "w must be a float32"),
+        (lambda: fn(h, da, w, h_scale=sc), TypeError, "MXFP4 codes"),
+        (lambda: fn(d[:, :64], da, w, h_scale=sc[:, :4]), ValueError, "multiple of 128"),
+        (lambda: fn(d, da, w, h_scale=sc[:, :4]), ValueError, r"h_scale must be uint8 \[M, 2F/32\]"),
+        (lambda: fn(d, da, w, h_scale=sc.int()), ValueError, "h_scale must be uint8"),
+        (lambda: fn(d.t().contiguous().t(), da, w, h_scale=sc), ValueError, "must be contiguous"),
+        (lambda: fn(d, da[:, :64], w, h_scale=sc), ValueError, r"da must be \[M, F\]"),
+        (lambda: fn(d, da.float(), w, h_scale=sc), TypeError, "da must be a bfloat16"),
+        (lambda: fn(d, da, w[:-1], h_scale=sc), ValueError, r"w must be \[M\]"),
+        (lambda: fn(d, da, w.double(), h_scale=sc), TypeError, "w must be a float32"),
     ]
     for call, exc, msg in cases:
-        with pytest.raises(exc, match=f"^swiglu_backward_quantize: .*{msg}"):
+        with pytest.raises(exc, match=f"^swiglu_backward: .*{msg}"):
             call()
-        # the reference validates the same way
-    with pytest.raises(ValueError, match="^swiglu_backward_quantize_ref: .*multiple of 128"):
-        KS.swiglu_backward_quantize_ref(h[:100], da[:100], w[:100])
+    with pytest.raises(TypeError, match="^swiglu_backward_ref: .*MXFP4 codes"):
+        KS.swiglu_backward_ref(h, da, w, h_scale=sc)
 
 
 # ---- real size on a GPU ------------------------------------------------------------------------
@@ -368,12 +341,9 @@ def test_gpu_moe_size(weighted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_gpu_backward_quantize_moe_size(mxfp4):
-    """32768 x F 2048 (dsv3's expert rows): the fused kernel equals the chain bit for bit, with the PTX
-    rounding and with its pure-Triton twin."""
-    h, w, da = _inputs(32768, 2048, True, seed=12, device="cuda")
-    args = _mxfp4_h(h)[:2] if mxfp4 else (h, None)
-    ptx = _check_backward_quantize(args[0], da, w, args[1])
-    twin = KS.swiglu_backward_quantize(args[0], da, w, args[1], asm=False)
-    assert all(same_bits(a, b) for a, b in zip(ptx[0] + ptx[1], twin[0] + twin[1]))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gpu_backward_mxfp4_moe_size(weighted):
+    """32768 x F 2048 (dsv3's expert rows): MXFP4 h decoded in the kernel gives the bf16 kernel's dh on
+    the dequantized h bit for bit."""
+    h, w, da = _inputs(32768, 2048, weighted, seed=13, device="cuda")
+    _check_backward_mxfp4(h, da, w)

@@ -106,16 +106,15 @@ KERNELS = {
                                    K=I32),
                               dict(IN_KIND=0, WRITE_ROWS=True, WRITE_COLS=True, TILE=128, SUB=128, TILES_K=1,
                                    ASM=True), 8, 128 * 128, None),
-    # dh = swiglu'(h) da to its FP8 rows and columns, h in bf16 (fp8) / MXFP4 (fp4): 128 x 256 of dh a program
-    "swiglu_bwd_fp8": ("moe_fp4.kernels.swiglu", "_swiglu_backward_quantize_kernel",
-                       dict(h_ptr="*i32", hs_ptr="*u8", da_ptr="*i32", w_ptr="*fp32", r_ptr="*i16", rs_ptr="*fp32",
-                            c_ptr="*u8", cs_ptr="*fp32", dwp_ptr="*fp32", M=I32, NT=I32, stride_w=I32),
-                       dict(H_MXFP4=False, HAS_W=True, WRITE_ROWS=True, ASM=True), 16, 128 * 256, None),
-    "swiglu_bwd_mxfp4_fp8": ("moe_fp4.kernels.swiglu", "_swiglu_backward_quantize_kernel",
-                             dict(h_ptr="*u8", hs_ptr="*u8", da_ptr="*i32", w_ptr="*fp32", r_ptr="*i16",
-                                  rs_ptr="*fp32", c_ptr="*u8", cs_ptr="*fp32", dwp_ptr="*fp32", M=I32, NT=I32,
-                                  stride_w=I32),
-                             dict(H_MXFP4=True, HAS_W=True, WRITE_ROWS=True, ASM=True), 16, 128 * 256, None),
+    # SwiGLU backward, h in bf16 / in MXFP4 decoded in registers: BLOCK_M rows x one chunk of BLOCK_W pairs
+    "swiglu_bwd": ("moe_fp4.kernels.swiglu", "_swiglu_backward_kernel",
+                   dict(h_ptr="*i32", da_ptr="*i32", w_ptr="*fp32", dh_ptr="*i32", dw_ptr="*fp32", M=I32, NT=I32,
+                        stride_w=I32),
+                   dict(HAS_W=True, BLOCK_M=2, BLOCK_W=256), 4, 2 * 2048 * 2, None),
+    "swiglu_bwd_mxfp4": ("moe_fp4.kernels.swiglu", "_swiglu_backward_mxfp4_kernel",
+                         dict(h_ptr="*u8", hs_ptr="*u8", da_ptr="*i32", w_ptr="*fp32", dh_ptr="*i32", dw_ptr="*fp32",
+                              M=I32, NT=I32, stride_w=I32),
+                         dict(HAS_W=True, BLOCK_M=2, BLOCK_W=256), 4, 2 * 2048 * 2, None),
 }
 # Integer arguments at the shape bench/tools/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
