@@ -14,8 +14,9 @@ tests define it: the FP8 and MXFP4 forms of a against the references applied to 
 
 Then the backward, ``swiglu_backward(h, da, w)``: with bf16 h (fp8's), and with fp4's MXFP4 h both ways,
 ``dequantize_mxfp4`` then the bf16 kernel (the path before 2026-11-26's seventh session) against the
-kernel decoding h in registers (``h_scale=``), each checked bit for bit (dh) against the first; ``--bwd
-BM,BW,WARPS ...`` times the MXFP4 kernel at other configurations too.
+kernel decoding h in registers (``h_scale=``), each checked bit for bit (dh) against the first. ``--fwd
+BM,TILES,WARPS ...`` and ``--bwd BM,BW,WARPS ...`` time the forward (each output set, checked against the
+defaults' bytes) and the MXFP4 backward at other configurations too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--ffn", type=int, default=2048, help="F: h is [tokens, 2F] (F % 128 == 0)")
+    ap.add_argument("--fwd", nargs="*", default=[], metavar="BM,TILES,WARPS",
+                    help="more block_m,tiles,num_warps configurations of swiglu_quantize to time (every output set)")
     ap.add_argument("--bwd", nargs="*", default=[], metavar="BM,BW,WARPS",
                     help="more block_m,block_w,num_warps configurations of the MXFP4 backward to time")
     a = ap.parse_args()
@@ -66,9 +69,14 @@ def main() -> None:
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         t_copy = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-        t = triton.testing.do_bench(lambda: KS.swiglu_quantize(h, w, hm, am), return_mode="median")
-        print(f"swiglu_quantize h_mx={hm} a_mx={am} {a.tokens}x{a.ffn}: {t * 1e3:.1f} us, {moved / 1e6:.0f} MB, "
-              f"{100 * t_copy / t:.1f}% copy", flush=True)
+        for cfg in [None] + [tuple(int(v) for v in c.split(",")) for c in a.fwd]:
+            kw = {} if cfg is None else dict(block_m=cfg[0], tiles=cfg[1], num_warps=cfg[2])
+            if cfg is not None and not all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in
+                                           zip(_leaves(KS.swiglu_quantize(h, w, hm, am, **kw)), _leaves(out))):
+                raise SystemExit(f"MISMATCH: swiglu_quantize {kw} differs from its defaults' output")
+            t = triton.testing.do_bench(lambda: KS.swiglu_quantize(h, w, hm, am, **kw), return_mode="median")
+            print(f"swiglu_quantize h_mx={hm} a_mx={am} {a.tokens}x{a.ffn} ({kw or 'defaults'}): {t * 1e3:.1f} us, "
+                  f"{moved / 1e6:.0f} MB, {100 * t_copy / t:.1f}% copy", flush=True)
     backward(h, w, a)
 
 

@@ -59,7 +59,7 @@ _E4M3_MAX_LOG2 = 8
 _MIN_SHIFT = -149
 
 
-def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
+def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None):
     """Scaling-aware MXFP4 row -> FP8 column conversion, in one pass on the codes.
 
     data: uint8 [M, K/2], scale: uint8 [M, K/32] (M tokens, any M)
@@ -71,7 +71,11 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     except for values of 2^128 and more (byte 254 with |value| >= 2, byte 253 with |value| >= 4): the
     definition sees Inf there (NaN byte, left out of the amax), this rule a finite value (README).
     Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
+    With rows (int [M'] indices into data's rows) the input is data[rows] (out [K, M']): a gathered
+    view converted without a gathered copy (the launcher reads the rows in place).
     """
+    if rows is not None:
+        data, scale = data[rows], scale[rows]
     m, half_k = data.shape
     k = 2 * half_k
     codes = unpack_nibbles(data)                                             # [M, K]
@@ -107,8 +111,18 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
-                                       BLOCK_T: tl.constexpr, NB: tl.constexpr):
+def _source_rows(r_ptr, tok, mask, GATHER: tl.constexpr):
+    """Output tokens -> the input rows they read: r[tok] (int64) with GATHER, else tok itself."""
+    if GATHER:
+        src = tl.load(r_ptr + tok, mask=mask, other=0).to(tl.int64)
+    else:
+        src = tok
+    return src
+
+
+@triton.jit
+def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
+                                       BLOCK_T: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr):
     # M % 4 != 0 (rows of the output are not 32-bit aligned): one code per operation, the kernel of
     # 9d65066 (4 warps, nb = 1), faster there than _mxfp4_colwise_general in one-warp programs (H200,
     # 32767 x 7168: 19.0% against 13.0% of copy, bench/RESULTS.md).
@@ -121,8 +135,9 @@ def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, st
     mask2 = (tok < M)[:, None] & (kb < KB)[None, :]
     mask3 = mask2[:, :, None]
     pair = (kb * 16)[None, :, None] + p[None, None, :]
-    byte = tl.load(d_ptr + tok[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + tok[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
+    src = _source_rows(r_ptr, tok, tok < M, GATHER)
+    byte = tl.load(d_ptr + src[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + src[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
     nan = (sb == 255)[:, :, None]
     c_lo = byte & 15
     c_hi = byte >> 4
@@ -164,8 +179,8 @@ def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, st
 
 
 @triton.jit
-def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
-                           NB: tl.constexpr):
+def _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
+                           NB: tl.constexpr, GATHER: tl.constexpr):
     # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: the word kernel's
     # programs with a block more than 11 binades under its tile's largest. Per block, two passes over chunks
     # of 8 tokens (column maxima, then encode and store), so a one-warp program holds 4 byte pairs
@@ -184,9 +199,10 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, str
             l_hi = tl.full([16], -100000, tl.int32)
             for ch in tl.range(0, 128 // CH):
                 tok = pid_t.to(tl.int64) * 128 + ch * CH + c
-                byte = tl.load(d_ptr + tok[:, None] * stride_dm + kb * 16 + p[None, :],
+                src = _source_rows(r_ptr, tok, tok < M, GATHER)
+                byte = tl.load(d_ptr + src[:, None] * stride_dm + kb * 16 + p[None, :],
                                mask=(tok < M)[:, None], other=0).to(tl.int32)
-                sb = tl.load(s_ptr + tok * stride_sm + kb, mask=tok < M, other=255).to(tl.int32)[:, None]
+                sb = tl.load(s_ptr + src * stride_sm + kb, mask=tok < M, other=255).to(tl.int32)[:, None]
                 m_lo = byte & 7
                 m_hi = (byte >> 4) & 7
                 l_lo = tl.maximum(l_lo, tl.max(tl.where((m_lo == 0) | (sb == 255), -100000, (m_lo >> 1) + sb - 128), axis=0))
@@ -197,9 +213,10 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, str
             for ch in tl.range(0, 128 // CH):
                 tok = pid_t.to(tl.int64) * 128 + ch * CH + c
                 tmask = tok < M
-                byte = tl.load(d_ptr + tok[:, None] * stride_dm + kb * 16 + p[None, :],
+                src = _source_rows(r_ptr, tok, tmask, GATHER)
+                byte = tl.load(d_ptr + src[:, None] * stride_dm + kb * 16 + p[None, :],
                                mask=tmask[:, None], other=0).to(tl.int32)
-                sb = tl.load(s_ptr + tok * stride_sm + kb, mask=tmask, other=0).to(tl.int32)[:, None]
+                sb = tl.load(s_ptr + src * stride_sm + kb, mask=tmask, other=0).to(tl.int32)[:, None]
                 # c * 2^(E - S) as exact fp32 bits (decoded with the shifted byte E - S + 127; below 0
                 # the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
                 q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, tl.maximum(sb - S_lo[None, :], 0)).to(tl.float32, bitcast=True))
@@ -258,8 +275,8 @@ def _column_max_byte(p, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
-                                 NB: tl.constexpr, ASM: tl.constexpr):
+def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, M4, K, KB, stride_dm, stride_sm,
+                                 NB: tl.constexpr, ASM: tl.constexpr, GATHER: tl.constexpr):
     # M % 4 == 0, rows 4-byte aligned. A program: one tile of 128 tokens x NB MXFP4 blocks of
     # columns. Programs whose blocks all lie within 11 binades of their tile's largest block take the
     # SWAR path below, the others _mxfp4_colwise_general.
@@ -276,7 +293,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
     quad, tok = _quad_tokens(pid_t)                                                 # [4, 8], [4, 8, 4]
     kbm = nb < KB
     mask4 = (tok < M)[:, None, :, :] & kbm[None, :, None, None]                      # [4, NB, 8, 4]
-    sb = tl.load(s_ptr + tok[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
+    src = _source_rows(r_ptr, tok, tok < M, GATHER)                                   # rows read
+    sb = tl.load(s_ptr + src[:, None, :, :] * stride_sm + nb[None, :, None, None], mask=mask4,
                  other=0).to(tl.int32)
     nan = sb == 255
     valid = mask4 & ~nan
@@ -292,7 +310,7 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
         dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
         word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
         mask5 = mask4[:, :, None, :, :]
-        x = tl.load(dw_ptr + tok[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
+        x = tl.load(dw_ptr + src[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
         k8 = tl.where(valid, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
         kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
         nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
@@ -325,7 +343,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, KB, stri
                 col = col0 + 2 * j + h
                 tl.store(os_ptr + pid_t.to(tl.int64) * K + col, pow2_f32(S), mask=kbm[:, None])
     else:
-        _mxfp4_colwise_general(d_ptr, s_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k, NB)
+        _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
+                               NB, GATHER)
 
 
 @triton.jit
@@ -507,16 +526,19 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
         _fp8_colwise_general(q_ptr, s_ptr, o_ptr, os_ptr, M, K, pid_t, col0, 16 * G)
 
 
-def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, num_warps: int = 1,
-                         asm: bool | None = None):
+def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None, nb: int = 2,
+                         num_warps: int = 1, asm: bool | None = None):
     """data uint8 [M, K/2], scale uint8 [M, K/32] -> (data float8_e4m3fn [K, M], scale float32
     [K, ceil(M/128)] M-major); bit-identical to mxfp4_to_fp8_colwise_ref. With M % 4 == 0 the kernel
     writes four tokens per 32-bit word (SWAR); nb (MXFP4 blocks of columns per program, a power of
     two; 2 from an H200 sweep, bench/RESULTS.md) and num_warps configure it, and asm: None = its
     prmt / max.u16x2 forms on sm_90+ outside the interpreter (use_asm), True / False to force them or
     their pure-Triton twins. Other M take the one-code-per-operation kernel at its own configuration
-    (nb = 1, 4 warps)."""
-    m, half_k = data.shape
+    (nb = 1, 4 warps). rows: optional int32/int64 [M'] indices into data's rows (in range; not checked
+    here: moe_fp4.api checks them): converts data[rows] (out [K, M'], M = M' above) reading each token's
+    row in place, e.g. the experts' rows from the tokens' MXFP4 copies without gathering them first."""
+    half_k = data.shape[1]
+    m = data.shape[0] if rows is None else rows.shape[0]
     k = 2 * half_k
     kb = k // MXFP4_BLOCK
     out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=data.device)
@@ -524,18 +546,20 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, nb: int = 2, n
     oscale = empty_m_major(k, nt, data.device)
     if m and k:
         scale = scale if scale.stride(1) == 1 else scale.contiguous()
+        rows = None if rows is None else rows.contiguous()
+        r_arg = scale if rows is None else rows
         if m % 4:
             data = data if data.stride(1) == 1 else data.contiguous()
             _mxfp4_to_fp8_colwise_bytes_kernel[(nt, kb)](
-                data, scale, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
-                BLOCK_T=FP8_TILE, NB=1, num_warps=4)
+                data, scale, r_arg, out.view(torch.uint8), oscale, m, k, kb, data.stride(0), scale.stride(0),
+                BLOCK_T=FP8_TILE, NB=1, GATHER=rows is not None, num_warps=4)
             return out, oscale
         if data.stride(1) != 1 or data.stride(0) % 4 or data.data_ptr() % 4:  # rows as 32-bit words
             data = data.clone(memory_format=torch.contiguous_format)
         nb = min(nb, triton.next_power_of_2(kb))
         _mxfp4_to_fp8_colwise_kernel[(triton.cdiv(kb, nb) * nt,)](
-            data, scale, out.view(torch.uint8), oscale, m, m // 4, k, kb, data.stride(0), scale.stride(0),
-            NB=nb, ASM=use_asm(data) if asm is None else asm, num_warps=num_warps)
+            data, scale, r_arg, out.view(torch.uint8), oscale, m, m // 4, k, kb, data.stride(0), scale.stride(0),
+            NB=nb, ASM=use_asm(data) if asm is None else asm, GATHER=rows is not None, num_warps=num_warps)
     return out, oscale
 
 

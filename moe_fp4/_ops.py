@@ -89,9 +89,9 @@ def mxfp4_to_fp8(q: MXFP4Tensor, use_triton: bool) -> FP8BlockTensor:
     return FP8BlockTensor(data, scale, q.shape, q.dtype)
 
 
-def mxfp4_to_fp8_colwise(q: MXFP4Tensor, use_triton: bool) -> FP8BlockTensor:
-    data, scale = _pick(_transpose, "mxfp4_to_fp8_colwise", use_triton)(q.data, q.scale)
-    return FP8BlockTensor(data, scale, torch.Size((q.k, q.m)), q.dtype)
+def mxfp4_to_fp8_colwise(q: MXFP4Tensor, use_triton: bool, rows: torch.Tensor | None = None) -> FP8BlockTensor:
+    data, scale = _pick(_transpose, "mxfp4_to_fp8_colwise", use_triton)(q.data, q.scale, rows=rows)
+    return FP8BlockTensor(data, scale, torch.Size((q.k, q.m if rows is None else rows.shape[0])), q.dtype)
 
 
 def fp8_to_fp8_colwise(t: FP8BlockTensor, use_triton: bool) -> FP8BlockTensor:

@@ -140,13 +140,26 @@ def mxfp4_to_fp8(q: MXFP4Tensor) -> FP8BlockTensor:
     return _ops.mxfp4_to_fp8(q, use_triton=_use_triton(q.data))
 
 
-def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
+def mxfp4_to_fp8_colwise(q: MXFP4Tensor, rows: torch.Tensor | None = None) -> FP8BlockTensor:
     """Scaling-aware row -> column conversion: q [M, K] (any M) -> FP8BlockTensor [K, M] holding q^T,
     quantized in 1x128 tiles along M (the last tile may be short) from each column's true amax.
     Bit-identical to dequantize -> transpose -> quantize_fp8 along tokens.
+
+    rows: optional int32/int64 [M'] indices of q's rows -> [K, M'] of the rows q[rows], read in place
+    (no gathered copy), e.g. a token's MXFP4 row once for each of its k expert rows. Checked in range
+    here (a device sync); moe_fp4's layer passes its own routing's rows to the kernel directly.
     """
     _check_container(q, MXFP4Tensor, "mxfp4_to_fp8_colwise")
-    return _ops.mxfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int32, torch.int64) or rows.dim() != 1:
+            raise TypeError(f"mxfp4_to_fp8_colwise: rows must be a 1-D int32/int64 tensor, got "
+                            f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
+        if rows.device != q.data.device:
+            raise ValueError(f"mxfp4_to_fp8_colwise: rows is on {rows.device}, q on {q.data.device}")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q.m):
+            raise ValueError(f"mxfp4_to_fp8_colwise: rows must index q's {q.m} rows, got values in "
+                             f"[{int(rows.min())}, {int(rows.max())}]")
+    return _ops.mxfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data), rows=rows)
 
 
 def quantize_fp8_and_mxfp4(x: torch.Tensor) -> tuple[FP8BlockTensor, MXFP4Tensor]:

@@ -124,9 +124,13 @@ class _Kept:
         return head, out
 
 
-def _colwise(kept) -> FP8BlockTensor:
+def _colwise(kept, rows: torch.Tensor | None = None) -> FP8BlockTensor:
     """A kept activation [R, K] -> FP8BlockTensor [K, R] in 1x128 tiles along tokens (all experts in
-    one launch: 128-aligned groups never share a tile)."""
+    one launch: 128-aligned groups never share a tile). rows (int64 [R], MXFP4 only): kept holds token
+    rows and expert row r is kept's row rows[r] (read in place by the kernel; the routing's own rows,
+    so the public API's range check, a host sync, is skipped)."""
+    if rows is not None:
+        return _ops.mxfp4_to_fp8_colwise(kept, _use_triton(kept.data), rows=rows)
     if isinstance(kept, MXFP4Tensor):
         return mxfp4_to_fp8_colwise(kept)
     if isinstance(kept, NVFP4Tensor):
@@ -202,7 +206,7 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved):
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
         ctx.precision, ctx.counts = precision, counts
@@ -239,8 +243,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
             xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
             kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor) and x_saved is not None:
-            xq = x_q   # fp4 (MXFP4 storage): the layer's per-token FP8 + MXFP4 from bf16, rows gathered
+            # fp4 (MXFP4 storage): the layer's per-token FP8 (rows gathered) + MXFP4, kept once per token
+            # with the rows' token indices when x_saved_rows is given (backward reads the rows in place)
+            xq = x_q
             kept.add("x", x_saved, "fc1_input")
+            kept.add("x_rows", None if x_saved_rows is None else x_saved_rows.detach(), "fc1_input_rows")
         elif isinstance(x_q, FP8BlockTensor):
             xq = x_q
             x_kept, before = ((quantize_nvfp4(x_q) if nv else quantize_mxfp4(x_q)), None) if fp4 else _keep_fp8(x_q)
@@ -295,7 +302,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None, None, None, None
 
         h = kept["h"]   # bf16, or MXFP4 read as kept by the SwiGLU backward
         if isinstance(h, NVFP4Tensor):
@@ -313,8 +320,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
-        dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"]), counts, w13.dtype) if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None, None, None, None
+        dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"], kept.get("x_rows")), counts, w13.dtype) \
+            if need_dw13 else None
+        return dx, dw13, dw2, d_row, None, None, None, None, None, None, None
 
 
 def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFormat = "mxfp4"):
@@ -338,16 +346,19 @@ def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFor
 
 def gather_expert_tokens(tokens, src_row: torch.Tensor):
     """tokens: :func:`quantize_expert_tokens` of T tokens; src_row: int64 [R], the token of each expert row
-    (T for a padding row) -> (x_q FP8BlockTensor [R, H], x_saved MXFP4Tensor [R, H] or None), the
-    ``x_q`` and ``x_saved`` of :func:`grouped_swiglu_experts`."""
+    (T for a padding row) -> (x_q FP8BlockTensor [R, H], x_saved MXFP4Tensor [T+1, H] or None,
+    x_saved_rows int64 [R] or None), the ``x_q``, ``x_saved`` and ``x_saved_rows`` of
+    :func:`grouped_swiglu_experts`. Only the GEMM operand is gathered: fp4's kept MXFP4 copy stays one
+    row per token (k times less memory than one per expert row, and no gather pass), and backward reads
+    each expert row's token in place."""
     fp8, mx = tokens
     shape = (src_row.shape[0], fp8.k)
     # The scales are M-major: gathering columns of scale^T keeps that layout without a copy.
     x_q = FP8BlockTensor(fp8.data.index_select(0, src_row), fp8.scale.t().index_select(1, src_row).t(),
                          shape, fp8.dtype)
     if mx is None:
-        return x_q, None
-    return x_q, MXFP4Tensor(mx.data.index_select(0, src_row), mx.scale.index_select(0, src_row), shape, mx.dtype)
+        return x_q, None, None
+    return x_q, mx, src_row
 
 
 def prefetch_fp8_weights(*weights) -> None:
@@ -367,7 +378,8 @@ def prefetch_fp8_weights(*weights) -> None:
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
                            row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,
-                           storage: str | StorageFormat = "mxfp4", x_saved: MXFP4Tensor | None = None) -> torch.Tensor:
+                           storage: str | StorageFormat = "mxfp4", x_saved: MXFP4Tensor | None = None,
+                           x_saved_rows: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -400,6 +412,9 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             of the same rows that fp4 keeps for backward, instead of converting x_q's FP8 codes.
             :func:`gather_expert_tokens` makes the pair from bf16 tokens (the same bits as
             ``quantize_fp8_and_mxfp4`` of the gathered rows, which the experts run without x_q).
+    x_saved_rows: optional int64 [R], with x_saved only: x_saved then holds token rows [T', H] and row r
+            of x is x_saved's row x_saved_rows[r] (each in [0, T'); not checked: a host sync). Each token
+            is kept once rather than once per expert row; backward converts the rows in place.
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
     :func:`moe_fp4.nn.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
@@ -444,8 +459,18 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError("grouped_swiglu_experts: x_saved goes with an FP8BlockTensor x_q in fp4 with MXFP4 "
                              f"storage, got precision {precision.value}, storage {storage.value}, x_q "
                              f"{type(x_q).__name__}")
-        if not isinstance(x_saved, MXFP4Tensor) or (x_saved.m, x_saved.k) != tuple(x.shape):
-            raise ValueError(f"grouped_swiglu_experts: x_saved must be an MXFP4Tensor {tuple(x.shape)}, got "
+        rows_want = x.shape[0] if x_saved_rows is None else None
+        if not isinstance(x_saved, MXFP4Tensor) or x_saved.k != hidden or rows_want not in (None, x_saved.m):
+            raise ValueError(f"grouped_swiglu_experts: x_saved must be an MXFP4Tensor "
+                             f"{tuple(x.shape) if rows_want else '[T, ' + str(hidden) + ']'}, got "
                              f"{type(x_saved).__name__} {getattr(x_saved, 'shape', '')}")
+    if x_saved_rows is not None:
+        if x_saved is None:
+            raise ValueError("grouped_swiglu_experts: x_saved_rows goes with x_saved")
+        if not isinstance(x_saved_rows, torch.Tensor) or x_saved_rows.dtype != torch.int64 or \
+                tuple(x_saved_rows.shape) != (x.shape[0],) or x_saved_rows.device != x_saved.data.device:
+            raise ValueError(f"grouped_swiglu_experts: x_saved_rows must be int64 [{x.shape[0]}] on "
+                             f"{x_saved.data.device}, got {getattr(x_saved_rows, 'dtype', type(x_saved_rows))} "
+                             f"{tuple(getattr(x_saved_rows, 'shape', ()))}")
     return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
-                                x_saved)
+                                x_saved, x_saved_rows)

@@ -439,14 +439,15 @@ class MoE(nn.Module):
                 routing = self.route(x2)
             finally:
                 self._while_routing = None
-            x_saved = None
+            x_saved = x_saved_rows = None
             if sim is None:
                 # The experts' quantized input made per token and gathered to their rows (bit for bit
                 # what they would make of the gathered bf16 rows); a checkpoint's recomputation, which
                 # replays the routing without waiting, quantizes here.
                 tokens = staged["tokens"] if "tokens" in staged else quantize_expert_tokens(
                     x2, self.precision, self.storage)
-                x_q, x_saved = (None, None) if tokens is None else gather_expert_tokens(tokens, routing.src_row)
+                x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(
+                    tokens, routing.src_row)
                 xd = x2
             else:
                 # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
@@ -459,7 +460,7 @@ class MoE(nn.Module):
             y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
                                             routing.padded_counts, self.precision, x_q=x_q,
                                             row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
-                                            storage=self.storage, x_saved=x_saved)
+                                            storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows)
             y = unpermute(y_perm, routing)
             if sim is not None:
                 y = simulate_exchange(y, sim.combine, sim.combine_grad, self.grad_rules.get("combine_grad"))

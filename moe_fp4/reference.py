@@ -44,9 +44,10 @@ def mxfp4_to_fp8(q: MXFP4Tensor) -> FP8BlockTensor:
     return _ops.mxfp4_to_fp8(q, use_triton=False)
 
 
-def mxfp4_to_fp8_colwise(q: MXFP4Tensor) -> FP8BlockTensor:
-    """q: MXFP4Tensor [M, K] -> FP8BlockTensor [K, M] holding q^T in 1x128 tiles along M."""
-    return _ops.mxfp4_to_fp8_colwise(q, use_triton=False)
+def mxfp4_to_fp8_colwise(q: MXFP4Tensor, rows: torch.Tensor | None = None) -> FP8BlockTensor:
+    """q: MXFP4Tensor [M, K] -> FP8BlockTensor [K, M] holding q^T in 1x128 tiles along M (of q's rows
+    ``rows``, int [M'], when given: [K, M'])."""
+    return _ops.mxfp4_to_fp8_colwise(q, use_triton=False, rows=rows)
 
 
 def fp8_to_fp8_colwise(t: FP8BlockTensor) -> FP8BlockTensor:

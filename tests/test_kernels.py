@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from helpers import INPUT_KINDS, make_input, same_bits
+import moe_fp4
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
@@ -427,6 +428,15 @@ def test_gpu_mxfp4_to_fp8_colwise_ptx_path_equals_the_twin_path():
 
 
 @pytest.mark.gpu
+def test_gpu_mxfp4_to_fp8_colwise_of_gathered_rows_at_moe_size():
+    """dsv3's expert rows read in place from per-token MXFP4 (4096 tokens x 8 rows each + padding)
+    against the gathered copy's conversion, bit for bit."""
+    data, scale = KMX.quantize_mxfp4_rowwise(torch.randn(4097, 7168, dtype=torch.bfloat16, device="cuda"))
+    rows = torch.randint(0, 4097, (32768,), device="cuda")
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), KT.mxfp4_to_fp8_colwise(data[rows], scale[rows]))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", [0, 1])
 def test_gpu_inline_ptx_equals_its_pure_triton_twin(op):
     """max.u16x2 and prmt against max15x2 and bytes_0246: the same bits on the same inputs (the CPU
@@ -621,6 +631,35 @@ def test_mxfp4_to_fp8_rowwise_and_colwise(shape):
     for data, scale in [_random_mxfp4(*shape, seed=7), realistic]:
         _check(K8.mxfp4_to_fp8_rowwise(data, scale), K8.mxfp4_to_fp8_rowwise_ref(data, scale))
         _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+
+
+@pytest.mark.parametrize("m,t", [(256, 37), (128, 300), (130, 5)])
+def test_mxfp4_to_fp8_colwise_of_gathered_rows(m, t):
+    """rows=: the conversion of data[rows] read in place (the experts' rows from per-token MXFP4: each
+    token repeated, in expert order) equals the conversion of the gathered copy; M' % 4 == 0 (the SWAR
+    kernel, with tiles whose blocks span > 11 binades taking its general path) and M' odd (the
+    one-code kernel). Arbitrary bytes: NaN blocks, every scale byte."""
+    data, scale = _random_mxfp4(t, 256, seed=m + t)
+    g = torch.Generator().manual_seed(m)
+    rows = torch.randint(0, t, (m,), generator=g).to(DEVICE)
+    want = KT.mxfp4_to_fp8_colwise_ref(data[rows], scale[rows])
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), want)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows.int()), want)
+    _check(KT.mxfp4_to_fp8_colwise_ref(data, scale, rows=rows), want)
+    narrow = torch.full_like(scale, 127)                        # every tile on the SWAR path
+    _check(KT.mxfp4_to_fp8_colwise(data, narrow, rows=rows), KT.mxfp4_to_fp8_colwise_ref(data[rows], narrow[rows]))
+
+
+def test_mxfp4_to_fp8_colwise_rows_validation():
+    q = moe_fp4.quantize_mxfp4(torch.randn(8, 64, device=DEVICE))
+    for rows, exc, msg in ((torch.tensor([0, 8], device=DEVICE), ValueError, "must index q's 8 rows"),
+                           (torch.tensor([-1], device=DEVICE), ValueError, "must index"),
+                           (torch.tensor([0.0], device=DEVICE), TypeError, "must be a 1-D int32/int64"),
+                           (torch.zeros(2, 2, dtype=torch.long, device=DEVICE), TypeError, "must be a 1-D int32/int64")):
+        with pytest.raises(exc, match=f"^mxfp4_to_fp8_colwise: rows {msg}"):
+            moe_fp4.mxfp4_to_fp8_colwise(q, rows)
+    empty = moe_fp4.mxfp4_to_fp8_colwise(q, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    assert tuple(empty.shape) == (64, 0)
 
 
 def _colwise_definition(data, scale):

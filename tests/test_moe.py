@@ -255,14 +255,21 @@ def test_tokens_quantized_then_gathered_equal_gathered_then_quantized(precision)
     experts_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     r = make_routing(torch.rand(t, k), experts_ids, e)
     x = torch.randn(t, 256, dtype=torch.bfloat16) * torch.logspace(-3, 3, t)[:, None].to(torch.bfloat16)
-    x_q, x_saved = gather_expert_tokens(quantize_expert_tokens(x, precision), r.src_row)
+    x_q, x_saved, x_saved_rows = gather_expert_tokens(quantize_expert_tokens(x, precision), r.src_row)
     rows = permute(x, r)
     if precision == "fp4":
+        # kept once per token (T + 1 rows: the zero token is the padding rows' source), indexed per row
         want_q, want_mx = moe_fp4.quantize_fp8_and_mxfp4(rows)
-        assert torch.equal(x_saved.data, want_mx.data) and torch.equal(x_saved.scale, want_mx.scale)
+        assert x_saved.m == t + 1 and torch.equal(x_saved_rows, r.src_row)
+        assert torch.equal(x_saved.data[x_saved_rows], want_mx.data)
+        assert torch.equal(x_saved.scale[x_saved_rows], want_mx.scale)
+        # and the weight-gradient operand read from the token rows in place equals the gathered rows'
+        got_t, want_t = moe_fp4.mxfp4_to_fp8_colwise(x_saved, x_saved_rows), moe_fp4.mxfp4_to_fp8_colwise(want_mx)
+        assert torch.equal(got_t.data.view(torch.uint8), want_t.data.view(torch.uint8))
+        assert torch.equal(got_t.scale, want_t.scale)
     else:
         want_q = moe_fp4.quantize_fp8(rows)
-        assert x_saved is None
+        assert x_saved is None and x_saved_rows is None
     assert torch.equal(x_q.data.view(torch.uint8), want_q.data.view(torch.uint8))
     assert torch.equal(x_q.scale, want_q.scale) and x_q.scale.stride() == want_q.scale.stride()
     assert quantize_expert_tokens(x, "bf16") is None and quantize_expert_tokens(x, "fp4", "nvfp4") is None
