@@ -339,8 +339,15 @@ def _mxfp4_pairs(h_ptr, hs_ptr, off, s_off, mask, smask):
 # Launchers
 # --------------------------------------------------------------------------------------------
 
+# swiglu_quantize's (block_m, tiles, num_warps) by whether it writes h's MXFP4 (fp4's output set: 4 outputs).
+# H100, 32768 x F 2048 (bench/swiglu.py --fwd, 2026-11-26): every output 209 us at (4, 2, 2) against 233 at
+# (8, 1, 2); without h's MXFP4, (8, 1, 2) stays within 3% of the best configuration tried.
+_SWIGLU_FWD_CONFIG = {True: (4, 2, 2), False: (8, 1, 2)}
+
+
 def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool, write_a: bool = False,
-                    block_m: int = 8, tiles: int = 1, num_warps: int = 2, asm: bool | None = None):
+                    block_m: int | None = None, tiles: int | None = None, num_warps: int | None = None,
+                    asm: bool | None = None):
     """h: bf16 [M, 2F] = [gate | up] contiguous (F % 128 == 0), w: float32 [M] or None
     -> ((data float8_e4m3fn [M, F], scale float32 [M, F/128] M-major),
         (data uint8 [M, F/2], scale uint8 [M, F/32]) or None,
@@ -352,10 +359,12 @@ def swiglu_quantize(h: torch.Tensor, w, write_h_mxfp4: bool, write_a_mxfp4: bool
     this kernel's own a, the h-MXFP4 output to quantize_mxfp4_rowwise_ref(h). asm: None = the FP8
     encode's PTX rounding and the MXFP4 encodes' max.u16x2 / fma.rn.bf16x2 (mx_encode_bf16_pairs) on
     sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins.
-    Defaults measured on an H100 (Triton 3.6) at M = 4096, F = 2048, every output but a: 40 us
-    (52 MiB moved, 1.4 TB/s); block_m = 16 with 4 warps: 42 us.
+    block_m, tiles, num_warps: None = _SWIGLU_FWD_CONFIG for the output set.
     """
     f = _check_inputs("swiglu_quantize", h, w)
+    cfg = _SWIGLU_FWD_CONFIG[bool(write_h_mxfp4)]
+    block_m, tiles, num_warps = (cfg[0] if block_m is None else block_m, cfg[1] if tiles is None else tiles,
+                                 cfg[2] if num_warps is None else num_warps)
     m = h.shape[0]
     dev = h.device
     fp8 = torch.empty(m, f, dtype=torch.float8_e4m3fn, device=dev)
