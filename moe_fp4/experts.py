@@ -18,7 +18,7 @@ What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 
 | tensor          | bf16 | fp8 (DeepSeek-V3 baseline)      | fp4                                   |
 | --------------- | ---- | ------------------------------- | ------------------------------------- |
-| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or as received) |
+| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or as received; from the layer: one row per token + x_saved_rows) |
 | SwiGLU input h  | bf16 | bf16                            | MXFP4 (fused with SwiGLU)             |
 | FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with SwiGLU and the FP8 cast) |
 

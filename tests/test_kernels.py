@@ -429,11 +429,16 @@ def test_gpu_mxfp4_to_fp8_colwise_ptx_path_equals_the_twin_path():
 
 @pytest.mark.gpu
 def test_gpu_mxfp4_to_fp8_colwise_of_gathered_rows_at_moe_size():
-    """dsv3's expert rows read in place from per-token MXFP4 (4096 tokens x 8 rows each + padding)
-    against the gathered copy's conversion, bit for bit."""
-    data, scale = KMX.quantize_mxfp4_rowwise(torch.randn(4097, 7168, dtype=torch.bfloat16, device="cuda"))
-    rows = torch.randint(0, 4097, (32768,), device="cuda")
-    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), KT.mxfp4_to_fp8_colwise(data[rows], scale[rows]))
+    """dsv3's expert rows read in place from per-token MXFP4 (4096 tokens and the zero token, row 4096,
+    which every expert's padding rows read) against the reference on the gathered copy, bit for bit."""
+    x = torch.randn(4097, 7168, dtype=torch.bfloat16, device="cuda")
+    x[4096] = 0
+    data, scale = KMX.quantize_mxfp4_rowwise(x)
+    rows = torch.randint(0, 4096, (32768,), device="cuda")
+    rows.view(32, 1024)[:, -64:] = 4096                 # padding: the last 64 rows of each expert's 1024
+    want = KT.mxfp4_to_fp8_colwise_ref(data[rows], scale[rows])
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), want)
+    _check(KT.mxfp4_to_fp8_colwise(data[rows], scale[rows]), want)
 
 
 @pytest.mark.gpu
@@ -648,6 +653,26 @@ def test_mxfp4_to_fp8_colwise_of_gathered_rows(m, t):
     _check(KT.mxfp4_to_fp8_colwise_ref(data, scale, rows=rows), want)
     narrow = torch.full_like(scale, 127)                        # every tile on the SWAR path
     _check(KT.mxfp4_to_fp8_colwise(data, narrow, rows=rows), KT.mxfp4_to_fp8_colwise_ref(data[rows], narrow[rows]))
+
+
+def test_mxfp4_to_fp8_colwise_zero_blocks_keep_the_word_path():
+    """Scale byte 0 (all-zero blocks: padding rows, zero-weight rows) no longer sends a tile to the
+    general path when the block's codes are zeros (signs allowed); a byte-0 block with a nonzero code
+    (a value <= 6 * 2^-127) still takes it. Every case equals the reference byte for byte."""
+    x = torch.randn(512, 256, dtype=torch.bfloat16)
+    x.view(4, 128, 256)[:, -40:] = 0                  # the last 40 rows of every tile: padding
+    x[5, :32] = 0
+    data, scale = (t.to(DEVICE) for t in KMX.quantize_mxfp4_rowwise_ref(x))
+    assert (scale == 0).sum().item() > 40 * 4 * 8
+    _check(KT.mxfp4_to_fp8_colwise(data, scale), KT.mxfp4_to_fp8_colwise_ref(data, scale))
+    signed = data.clone()
+    signed[5, :16] = 0x88                             # -0 codes in a byte-0 block
+    _check(KT.mxfp4_to_fp8_colwise(signed, scale), KT.mxfp4_to_fp8_colwise_ref(signed, scale))
+    tiny = data.clone()
+    tiny[5, :16] = 0x17                               # 3.5 * 2^-127 and 0.5 * 2^-127 in a byte-0 block
+    _check(KT.mxfp4_to_fp8_colwise(tiny, scale), KT.mxfp4_to_fp8_colwise_ref(tiny, scale))
+    rows = torch.randint(0, 512, (256,)).to(DEVICE)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), KT.mxfp4_to_fp8_colwise_ref(data[rows], scale[rows]))
 
 
 def test_mxfp4_to_fp8_colwise_rows_validation():
