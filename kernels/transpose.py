@@ -178,7 +178,7 @@ def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K,
     tl.store(os_ptr + soff + 1, pow2_f32(S_hi), mask=mask_c)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
                            NB: tl.constexpr, GATHER: tl.constexpr):
     # One tile of 128 tokens x NB MXFP4 blocks of columns, one code per operation: the word kernel's
@@ -307,52 +307,56 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, M4, K, K
     e = sb - 127
     e_top = tl.max(tl.max(tl.max(tl.where(valid, e, -1000), axis=3), axis=2), axis=0)        # [NB]
     e_low = tl.min(tl.min(tl.min(tl.where(low, e, 1000), axis=3), axis=2), axis=0)
-    swar = tl.min(e_low - e_top) >= -11
-    dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
-    word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
-    mask5 = mask4[:, :, None, :, :]
-    x = tl.zeros([4, NB, 4, 8, 4], dtype=tl.int32)
-    if swar:
+    zero = valid & (sb == 0)
+    if tl.min(e_low - e_top) >= -11:
+        dw_ptr = d_ptr.to(tl.pointer_type(tl.int32))
+        word = (nb * 4)[None, :, None, None, None] + wb[None, None, :, None, None]
+        mask5 = mask4[:, :, None, :, :]
         x = tl.load(dw_ptr + src[:, None, None, :, :] * (stride_dm // 4) + word, mask=mask5, other=0)
-        # a byte-0 block with a nonzero magnitude (values <= 6 * 2^-127): the general path
-        swar = tl.max(tl.where((valid & (sb == 0))[:, :, None, :, :], x & 0x77777777, 0)) == 0
-    if swar:
-        # Every element is c * 2^(E - S) with E - S >= -5 (S >= E_top - 6 whenever the column has
-        # a nonzero, E >= E_top - 11): a zero or an E4M3 normal, four tokens per integer operation.
-        # P = B(m) + [m != 0](8 k0 - 1) with k0 = 6 + E - S_ref, S_ref = E_top - 20 <= every S, is
-        # the E4M3 byte of the element at scale 2^S_ref (k0 in [15, 26]: lanes <= 236, no carry),
-        # so the column's largest P gives S, and P - 8 (S - S_ref) [m != 0] the output byte.
-        k8 = tl.where(low, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
-        kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
-        nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
-        x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
-        b0, b1, b2, b3 = _quad_bytes_transpose(x, NB, ASM)
-        s_ref = (e_top - 20)[:, None]
-        qg = pid_t * 32 + quad
-        omask = kbm[None, :, None, None] & (qg < M4)[:, None, None, :]
-        col0 = (nb * 32)[:, None] + (wb * 8)[None, :]                                 # [NB, 4]
-        obase = o_ptr.to(tl.pointer_type(tl.int32)) + col0[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
-        for j in tl.static_range(4):
-            # b_j: byte j of the four tokens' words = codes of columns 8 w + 2j (lo) and + 1 (hi).
-            bj = b0 if j == 0 else (b1 if j == 1 else (b2 if j == 2 else b3))
-            if ASM:
-                lo, hi = e2m1_pairs_to_base_flagged_asm(bj)
-            else:
-                lo, hi = e2m1_pairs_to_base_flagged(bj)
-            for h in tl.static_range(2):
-                w = lo if h == 0 else hi
-                fm = (w & 0x01010101) * 255                                          # 0xFF per nonzero
-                pw = w + (kq & fm)
-                sgn = (((bj << 4) if h == 0 else bj) & -0x7F7F7F80) | nq             # 0x80808080
-                pmax = _column_max_byte(pw, ASM)
-                # The largest P's exponent field is floor(log2 amax) + 7 - S_ref, so S = that - 15 + S_ref
-                # (floor(log2 amax) - 8); a column of zeros (pmax 0) gets the floor 2^-126.
-                S = tl.maximum(tl.where(pmax > 0, (pmax >> 3) - 15 + s_ref, -126), -126)
-                d = tl.where(pmax > 0, 8 * (S - s_ref), 0) * 0x01010101
-                out = pw - (d[None, :, :, None] & fm) + sgn
-                tl.store(obase + (2 * j + h) * M4, out, mask=omask)
-                col = col0 + 2 * j + h
-                tl.store(os_ptr + pid_t.to(tl.int64) * K + col, pow2_f32(S), mask=kbm[:, None])
+        swar = True
+        if tl.max(zero.to(tl.int32)) > 0:
+            # a byte-0 block with a nonzero magnitude (values <= 6 * 2^-127): the general path
+            swar = tl.max(tl.where(zero[:, :, None, :, :], x & 0x77777777, 0)) == 0
+        if swar:
+            # Every element is c * 2^(E - S) with E - S >= -5 (S >= E_top - 6 whenever the column has
+            # a nonzero, E >= E_top - 11): a zero or an E4M3 normal, four tokens per integer operation.
+            # P = B(m) + [m != 0](8 k0 - 1) with k0 = 6 + E - S_ref, S_ref = E_top - 20 <= every S, is
+            # the E4M3 byte of the element at scale 2^S_ref (k0 in [15, 26]: lanes <= 236, no carry),
+            # so the column's largest P gives S, and P - 8 (S - S_ref) [m != 0] the output byte.
+            k8 = tl.where(low, 8 * (26 + e - e_top[None, :, None, None]) - 1, 0)
+            kq = tl.sum(k8 << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]      # [4, NB, 1, 8]
+            nq = tl.sum(tl.where(nan, 0x7F, 0) << (8 * i4)[None, None, None, :], axis=3)[:, :, None, :]
+            x = x & tl.where(nan, 0, -1)[:, :, None, :, :]          # NaN blocks: zero codes, 0x7F below
+            b0, b1, b2, b3 = _quad_bytes_transpose(x, NB, ASM)
+            s_ref = (e_top - 20)[:, None]
+            qg = pid_t * 32 + quad
+            omask = kbm[None, :, None, None] & (qg < M4)[:, None, None, :]
+            col0 = (nb * 32)[:, None] + (wb * 8)[None, :]                                 # [NB, 4]
+            obase = o_ptr.to(tl.pointer_type(tl.int32)) + col0[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
+            for j in tl.static_range(4):
+                # b_j: byte j of the four tokens' words = codes of columns 8 w + 2j (lo) and + 1 (hi).
+                bj = b0 if j == 0 else (b1 if j == 1 else (b2 if j == 2 else b3))
+                if ASM:
+                    lo, hi = e2m1_pairs_to_base_flagged_asm(bj)
+                else:
+                    lo, hi = e2m1_pairs_to_base_flagged(bj)
+                for h in tl.static_range(2):
+                    w = lo if h == 0 else hi
+                    fm = (w & 0x01010101) * 255                                          # 0xFF per nonzero
+                    pw = w + (kq & fm)
+                    sgn = (((bj << 4) if h == 0 else bj) & -0x7F7F7F80) | nq             # 0x80808080
+                    pmax = _column_max_byte(pw, ASM)
+                    # The largest P's exponent field is floor(log2 amax) + 7 - S_ref, so S = that - 15 + S_ref
+                    # (floor(log2 amax) - 8); a column of zeros (pmax 0) gets the floor 2^-126.
+                    S = tl.maximum(tl.where(pmax > 0, (pmax >> 3) - 15 + s_ref, -126), -126)
+                    d = tl.where(pmax > 0, 8 * (S - s_ref), 0) * 0x01010101
+                    out = pw - (d[None, :, :, None] & fm) + sgn
+                    tl.store(obase + (2 * j + h) * M4, out, mask=omask)
+                    col = col0 + 2 * j + h
+                    tl.store(os_ptr + pid_t.to(tl.int64) * K + col, pow2_f32(S), mask=kbm[:, None])
+        else:
+            _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
+                                   NB, GATHER)
     else:
         _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm, pid_t, pid_k,
                                NB, GATHER)
