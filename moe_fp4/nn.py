@@ -442,8 +442,9 @@ class MoE(nn.Module):
             x_saved = x_saved_rows = None
             if sim is None:
                 # The experts' quantized input made per token and gathered to their rows (bit for bit
-                # what they would make of the gathered bf16 rows); a checkpoint's recomputation, which
-                # replays the routing without waiting, quantizes here.
+                # what they would make of the gathered bf16 rows); fp4's MXFP4 copy stays per token, with
+                # the rows' token indices. A checkpoint's recomputation, which replays the routing
+                # without waiting, quantizes here.
                 tokens = staged["tokens"] if "tokens" in staged else quantize_expert_tokens(
                     x2, self.precision, self.storage)
                 x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(
