@@ -20,7 +20,12 @@ the cached FP8 weights and add their weight gradients into ``.grad``; the time i
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
 
+With ``--optimizer`` a timed unit is a whole training step instead: the passes, then AdamW (torch's
+fused AdamW, or moe_fp4.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
+each variant on its own copy of the weights; ``--param-dtype float32`` keeps float32 master weights.
+
     python bench/experts.py --json experts.json     # GPU (sm90)
+    python bench/experts.py --optimizer --json experts_train.json
 """
 
 from __future__ import annotations
@@ -95,6 +100,91 @@ def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1
     return ms / micro_batches, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+def timed_train_step(fn, params, opt, x, g, warmup: int, iters: int, micro_batches: int) -> tuple[float, float]:
+    """-> (median ms of one training step, peak MiB above what was allocated before): ``micro_batches``
+    forward + backward passes accumulating into ``.grad``, then ``opt.step()`` and ``opt.zero_grad()``
+    (the weights really change: no version bump needed)."""
+    def step():
+        for _ in range(micro_batches):
+            x.grad = None
+            fn().backward(g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, 0, iters)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def run_train_steps(shape: str, args) -> list[dict]:
+    """--optimizer: whole training steps (forward + backward + AdamW), each variant on its own copy of the
+    weights and its own optimizer state. torch's AdamW is the fused one (its fastest); moe_fp4's precisions
+    run with it (their FP8 weight pairs made in the next forward) and with moe_fp4.optim.AdamWFP8Weights
+    (the pairs made by the optimizer's own pass)."""
+    from moe_fp4.optim import AdamWFP8Weights
+
+    e, rows, h, f = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = [rows] * e
+    r = sum(counts)
+    x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    g = torch.randn(r, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dtype = getattr(torch, args.param_dtype)
+    w13 = (torch.randn(e, 2 * f, h, device="cuda", generator=gen) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, f, device="cuda", generator=gen) * f ** -0.5).to(dtype)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    hp = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch_adamw = lambda ps: torch.optim.AdamW(ps, fused=True, **hp)              # noqa: E731
+    ours_adamw = lambda ps: AdamWFP8Weights(ps, fused=True, **hp)                 # noqa: E731
+
+    def torch_module(m):
+        if dtype == torch.bfloat16:
+            return lambda: m(x, offs)
+        # float32 master weights: torch's experts compute in bf16, from a bf16 copy made each step (what
+        # autocast would do; torch._grouped_mm needs one dtype)
+        return lambda: torch_experts(x, m.w13.to(torch.bfloat16), m.w2.to(torch.bfloat16), offs)
+
+    variants = [("torch bf16 + AdamW", torch_module, torch_adamw)]
+    probe = torchao_experts(w13[:1, :128, :128].contiguous(), w2[:1, :128, :128].contiguous())
+    if isinstance(probe, str):
+        log(f"  torchao fp8: skipped ({probe})")
+    else:
+        variants.append(("torchao fp8 + AdamW", "torchao", torch_adamw))
+    for p in ("fp8", "fp4"):
+        run = lambda m, p=p: (lambda: grouped_swiglu_experts(x, m.w13, m.w2, counts, p))   # noqa: E731
+        variants += [(f"moe_fp4 {p} + AdamW", run, torch_adamw),
+                     (f"moe_fp4 {p} + AdamWFP8Weights", run, ours_adamw)]
+    log(f"\n{shape}, training steps: {e} experts x {rows} rows, H {h}, F {f}, {args.param_dtype} weights, "
+        f"{args.micro_batches} micro-batch(es) per step (grouped GEMM engine: {grouped_gemm_backend(x.device).value})")
+    log("| variant | step ms | / torch bf16 | peak MiB |")
+    log("| --- | ---: | ---: | ---: |")
+    out, base_ms = [], None
+    for name, make, make_opt in variants:
+        module = torchao_experts(w13, w2) if make == "torchao" else Experts(w13, w2)
+        fn = (lambda: module(x, offs)) if make == "torchao" else make(module)
+        params = list(module.parameters())
+        opt = make_opt(params)
+        try:
+            ms, mib = timed_train_step(fn, params, opt, x, g, args.warmup, args.iters, args.micro_batches)
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+            log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
+            out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
+            ms = None
+        opt = params = fn = module = None      # this variant's weights and state go before the next
+        torch.cuda.empty_cache()
+        if ms is None:
+            continue
+        base_ms = base_ms or ms
+        log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mib:.0f} |")
+        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mib,
+                    "micro_batches": args.micro_batches, "param_dtype": args.param_dtype, "optimizer": True})
+    return out
+
+
 def run_shape(shape: str, args) -> list[dict]:
     e, rows, h, f = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -146,6 +236,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--micro-batches", type=int, default=1,
                    help="bump the weights' versions every M-th step only (gradient accumulation; default 1)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="time whole training steps (forward + backward + AdamW) instead: torch's fused AdamW "
+                        "against moe_fp4.optim.AdamWFP8Weights")
+    p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="with --optimizer: the weights' dtype (float32: master weights; torch's experts "
+                        "multiply a bf16 copy made each step)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.micro_batches < 1:
@@ -153,7 +249,7 @@ def main() -> None:
     head = sm90_run("bench/experts.py")
     results = []
     for shape in args.shape:
-        results += run_shape(shape, args)
+        results += run_train_steps(shape, args) if args.optimizer else run_shape(shape, args)
     write_results(args.json, head, results)
 
 

@@ -21,10 +21,8 @@ from moe_fp4.kernels.triton_numerics import (
     row_column_grid,
     row_column_program,
     tile_program,
-    e4m3_rne,
-    e4m3_rne_asm,
     fp8_encode_tiles,
-    fp8_scale_exp,
+    fp8_weight_block,
     load_pairs_as_f32_bits,
     mx_encode_bf16_pairs,
     mx_encode_tiles,
@@ -289,13 +287,7 @@ def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
     cols = bk * BLOCK + tl.arange(0, BLOCK)
     base = e.to(tl.int64) * N * K
     v = tl.load(w_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
-    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    S = fp8_scale_exp(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0))
-    scaled = v * pow2_f32(-tl.minimum(S, 126))
-    if ASM:
-        q = e4m3_rne_asm(scaled).to(tl.uint8)
-    else:
-        q = e4m3_rne(scaled).to(tl.uint8)
+    q, S = fp8_weight_block(v, ASM)
     if WRITE_Q:
         tl.store(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :], q)
     if WRITE_T:

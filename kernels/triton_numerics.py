@@ -302,6 +302,21 @@ def fp8_scale_exp(amax_bits):
 
 
 @triton.jit
+def fp8_weight_block(v, ASM: tl.constexpr):
+    """v: float32 [BLOCK, BLOCK], one 128x128 weight block -> (uint8 E4M3 codes [BLOCK, BLOCK], int32 S):
+    S = clamp(ceil(log2(amax / 448)), -126, 127) over the block's finite values, codes = E4M3 RNE of
+    v / 2^S. ASM: the rounding by PTX cvt (e4m3_rne_asm, same bytes), on CUDA sm_89+ only."""
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    S = fp8_scale_exp(tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0))
+    scaled = v * pow2_f32(-tl.minimum(S, 126))
+    if ASM:
+        q = e4m3_rne_asm(scaled).to(tl.uint8)
+    else:
+        q = e4m3_rne(scaled).to(tl.uint8)
+    return q, S
+
+
+@triton.jit
 def e4m3_rne(v):
     """float32 v (|v| <= 448, or non-finite) -> int32 E4M3 byte: round-to-nearest-even into
     subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.

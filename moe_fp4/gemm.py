@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moe_fp4.api import _check_out_dtype
 from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
+from moe_fp4.kernels import adamw as adamw_kernels
 from moe_fp4.kernels import fp8 as fp8_kernels
 from moe_fp4.kernels import gluon_grouped_gemm as gluon_kernels
 from moe_fp4.kernels import grouped_gemm as grouped_kernels
@@ -185,8 +186,10 @@ class FP8WeightCache:
         self._hook = register_optimizer_step_post_hook(after_step)
 
     def _after_step(self, optimizer) -> None:
-        """Drop the pairs of every parameter the optimizer just stepped."""
-        if not self._entries:
+        """Drop the pairs of every parameter the optimizer just stepped, unless the optimizer keeps this
+        cache itself (``optimizer.fp8_weight_cache is self``: moe_fp4.optim.AdamWFP8Weights puts the
+        pairs its step made and drops the others)."""
+        if not self._entries or getattr(optimizer, "fp8_weight_cache", None) is self:
             return
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -210,6 +213,22 @@ class FP8WeightCache:
         self.misses += 1
         return pair
 
+    def __contains__(self, w: torch.Tensor) -> bool:
+        """Whether w has a pair here (of any version): an FP8 GEMM has read it since it last changed."""
+        return w in self._entries
+
+    def put(self, w: torch.Tensor, pair: tuple[FP8WeightTensor, FP8WeightTensor]) -> None:
+        """Hold ``pair`` (W, W^T), made by the caller from w as it is now, for w's current version: what
+        an optimizer that quantizes while it updates (adamw_step_fp8_weight_pair) hands over."""
+        if not self.enabled:
+            return
+        self._entries.pop(w, None)
+        self._entries[w] = ((w._version, w.data_ptr(), tuple(w.shape), w.dtype), pair)
+
+    def discard(self, w: torch.Tensor) -> None:
+        """Drop w's pair, if any (w is about to change)."""
+        self._entries.pop(w, None)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the cached FP8 copies now."""
@@ -217,6 +236,33 @@ class FP8WeightCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                               exp_avg_sq: torch.Tensor, scalars) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+    """p: float32/bf16/fp16 [N, K] or [E, N, K] (N, K multiples of 128); grad, exp_avg, exp_avg_sq: float
+    tensors of p's shape; all contiguous -> (W, W^T) as FP8WeightTensors of the updated p. One AdamW step
+    with ``scalars`` (moe_fp4.kernels.adamw.AdamWScalars) updates p, exp_avg and exp_avg_sq in place, and
+    the same pass quantizes the new p: equal to quantize_fp8_weight_pair(p) after the update, without
+    reading p again. One Triton pass on CUDA (or under TRITON_INTERPRET=1), the pure-torch twin
+    elsewhere. p's ``_version`` is bumped (the kernel writes it behind autograd's back)."""
+    from moe_fp4.api import _use_triton
+
+    if not isinstance(p, torch.Tensor) or p.dim() not in (2, 3):
+        raise ValueError(f"adamw_step_fp8_weight_pair: expected p [N, K] or [E, N, K], got {getattr(p, 'shape', p)}")
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+            raise ValueError(f"adamw_step_fp8_weight_pair: {name} must have p's shape {tuple(p.shape)}, got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    for name, t in (("p", p), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not t.is_contiguous():
+            raise ValueError(f"adamw_step_fp8_weight_pair: {name} must be contiguous (updated in place)")
+    n, k = p.shape[-2:]
+    views = [t.detach().view(-1, n, k) for t in (p, grad, exp_avg, exp_avg_sq)]
+    step = adamw_kernels.adamw_fp8_weight_step if _use_triton(p) else adamw_kernels.adamw_fp8_weight_step_ref
+    q, qt, scale = step(*views, scalars)
+    torch.autograd.graph.increment_version(p)
+    return _stacked(q, scale, p.shape[:-2]), _stacked(qt, scale.transpose(1, 2).contiguous(), p.shape[:-2])
 
 
 # The process's cache, used by the expert layer (moe_fp4.experts). ``FP8_WEIGHTS.enabled = False``
@@ -438,6 +484,7 @@ __all__ = [
     "FP8WeightCache",
     "FP8WeightTensor",
     "GemmBackend",
+    "adamw_step_fp8_weight_pair",
     "fp8_mm_nt",
     "gemm_backend",
     "decodes_mxfp4_in_gemm",

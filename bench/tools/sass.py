@@ -117,6 +117,17 @@ KERNELS = {
                          dict(h_ptr="*u8", hs_ptr="*u8", da_ptr="*i32", w_ptr="*fp32", dh_ptr="*i32", dw_ptr="*fp32",
                               M=I32, NT=I32, stride_w=I32),
                          dict(HAS_W=True, BLOCK_M=2, BLOCK_W=256), 4, 2 * 2048 * 2, None),
+    # Weights, one 128x128 block per program (16 warps): the quantizer, and AdamW fused with it (float32
+    # weights and moments, bf16 gradient)
+    "fp8_weight": ("moe_fp4.kernels.fp8", "_quantize_fp8_weight_kernel",
+                   dict(w_ptr="*bf16", q_ptr="*u8", qt_ptr="*u8", s_ptr="*fp32", N=I32, K=I32, NB=I32, KB=I32),
+                   dict(WRITE_Q=True, WRITE_T=True, BLOCK=128, ASM=True), 16, 128 * 128, None),
+    "adamw_fp8_weight": ("moe_fp4.kernels.adamw", "_adamw_fp8_weight_kernel",
+                         dict(p_ptr="*fp32", g_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", q_ptr="*u8", qt_ptr="*u8",
+                              s_ptr="*fp32", N=I32, K=I32, NB=I32, KB=I32, decay="fp32", beta1="fp32",
+                              one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", step_size="fp32",
+                              bc2_sqrt="fp32", eps="fp32"),
+                         dict(MAXIMIZE=False, BLOCK=128, CHUNK=32, ASM=True), 16, 128 * 128, None),
 }
 # Integer arguments at the shape bench/tools/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
