@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--storage", choices=["mxfp4", "nvfp4"], default="mxfp4",
                    help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
                         "scale per tensor, 4.5 bits an element)")
+    c.add_argument("--optimizer", choices=["adamw-fp8", "adamw"], default="adamw-fp8",
+                   help="adamw-fp8 (default): moe_fp4.optim.AdamWFP8Weights, whose step also writes the FP8 copies "
+                        "of the expert weights the FP8 GEMMs read (every other parameter, and every parameter of "
+                        "the bf16 and hf modes, takes torch's AdamW step); adamw: torch.optim.AdamW for all, the "
+                        "FP8 copies made in the next forward")
     c.add_argument("--hook", action="store_true",
                    help="a Hugging Face MoE model with and without activation compression")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
@@ -254,7 +259,7 @@ def _check(a: argparse.Namespace, cuda: bool):
                         lr=a.lr, seed=a.seed, data=a.data, max_batch_gib=a.max_batch, budget_gib=a.budget_gib,
                         global_batch=a.global_batch, recompute=a.recompute, plan=a.plan == "auto",
                         profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress,
-                        storage=a.storage)
+                        storage=a.storage, optimizer=a.optimizer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.global_batch is not None:
         from moe_fp4.compare import per_rank_batch

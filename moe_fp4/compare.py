@@ -56,6 +56,7 @@ from moe_fp4.gemm import grouped_gemm_backend
 from moe_fp4.hook import StorageFormat
 from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
 from moe_fp4.nn import DISPATCH_FORMAT, MoE, Recompute, end_grad_wire_step
+from moe_fp4.optim import AdamWFP8Weights
 from moe_fp4.planner import (  # noqa: F401 (re-exported)
     MAX_SEARCH_PROBES,
     PLAN_TIMED_STEPS,
@@ -70,6 +71,7 @@ GiB = 2**30
 MODES = tuple(p.value for p in Precision)
 HF_MODES = ("hf", "hf+hook")
 DATA = ("stdlib", "random")
+OPTIMIZERS = ("adamw-fp8", "adamw")
 CPU_NOTE = ("CPU run: conversions by {path}, FP8 GEMMs emulated in float32; CPU timings mean nothing, they "
             "only show that every path runs. Measure on a GPU.")
 
@@ -93,7 +95,11 @@ class CompareConfig:
     recompute: the recomputation policy of every mode (:class:`moe_fp4.nn.Recompute`: none, swiglu, moe,
     layer); plan: per mode, choose the policy and micro-batch with the highest measured tokens/s that fits
     ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.planner`) and train with that choice; storage: the
-    format the fp4 mode keeps its activations in, "mxfp4" or "nvfp4" (:class:`moe_fp4.StorageFormat`)."""
+    format the fp4 mode keeps its activations in, "mxfp4" or "nvfp4" (:class:`moe_fp4.StorageFormat`);
+    optimizer: "adamw-fp8" (:class:`moe_fp4.optim.AdamWFP8Weights`: the FP8 modes' expert weights take a step
+    that also writes their FP8 copies, every other parameter torch's fused AdamW step; the bf16 and Hugging
+    Face modes have no FP8 weights, so for them it is torch's AdamW) or "adamw" (torch.optim.AdamW for
+    every mode: the FP8 copies are made in the next forward)."""
 
     preset: str = "small"
     modes: tuple[str, ...] = MODES
@@ -117,6 +123,7 @@ class CompareConfig:
     hook: bool = False
     progress: bool = True
     storage: str = "mxfp4"
+    optimizer: str = "adamw-fp8"
 
     def __post_init__(self):
         """Every check that needs no device: ``moe-fp4 compare`` builds this before any model, so a bad
@@ -160,6 +167,8 @@ class CompareConfig:
         if self.storage != "mxfp4" and (self.hook or "fp4" not in self.modes):
             raise ValueError("--storage sets the format the fp4 mode keeps its activations in: run it with fp4 in "
                              "--modes (and without --hook)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.hook and (self.recompute != "none" or self.plan):
             raise ValueError("--recompute and --plan apply to moe_fp4's decoder; --hook compares a Hugging Face model")
         if self.plan:
@@ -301,15 +310,17 @@ class Trainer:
     replicated parameters, global-norm clipping, AdamW."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, env: Env, lr: float, steps: int, sharded=(),
-                 micro_batch: int | None = None):
+                 micro_batch: int | None = None, optimizer: str = "adamw-fp8"):
         self.model, self.loss_fn, self.env = model, loss_fn, env
         self.micro_batch = micro_batch
         sharded_ids = {id(p) for p in sharded}
         params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = [p for p in params if id(p) in sharded_ids]
         self.replicated = [p for p in params if id(p) not in sharded_ids]
-        self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
-                                     fused=env.cuda or None)
+        # AdamWFP8Weights steps the weights the FP8 GEMMs read (moe_fp4.gemm.FP8_WEIGHTS) and writes their
+        # FP8 copies in the same pass; every other parameter takes torch's AdamW step.
+        opt_class = {"adamw-fp8": AdamWFP8Weights, "adamw": torch.optim.AdamW}[optimizer]
+        self.opt = opt_class(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=env.cuda or None)
         warm = max(1, min(100, steps // 10))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(s, steps) / steps)))
@@ -500,7 +511,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     mc = cfg.model
     micro = micro_batch or batch
     model, loss_fn, sharded, handle = build(cfg, mode, env)
-    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro,
+                      optimizer=cfg.optimizer)
     data, held = _batches(cfg, env, corpus), _batches(cfg, env, corpus, held_out=True)
     if env.cuda:
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -585,7 +597,7 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
     model = trainer = handle = None
     try:
         model, loss_fn, sharded, handle = build(cfg, mode, env)
-        trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded)
+        trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, optimizer=cfg.optimizer)
         data = _batches(cfg, env, corpus)
         trainer.micro_batch = batches[0]
         trainer.step(*data.next(batches[0] * passes))        # optimizer state exists from here on
@@ -648,7 +660,8 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
     peak bytes of the largest rank; None on CPU). The model is freed afterwards."""
     _free(env)
     model, loss_fn, sharded, handle = build(cfg, mode, env)
-    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro,
+                      optimizer=cfg.optimizer)
     data = _batches(cfg, env, corpus)
     try:
         for _ in range(warmup):
@@ -724,6 +737,7 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
     t0 = time.perf_counter()
     corpus = stdlib_corpus() if cfg.data == "stdlib" else None
     meta = describe(env)
+    meta["optimizer"] = cfg.optimizer
     if env.ep is not None:
         # What each exchange sends: the dispatch in the mode's format unless EPConfig sets it, the rest as
         # EPConfig says.
@@ -751,7 +765,7 @@ def run(cfg: CompareConfig, env: Env, log=print) -> dict:
         params = (f"{counts['total'] / 1e6:.1f} million parameters ({counts['active_per_token'] / 1e6:.1f} million "
                   f"active per token); " if counts else "")
         log(f"  {params}{meta['device']} x {env.world}, torch {meta['torch']}, triton {meta['triton']}, "
-            f"grouped GEMMs {meta['grouped_gemm']}, {provenance(meta)}", flush=True)
+            f"grouped GEMMs {meta['grouped_gemm']}, optimizer {cfg.optimizer}, {provenance(meta)}", flush=True)
         for n in report["notes"]:
             log("  note: " + n, flush=True)
     batch = {m: cfg.batch for m in cfg.modes}

@@ -58,12 +58,14 @@ def main() -> None:
                 t_both = timed(lambda: (opt.step(), quantize_fp8_weight_pair(w)), 3, a.iters)
                 pw = w.detach()
                 times, outs = [], []
+                # outputs compared on the first two experts (a copy of every tensor per configuration would
+                # not fit at dsv3 size), all from the inputs as they are before any timed step
+                first = [t[:2].clone() for t in (pw, w.grad, m, v)]
                 for nw, ch in CONFIGS:
-                    # outputs compared on the first two experts (a copy of every tensor per configuration
-                    # would not fit at dsv3 size)
-                    args = [t[:2].clone() for t in (pw, w.grad, m, v)]
+                    args = [t.clone() for t in first]
                     outs.append([t.view(torch.uint8) for t in adamw_fp8_weight_step(*args, c, num_warps=nw,
                                                                                    chunk=ch)] + args)
+                for nw, ch in CONFIGS:
                     times.append(timed(lambda: adamw_fp8_weight_step(pw, w.grad, m, v, c, num_warps=nw, chunk=ch),
                                        3, a.iters))
                 for o in outs[1:]:
