@@ -11,10 +11,13 @@ run, the same bf16 input, weights and output gradient for every variant:
 - ``... + moe_fp4 hook``: the same module with ``register_activation_compression`` (what it saves for
   backward stored in MXFP4);
 - ``moe_fp4 bf16 / fp8 / fp4``: :func:`moe_fp4.experts.grouped_swiglu_experts` (fp8: the DeepSeek-V3
-  blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations).
+  blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations);
+- ``moe_fp4 fp8 / fp4, FP8 weights from AdamWFP8Weights``: the same, with the weights' versions left alone,
+  so forward and backward find the FP8 pairs in the cache, as moe_fp4.optim.AdamWFP8Weights leaves them
+  after its step (which writes them in its own update pass: ``--optimizer`` times whole steps with it).
 
-Before every step the weights' versions are bumped, as an optimizer step would (the FP8 weight cache
-quantizes them again). With ``--micro-batches M`` they are bumped (and the gradients reset) once per M
+Before every step (but for the rows just named) the weights' versions are bumped, as torch's optimizer
+step would (the FP8 weight cache quantizes them again). With ``--micro-batches M`` they are bumped (and the gradients reset) once per M
 forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
 the cached FP8 weights and add their weight gradients into ``.grad``; the time is per pass (one timed
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
@@ -79,13 +82,16 @@ def torchao_experts(w13: torch.Tensor, w2: torch.Tensor):
     return m
 
 
-def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1) -> tuple[float, float]:
+def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1,
+               bump: bool = True) -> tuple[float, float]:
     """-> (median ms per forward + backward of fn(), peak MiB above what was allocated before). One timed
-    unit is an optimizer step's worth: the weights' versions bumped and their gradients reset, then
+    unit is an optimizer step's worth: the weights' versions bumped (unless ``bump`` is False: the FP8
+    pairs are then found in the cache, as AdamWFP8Weights leaves them) and their gradients reset, then
     ``micro_batches`` forward + backward passes accumulating into ``.grad``; its time / micro_batches."""
     def step():
         for p in params:
-            torch.autograd.graph.increment_version(p)   # as an optimizer step would
+            if bump:
+                torch.autograd.graph.increment_version(p)   # as an optimizer step would
             p.grad = None
         for _ in range(micro_batches):
             x.grad = None
@@ -210,14 +216,20 @@ def run_shape(shape: str, args) -> list[dict]:
     for p in ("bf16", "fp8", "fp4"):
         variants.append((f"moe_fp4 {p}", lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
                          list(ours.parameters())))
+    for p in ("fp8", "fp4"):
+        # The pairs made by the optimizer (moe_fp4.optim.AdamWFP8Weights writes them in its update pass,
+        # which bench/tools/adamw_fp8.py times against torch's fused AdamW): forward + backward find them.
+        variants.append((f"moe_fp4 {p}, FP8 weights from AdamWFP8Weights",
+                         lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
+                         list(ours.parameters()), False))
     log(f"\n{shape}: {e} experts x {rows} rows, H {h}, F {f} (grouped GEMM engine: "
         f"{grouped_gemm_backend(x.device).value}; weights updated every {args.micro_batches} step(s))")
     log("| variant | fwd+bwd ms | / torch bf16 | peak MiB |")
     log("| --- | ---: | ---: | ---: |")
     out, base_ms = [], None
-    for name, fn, params in variants:
+    for name, fn, params, *bump in variants:
         try:
-            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters, args.micro_batches)
+            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters, args.micro_batches, *bump)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
             log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
             out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
