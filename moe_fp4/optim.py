@@ -98,7 +98,8 @@ class AdamWFP8Weights(torch.optim.AdamW):
                     fp8.append((p, group))
                 else:
                     rest.append(p)
-                    cache.discard(p)           # changes below, behind its version if the step is fused
+                    if p.grad is not None:     # torch's step below changes it, behind its version if fused
+                        cache.discard(p)
                     self._step_to_torch_device(p, group)
             kept_params.append(group["params"])
             group["params"] = rest

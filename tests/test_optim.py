@@ -166,10 +166,12 @@ def test_optimizer_without_a_cached_pair_is_torch_adamw_and_drops_stale_pairs():
     cache.enabled = False
     w.grad = torch.ones_like(w)
     opt.step()                                                 # still cached from before, fused
-    assert opt.last_step_fp8_params == 1
+    assert opt.last_step_fp8_params == 1 and w not in cache    # a disabled cache keeps no new pair
     w.grad = None
-    opt.step()
-    assert opt.last_step_fp8_params == 0
+    cache.enabled = True
+    pair = cache.get(w)
+    opt.step()                                                 # no gradient: w and its pair stay as they are
+    assert opt.last_step_fp8_params == 0 and cache.get(w) is pair
 
 
 def test_optimizer_rejects_what_it_does_not_fuse():
