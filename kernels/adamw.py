@@ -27,6 +27,7 @@ multiply-add into an FMA, which moves W, m and v by an ulp at most (a GPU test b
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,9 @@ class AdamWScalars:
 
 
 def _f32(x: float) -> float:
-    """x rounded to the nearest float32 (as a Python float)."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """x rounded to the nearest float32 (as a Python float; struct, not a tensor: this runs per parameter
+    per step on the host)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @triton.jit

@@ -223,3 +223,31 @@ def test_gpu_kernel_matches_the_reference_and_quantizes_its_own_weight(dtype):
     w, wt = quantize_fp8_weight_pair(got[0])                           # the pair is of the stored new weight
     assert torch.equal(_u8(pair[0]), _u8(w.data)) and torch.equal(_u8(pair[1]), _u8(wt.data))
     assert torch.equal(pair[2], w.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_gpu_experts_train_on_the_optimizer_pairs(monkeypatch, precision):
+    """The experts' forward and backward find the pairs the optimizer wrote (no quantization after the
+    first forward), and each equals quantize_fp8_weight_pair of the weight as it now is."""
+    from moe_fp4 import experts
+
+    cache = FP8WeightCache()
+    monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)
+    torch.manual_seed(0)
+    w13 = torch.nn.Parameter(torch.randn(4, 512, 256, device="cuda") * 256 ** -0.5)
+    w2 = torch.nn.Parameter(torch.randn(4, 256, 256, device="cuda") * 256 ** -0.5)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    opt = AdamWFP8Weights([w13, w2], lr=1e-3, fused=True, cache=cache)
+    for step in range(3):
+        y = experts.grouped_swiglu_experts(x, w13, w2, [128] * 4, precision)
+        y.float().pow(2).mean().backward()
+        assert cache.misses == 2                               # the first forward's two quantizations only
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_step_fp8_params == 2
+        for w in (w13, w2):
+            got, want = cache.get(w), quantize_fp8_weight_pair(w)
+            for a, b in zip(got, want):
+                assert torch.equal(_u8(a.data), _u8(b.data)) and torch.equal(a.scale, b.scale)
+    assert cache.misses == 2
