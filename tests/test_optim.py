@@ -141,7 +141,7 @@ def test_optimizer_follows_torch_adamw_and_keeps_the_cache(kw):
         fresh = quantize_fp8_weight_pair(w)
         for got, want in zip(pair, fresh):
             assert torch.equal(_u8(got.data), _u8(want.data)) and torch.equal(got.scale, want.scale)
-    # torch's AdamW takes the state over (same keys), and gives it back
+    # torch's AdamW takes the state over (same keys)
     back = torch.optim.AdamW([w_ref, b_ref], **hp)
     back.load_state_dict(opt.state_dict())
     assert back.state_dict()["state"][0]["step"].item() == 3
