@@ -17,8 +17,8 @@ run, the same bf16 input, weights and output gradient for every variant:
   after its step (which writes them in its own update pass: ``--optimizer`` times whole steps with it).
 
 Before every step (but for the rows just named) the weights' versions are bumped, as torch's optimizer
-step would (the FP8 weight cache quantizes them again). With ``--micro-batches M`` they are bumped (and the gradients reset) once per M
-forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
+step would (the FP8 weight cache quantizes them again). With ``--micro-batches M`` they are bumped (and
+the gradients reset) once per M forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
 the cached FP8 weights and add their weight gradients into ``.grad``; the time is per pass (one timed
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).

@@ -163,13 +163,17 @@ def adamw_fp8_weight_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: 
     (quantize_fp8_weight_128x128 with write_q and write_t). Bit-identical to adamw_fp8_weight_step_ref
     under the interpreter. asm: None = the PTX rounding on sm_90+ outside the interpreter."""
     _check(p, g, m, v, "adamw_fp8_weight_step")
+    if chunk < 1 or chunk & (chunk - 1) or WEIGHT_BLOCK % chunk:
+        raise ValueError(f"adamw_fp8_weight_step: chunk (rows per slice) must be a power of two dividing "
+                         f"{WEIGHT_BLOCK}, got {chunk}")
     q, qt, scale = _outputs(p)
     e, n, k = p.shape
     if p.numel():
         _adamw_fp8_weight_kernel[(n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, e)](
             p, g, m, v, q.view(torch.uint8), qt.view(torch.uint8), scale, n, k, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK,
             c.decay, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2, c.step_size, c.bc2_sqrt, c.eps,
-            MAXIMIZE=c.maximize, BLOCK=WEIGHT_BLOCK, CHUNK=chunk, ASM=use_asm(p) if asm is None else asm, num_warps=num_warps)
+            MAXIMIZE=c.maximize, BLOCK=WEIGHT_BLOCK, CHUNK=chunk, ASM=use_asm(p) if asm is None else asm,
+            num_warps=num_warps)
     return q, qt, scale
 
 

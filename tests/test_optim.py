@@ -82,6 +82,8 @@ def test_scalars_and_inputs_are_checked_before_any_work():
         adamw_fp8_weight_step(*[t[:, :100].contiguous() for t in (p, g, m, v)], c)
     with pytest.raises(ValueError, match="exp_avg is"):
         adamw_fp8_weight_step(p, g, m[:, :, :64].contiguous(), v, c)
+    with pytest.raises(ValueError, match="chunk"):
+        adamw_fp8_weight_step(p, g, m, v, c, chunk=48)
     with pytest.raises(TypeError, match="p must be"):
         adamw_fp8_weight_step(p.double(), g, m, v, c)
     with pytest.raises(ValueError, match="contiguous"):
