@@ -97,16 +97,11 @@ def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1
             x.grad = None
             fn().backward(g)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ms = timed(step, 0, iters)
-    return ms / micro_batches, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    ms, mib = measured(step, warmup, iters)
+    return ms / micro_batches, mib
 
 
-def timed_train_step(fn, params, opt, x, g, warmup: int, iters: int, micro_batches: int) -> tuple[float, float]:
+def timed_train_step(fn, opt, x, g, warmup: int, iters: int, micro_batches: int) -> tuple[float, float]:
     """-> (median ms of one training step, peak MiB above what was allocated before): ``micro_batches``
     forward + backward passes accumulating into ``.grad``, then ``opt.step()`` and ``opt.zero_grad()``
     (the weights really change: no version bump needed)."""
@@ -117,6 +112,11 @@ def timed_train_step(fn, params, opt, x, g, warmup: int, iters: int, micro_batch
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return measured(step, warmup, iters)
+
+
+def measured(step, warmup: int, iters: int) -> tuple[float, float]:
+    """-> (median ms of step() over iters after warmup, peak MiB it adds above what was allocated before)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -172,15 +172,14 @@ def run_train_steps(shape: str, args) -> list[dict]:
     for name, make, make_opt in variants:
         module = torchao_experts(w13, w2) if make == "torchao" else Experts(w13, w2)
         fn = (lambda: module(x, offs)) if make == "torchao" else make(module)
-        params = list(module.parameters())
-        opt = make_opt(params)
+        opt = make_opt(list(module.parameters()))
         try:
-            ms, mib = timed_train_step(fn, params, opt, x, g, args.warmup, args.iters, args.micro_batches)
+            ms, mib = timed_train_step(fn, opt, x, g, args.warmup, args.iters, args.micro_batches)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
             log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
             out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
             ms = None
-        opt = params = fn = module = None      # this variant's weights and state go before the next
+        opt = fn = module = None      # this variant's weights and state go before the next
         torch.cuda.empty_cache()
         if ms is None:
             continue
