@@ -139,7 +139,13 @@ def quantize_fp8_weight_pair(w: torch.Tensor) -> tuple[FP8WeightTensor, FP8Weigh
     fprop and the dgrad operand. Equal to (quantize_fp8_weight(w), quantize_fp8_weight(w, True)): a
     128x128 block's scale is the same for W and W^T, so the transposed scales are exact."""
     q, qt, scale = _quantize_weight(w, True, True, "quantize_fp8_weight_pair")
-    return _stacked(q, scale, w.shape[:-2]), _stacked(qt, scale.transpose(1, 2).contiguous(), w.shape[:-2])
+    return _pair(q, qt, scale, w.shape[:-2])
+
+
+def _pair(q: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor, lead) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+    """A weight kernel's W codes, W^T codes and block scales -> (W, W^T) as FP8WeightTensors with the
+    weight's leading dimensions ``lead`` (W^T's scales are W's transposed: 128x128 blocks)."""
+    return _stacked(q, scale, lead), _stacked(qt, scale.transpose(1, 2).contiguous(), lead)
 
 
 def _stacked(data: torch.Tensor, scale: torch.Tensor, lead) -> FP8WeightTensor:
@@ -262,7 +268,7 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     step = adamw_kernels.adamw_fp8_weight_step if _use_triton(p) else adamw_kernels.adamw_fp8_weight_step_ref
     q, qt, scale = step(*views, scalars)
     torch.autograd.graph.increment_version(p)
-    return _stacked(q, scale, p.shape[:-2]), _stacked(qt, scale.transpose(1, 2).contiguous(), p.shape[:-2])
+    return _pair(q, qt, scale, p.shape[:-2])
 
 
 # The process's cache, used by the expert layer (moe_fp4.experts). ``FP8_WEIGHTS.enabled = False``
