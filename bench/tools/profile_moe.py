@@ -1,7 +1,11 @@
 """Where a MoE layer step spends GPU time: torch.profiler over fwd+bwd, top kernels per precision,
 and how many CUDA kernels one step launches.
 
-    python bench/tools/profile_moe.py --config dsv3 --precisions fp8 fp4 [--top 25]
+    python bench/tools/profile_moe.py --config dsv3 --precisions fp8 fp4 [--top 25] [--bench-step]
+
+By default the profiled step is a later micro-batch's: the weights' FP8 copies cached, the weight
+gradients added into the existing ``.grad`` (the ``aten::add_`` rows). ``--bench-step`` profiles the
+step bench/moe_layer.py times instead: gradients set to None and the FP8 weights made again.
 """
 
 from __future__ import annotations
@@ -52,16 +56,26 @@ def layer_step(m: MoE, x: torch.Tensor, g: torch.Tensor, new_weights: bool = Fal
 
 
 def main() -> None:
-    a = layer_args(__doc__.splitlines()[0], 25).parse_args()
+    p = layer_args(__doc__.splitlines()[0], 25)
+    p.add_argument("--bench-step", action="store_true",
+                   help="gradients set to None and the FP8 weights made again (bench/moe_layer.py's step)")
+    a = p.parse_args()
     m, _, x, g = make_layer(a.config)
     tokens = x.shape[0]
+
+    def step():
+        if a.bench_step:
+            layer_step(m, x, g, new_weights=True)
+        else:
+            m(x).backward(g)
+
     for prec in a.precisions:
         m.precision = prec
         for _ in range(2):
-            m(x).backward(g)
+            step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            m(x).backward(g)
+            step()
             torch.cuda.synchronize()
         print(f"\n=== {a.config} {prec} ===", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=70))

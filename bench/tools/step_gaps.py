@@ -27,7 +27,7 @@ from profile_moe import layer_step, make_layer  # noqa: E402  (bench/tools/profi
 
 
 def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int,
-         new_weights: bool = False) -> None:
+         new_weights: bool = False, by_kernel: bool = False) -> None:
     m, _, x, g = make_layer(config)
     m.precision = precision
 
@@ -52,6 +52,15 @@ def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float
           f"gaps > {min_gap_us:g} us: {len(found)}, {sum(f[0] for f in found) / steps / 1e3:.2f} ms/step")
     for gap, before, after in sorted(found, reverse=True)[:top]:
         print(f"{gap:8.0f} us  after {before:60s} before {after}")
+    if by_kernel:
+        # Small gaps add up: a step of ~100 launches loses time before kernels that the host issues
+        # late, each gap too short to list. Summed by the kernel that follows the gap.
+        total: dict[str, list[float]] = {}
+        for gap, _, after in found:
+            total.setdefault(after, []).append(gap)
+        print("  gaps summed by the kernel after them (us per step, count per step):")
+        for name, v in sorted(total.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            print(f"  {sum(v) / steps:8.1f} us {len(v) / steps:5.1f}x  before {name}")
 
 
 def main() -> None:
@@ -62,6 +71,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-gap-us", type=float, default=15.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--by-kernel", action="store_true",
+                    help="also sum the gaps by the kernel that follows them (use with --min-gap-us 0)")
     ap.add_argument("--new-weights", action="store_true",
                     help="bump the weights' versions before each step (bench/moe_layer.py's step: the FP8 "
                          "weights made again), instead of a later micro-batch's cached ones")
@@ -69,7 +80,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("step_gaps: needs a CUDA GPU")
     for p in a.precision:
-        gaps(a.config, p, a.warmup, a.steps, a.min_gap_us, a.top, a.new_weights)
+        gaps(a.config, p, a.warmup, a.steps, a.min_gap_us, a.top, a.new_weights, a.by_kernel)
 
 
 if __name__ == "__main__":
