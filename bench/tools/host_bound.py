@@ -15,12 +15,17 @@ with --new-weights the weights' versions are bumped too, so each step makes its 
 - ``syncs``: the step's synchronizing CUDA calls (torch.cuda.set_sync_debug_mode), with where they are;
 - the top ops by self CPU time.
 A step time well above ``gpu`` means the GPU waits for the host. Then, per launch family, the host
-microseconds of one launch (median of back-to-back launches, no sync between).
+microseconds of one launch (median of back-to-back launches, no sync between). ``--cprofile N``: where
+that host time goes, the N functions with the most own time under cProfile, for --iters steps of each
+precision and for each launch family's calls.
 """
 
 from __future__ import annotations
 
 import os
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -53,6 +58,25 @@ def _host_us(fn, n: int = 200) -> float:
     return statistics.median(times)
 
 
+def _cprofile(fn, n: int, top: int) -> str:
+    """The ``top`` functions by own time over n calls of fn (cProfile; the GPU synchronized before and
+    after, so a call that blocks on a full launch queue shows as time in the launch)."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    # Drop pstats' preamble; keep the table, per call of fn.
+    lines = out.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return f"  (cProfile over {n} calls; times are totals)\n" + "\n".join(lines[start:start + top + 1])
+
+
 def _syncs(fn) -> list[str]:
     """The synchronizing CUDA calls of fn, each with the innermost moe_fp4 frame that made it."""
     found = []
@@ -73,6 +97,8 @@ def _syncs(fn) -> list[str]:
 def main() -> None:
     p = layer_args(__doc__.splitlines()[0], 20)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the N functions with the most host time (cProfile) per precision and family")
     p.add_argument("--new-weights", action="store_true",
                    help="bump the weights' versions before each step, so the FP8 weights are made again "
                         "(bench/moe_layer.py's step); default: cached, as in a later micro-batch")
@@ -117,6 +143,9 @@ def main() -> None:
         for s in syncs:
             print(f"  sync: {s}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+        if a.cprofile:
+            print(f"host time of {a.config} {prec} steps by function:")
+            print(_cprofile(lambda: step(m, x, g), a.iters, a.cprofile), flush=True)
 
     # Host cost of one launch per kernel family (dsv3-sized operands, results discarded).
     h, f, e = cfg.hidden, cfg.ffn, cfg.num_experts
@@ -139,9 +168,14 @@ def main() -> None:
     print("\nhost microseconds per launch (median of 200 back-to-back calls):")
     for name, fn in fams.items():
         try:
-            print(f"  {name:32s} {_host_us(fn):8.1f}")
+            print(f"  {name:32s} {_host_us(fn):8.1f}", flush=True)
         except Exception:  # noqa: BLE001 - one family failing does not hide the others
             print(f"  {name:32s} failed: {traceback.format_exc().splitlines()[-1]}")
+    if a.cprofile:
+        for name, fn in fams.items():
+            if "torch" not in name:
+                print(f"\nhost time of {name} by function:")
+                print(_cprofile(fn, 200, a.cprofile), flush=True)
 
 
 if __name__ == "__main__":
