@@ -13,7 +13,9 @@ Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.metrics.sqnr_db) 
 the input gradient dx vs bf16; fp8 and fp4 outputs must be equal (same FP8 operands). step: y =
 m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each step and the weights'
 versions bumped (as an optimizer step would: the FP8 weight copies are made again every step); CUDA events
-around each step; median and min of --iters after --warmup. Memory: after a step that allocates the
+around each step; median and min of --iters after --warmup, the precisions taking turns in --rounds rounds
+(order rotated each round: the step time drifts within a process, and one precision after the other
+would charge the drift to the later ones); the kernel counts (torch.profiler) after all timing. Memory: after a step that allocates the
 grads (kept, so weights, weight grads, x, x.grad and g are the baseline), one more step under
 ``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output y, [T, H] bf16, included) -
 baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
@@ -132,12 +134,9 @@ def check(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
     return res
 
 
-def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int, device: torch.device):
-    """-> (median s, min s) of fwd+bwd steps, grads set to None before each."""
-    for _ in range(warmup):
-        zero(m, x)
-        step(m, x, g)
-    sync(device)
+def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, iters: int, device: torch.device) -> list[float]:
+    """-> seconds of each of ``iters`` fwd+bwd steps, each from an idle GPU (CUDA events around it; wall
+    clock on CPU), grads set to None before each."""
     times = []
     for _ in range(iters):
         zero(m, x)
@@ -153,7 +152,36 @@ def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int
             step(m, x, g)
             times.append(time.perf_counter() - t0)
     zero(m, x)
-    return statistics.median(times), min(times)
+    return times
+
+
+def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int,
+                     rounds: int, device: torch.device) -> dict[str, list[list[float]]]:
+    """The precisions' timed steps in ``rounds`` rounds, in an order rotated each round -> {precision:
+    [seconds of its steps, one list per round]}.
+
+    Why not one precision after the other: in one process the step time drifts (on an H100, +1-3% over
+    a few seconds of steps, with and without a profiler session before; bench/RESULTS.md), so whichever
+    precision ran later paid for it (fp4/fp8 over 3 runs: 1.00-1.02 when fp8 ran first, 0.94-0.98
+    when fp4 did). Rotated rounds give every precision every position equally often. Each precision
+    takes ``warmup`` untimed steps before its first round and one whenever it takes its turn."""
+    for p in precisions:
+        m.precision = p
+        for _ in range(warmup):
+            zero(m, x)
+            step(m, x, g)
+    sync(device)
+    per_round = max(1, iters // rounds)
+    out: dict[str, list[list[float]]] = {p: [] for p in precisions}
+    for r in range(rounds):
+        k = r % len(precisions)
+        for p in precisions[k:] + precisions[:k]:
+            m.precision = p
+            zero(m, x)
+            step(m, x, g)      # the switch: the other precision's buffers leave the allocator's cache warm for it
+            sync(device)
+            out[p].append(time_steps(m, x, g, per_round, device))
+    return out
 
 
 def memory(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> dict:
@@ -243,19 +271,24 @@ def launches(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> 
     return {"kernels_per_step": kernels, "copies_per_step": copies}
 
 
-def bench_precision(m: MoE, p: str, x, g, a: argparse.Namespace, device: torch.device) -> dict:
+def bench_memory(m: MoE, p: str, x, g, a: argparse.Namespace, device: torch.device) -> dict:
+    """One precision's memory row (and its T_max search); the step times come later, interleaved."""
     m.precision = p
     row: dict = {"precision": p, "tokens": x.shape[0]}
     row.update(memory(m, x, g, device))
-    row["step_s_median"], row["step_s_min"] = time_steps(m, x, g, a.warmup, a.iters, device)
-    row["tokens_per_s"] = x.shape[0] / row["step_s_median"]
-    row["gemm_tflops"] = gemm_flop(m, x.shape[0]) / row["step_s_median"] / 1e12
-    row.update(launches(m, x, g, device))
     if not a.no_budget and device.type == "cuda":
         free(device)
         row["budget"] = budget_search(m, (x.shape[0], row["peak_inc_bytes"]), int(a.budget_gib * GIB),
                                       device, a.seed)
     return row
+
+
+def add_times(m: MoE, row: dict, rounds: list[list[float]]) -> None:
+    times = [t for r in rounds for t in r]
+    row["step_s_median"], row["step_s_min"] = statistics.median(times), min(times)
+    row["step_s_round_medians"] = [statistics.median(r) for r in rounds]
+    row["tokens_per_s"] = row["tokens"] / row["step_s_median"]
+    row["gemm_tflops"] = gemm_flop(m, row["tokens"]) / row["step_s_median"] / 1e12
 
 
 # ------------------------------------------------------------------------------------ output
@@ -346,6 +379,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the config's)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 20; CPU 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; CPU 0)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds the timed steps are split into, the precisions' order rotated each round "
+                        "(default 5; CPU 1)")
     p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
     p.add_argument("--budget-gib", type=float, default=40.0, help="memory budget for T_max (default 40)")
     p.add_argument("--no-budget", action="store_true", help="skip the T_max search (always skipped on CPU)")
@@ -357,6 +393,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.config = a.config or (["smoke"] if cpu else ["dsv3", "small"])
     a.iters = a.iters or (1 if cpu else 20)
     a.warmup = a.warmup if a.warmup is not None else 0 if cpu else 3
+    a.rounds = a.rounds or (1 if cpu else 5)
+    if a.rounds < 1 or a.iters < 1:
+        p.error(f"--rounds and --iters must be >= 1, got {a.rounds} and {a.iters}")
     return a
 
 
@@ -387,12 +426,11 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
         log(f"  check FAILED: {entry['check']['error'][:300]}")
         zero(m, x)
     free(device)
-    log(_cells([n for n, _ in COLUMNS]))
+    rows: dict[str, dict] = {}
     for p in a.precisions:
-        log(f"  {name} {p}: memory, {a.warmup} warmup + {a.iters} timed steps"
-            + ("" if a.no_budget or device.type != "cuda" else f", T_max in {a.budget_gib:g} GiB"))
+        log(f"  {name} {p}: memory" + ("" if a.no_budget or device.type != "cuda" else f", T_max in {a.budget_gib:g} GiB"))
         try:
-            row = bench_precision(m, p, x, g, a, device)
+            row = bench_memory(m, p, x, g, a, device)
             labels = ", ".join(f"{k} {v / MIB:.2f}" for k, v in row["saved_by_label"].items())
             log(f"    saved_bytes by label (MiB): {labels}")
         except torch.cuda.OutOfMemoryError:
@@ -403,9 +441,30 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
             log(f"    ERROR {name} {p}: {row['error'][:300]}")
         zero(m, x)
         free(device)
-        entry["rows"].append(row)
-        log(table_line(name, row))
-        save()
+        rows[p] = row
+    timed_ps = [p for p in a.precisions if "error" not in rows[p]]
+    log(f"  {name}: {a.warmup} warmup + {a.iters} timed steps each, in {a.rounds} rounds of "
+        f"{' / '.join(timed_ps)} (order rotated each round)")
+    try:
+        for p, rounds in time_interleaved(m, timed_ps, x, g, a.warmup, a.iters, a.rounds, device).items():
+            add_times(m, rows[p], rounds)
+    except Exception as e:  # noqa: BLE001 - report the failure in every row that was to be timed
+        for p in timed_ps:
+            rows[p]["error"] = f"timing: {type(e).__name__}: {e}"
+        log(f"    ERROR {name} timing: {type(e).__name__}: {str(e)[:300]}")
+    zero(m, x)
+    free(device)
+    # Last: torch.profiler leaves CUPTI attached after its session (pytorch issue 144455), which would
+    # slow every step timed after it.
+    for p in timed_ps:
+        if "error" not in rows[p]:
+            m.precision = p
+            rows[p].update(launches(m, x, g, device))
+    log(_cells([n for n, _ in COLUMNS]))
+    for p in a.precisions:
+        entry["rows"].append(rows[p])
+        log(table_line(name, rows[p]))
+    save()
     entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda", name)
     del m, x, g
     free(device)
@@ -415,7 +474,7 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "budget_gib": a.budget_gib,
+    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds, "budget_gib": a.budget_gib,
               "seed": a.seed, "configs": []}
     log(f"moe_fp4 {result['moe_fp4']} MoE layer fwd+bwd | device: {result['device']} | torch {result['torch']} "
         f"| triton {result['triton']} | commit {result['commit']} | {result['date']}")
