@@ -1,13 +1,15 @@
-"""Does a torch.profiler session slow down what runs after it in the same process? The MoE layer's
-step time (bench/moe_layer.py's isolated step) before and after one profiled step.
+"""Does the MoE layer's step time drift within one process, and does a torch.profiler session slow what
+runs after it? bench/moe_layer.py's isolated step, in rounds, with or without a profiled step between.
 
-    python bench/tools/profiler_after.py --config dsv3 --precision fp8 [--rounds 3]
+    python bench/tools/profiler_after.py --config dsv3 --precision fp8 [--rounds 4] [--profile-after 9]
     TEARDOWN_CUPTI=1 python bench/tools/profiler_after.py ...   # Kineto releases CUPTI after a session
 
 Kineto leaves CUPTI attached after a profiling session unless TEARDOWN_CUPTI=1 (pytorch issue
-144455), and every later kernel launch pays for it. A benchmark that profiles one variant and then
-times the next is then biased against the later one. Per round: --iters steps timed with CUDA events
-(median ms), then (from --profile-after on) one step under torch.profiler (CUDA activity only). Needs
+144455), and every later kernel launch may pay for it; the step also drifted with no profiler at all
+(bench/RESULTS.md, ninth session). Either way a benchmark that times one variant after another charges
+the drift to the later one (bench/moe_layer.py interleaves its precisions for that reason). Per round: --iters steps timed with CUDA events
+(median ms, the host's median ms to issue a step, NVML's SM clock and temperature after the
+round), then (from --profile-after on) one step under torch.profiler (CUDA activity only). Needs
 a CUDA GPU.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (python -P too)
 
@@ -26,17 +29,28 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from profile_moe import layer_step, make_layer  # noqa: E402
 
 
-def timed(m, x, g, iters: int) -> float:
-    times = []
+def timed(m, x, g, iters: int) -> tuple[float, float]:
+    """-> (median ms of a step from an idle GPU, median host ms to issue it)."""
+    times, hosts = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        t = time.perf_counter()
         start.record()
         layer_step(m, x, g, new_weights=True)
         end.record()
+        hosts.append((time.perf_counter() - t) * 1e3)
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(hosts)
+
+
+def gpu_state() -> str:
+    """The SM clock (MHz) and temperature (C) NVML reports now, where torch can read them (pynvml)."""
+    try:
+        return f"SM clock {torch.cuda.clock_rate()} MHz, {torch.cuda.temperature()} C"
+    except Exception:  # noqa: BLE001 - pynvml missing: the times alone
+        return "SM clock n/a"
 
 
 def main() -> None:
@@ -56,9 +70,10 @@ def main() -> None:
     print(f"{a.config} {a.precision}, TEARDOWN_CUPTI={os.environ.get('TEARDOWN_CUPTI', 'unset')}: "
           f"median ms of {a.iters} steps per round")
     for r in range(1, a.rounds + 1):
-        ms = timed(m, x, g, a.iters)
+        ms, host = timed(m, x, g, a.iters)
         profiled = r >= a.profile_after
-        print(f"  round {r}: {ms:.3f} ms" + ("  (then one profiled step)" if profiled else ""), flush=True)
+        print(f"  round {r}: {ms:.3f} ms, host {host:.2f} ms to issue, {gpu_state()}"
+              + ("  (then one profiled step)" if profiled else ""), flush=True)
         if profiled:
             with profile(activities=[ProfilerActivity.CUDA]):
                 layer_step(m, x, g, new_weights=True)
