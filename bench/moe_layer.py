@@ -8,6 +8,7 @@ tokens per expert are roughly balanced; each step routes its own input.
     python bench/moe_layer.py                                 # GPU: dsv3 and small; CPU: a tiny smoke run
     python bench/moe_layer.py --config dsv3 --json bench/results/moe_layer_h200.json
     python bench/moe_layer.py --config small --tokens 16384 --precisions fp8 fp4 --no-budget
+    python bench/moe_layer.py --config dsv3 --no-budget --optimizer     # training steps, with AdamW
 
 Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.metrics.sqnr_db) of the output y and
 the input gradient dx vs bf16; fp8 and fp4 outputs must be equal (same FP8 operands). step: y =
@@ -15,7 +16,10 @@ m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each st
 versions bumped (as an optimizer step would: the FP8 weight copies are made again every step); CUDA events
 around each step; median and min of --iters after --warmup, the precisions taking turns in --rounds rounds
 (order rotated each round: the step time drifts within a process, and one precision after the other
-would charge the drift to the later ones); the kernel counts (torch.profiler) after all timing. Memory: after a step that allocates the
+would charge the drift to the later ones); the kernel counts (torch.profiler) after all timing. With
+--optimizer the timed unit is a training step instead, with no version bumps: fwd + bwd + AdamW, bf16 on
+torch's fused AdamW, fp8 and fp4 on moe_fp4.optim.AdamWFP8Weights (which writes the FP8 weight pairs
+the next forward reads); the step-time targets (set for fwd + bwd) then judge nothing. Memory: after a step that allocates the
 grads (kept, so weights, weight grads, x, x.grad and g are the baseline), one more step under
 ``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output y, [T, H] bf16, included) -
 baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
@@ -108,12 +112,28 @@ def zero(m: MoE, x: torch.Tensor) -> None:
     x.grad = None
 
 
-def step(m: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
-    # An optimizer would change the weights between two steps: bump their versions (no data touched)
-    # so that the FP8 weight cache (moe_fp4.gemm.FP8_WEIGHTS) quantizes them again, as in training.
-    for p in m.parameters():
-        torch.autograd.graph.increment_version(p)
-    m(x).backward(g)
+def step(m: MoE, x: torch.Tensor, g: torch.Tensor, opt: torch.optim.Optimizer | None = None) -> None:
+    if opt is None:
+        # An optimizer would change the weights between two steps: bump their versions (no data touched)
+        # so that the FP8 weight cache (moe_fp4.gemm.FP8_WEIGHTS) quantizes them again, as in training.
+        for p in m.parameters():
+            torch.autograd.graph.increment_version(p)
+        m(x).backward(g)
+    else:
+        # --optimizer: a training step; the optimizer changes the weights (AdamWFP8Weights also writes
+        # the FP8 pairs the next forward reads).
+        m(x).backward(g)
+        opt.step()
+
+
+def optimizers(m: MoE, precisions: list[str]) -> dict[str, torch.optim.Optimizer]:
+    """--optimizer: torch's fused AdamW for bf16 (its fastest), moe_fp4.optim.AdamWFP8Weights (fused for
+    the rest) for fp8 and fp4, which share it. A small learning rate: the weights stay near their start."""
+    from moe_fp4.optim import AdamWFP8Weights
+
+    hp = dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ours = AdamWFP8Weights(m.parameters(), **hp) if any(p != "bf16" for p in precisions) else None
+    return {p: torch.optim.AdamW(m.parameters(), **hp) if p == "bf16" else ours for p in precisions}
 
 
 def check(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
@@ -134,29 +154,30 @@ def check(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
     return res
 
 
-def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, iters: int, device: torch.device) -> list[float]:
-    """-> seconds of each of ``iters`` fwd+bwd steps, each from an idle GPU (CUDA events around it; wall
-    clock on CPU), grads set to None before each."""
+def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, iters: int, device: torch.device,
+               opt: torch.optim.Optimizer | None = None) -> list[float]:
+    """-> seconds of each of ``iters`` fwd+bwd steps (with ``opt``: + its step), each from an idle GPU
+    (CUDA events around it; wall clock on CPU), grads set to None before each."""
     times = []
     for _ in range(iters):
         zero(m, x)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step(m, x, g)
+            step(m, x, g, opt)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e-3)
         else:
             t0 = time.perf_counter()
-            step(m, x, g)
+            step(m, x, g, opt)
             times.append(time.perf_counter() - t0)
     zero(m, x)
     return times
 
 
 def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int,
-                     rounds: int, device: torch.device) -> dict[str, list[list[float]]]:
+                     rounds: int, device: torch.device, opts: dict | None = None) -> dict[str, list[list[float]]]:
     """The precisions' timed steps in ``rounds`` rounds, in an order rotated each round -> {precision:
     [seconds of its steps, one list per round]}.
 
@@ -164,12 +185,15 @@ def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Te
     a few seconds of steps, with and without a profiler session before; bench/RESULTS.md), so whichever
     precision ran later paid for it (fp4/fp8 over 3 runs: 1.00-1.02 when fp8 ran first, 0.94-0.98
     when fp4 did). Rotated rounds give every precision every position equally often. Each precision
-    takes ``warmup`` untimed steps before its first round and one whenever it takes its turn."""
+    takes ``warmup`` untimed steps before its first round and one whenever it takes its turn (with
+    ``opts``, {precision: optimizer}: that step also remakes the FP8 pairs another optimizer's step
+    left stale)."""
+    opts = opts or {}
     for p in precisions:
         m.precision = p
         for _ in range(warmup):
             zero(m, x)
-            step(m, x, g)
+            step(m, x, g, opts.get(p))
     sync(device)
     per_round = max(1, iters // rounds)
     out: dict[str, list[list[float]]] = {p: [] for p in precisions}
@@ -178,9 +202,9 @@ def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Te
         for p in precisions[k:] + precisions[:k]:
             m.precision = p
             zero(m, x)
-            step(m, x, g)      # the switch: the other precision's buffers leave the allocator's cache warm for it
+            step(m, x, g, opts.get(p))   # untimed: the first step after another precision's
             sync(device)
-            out[p].append(time_steps(m, x, g, per_round, device))
+            out[p].append(time_steps(m, x, g, per_round, device, opts.get(p)))
     return out
 
 
@@ -248,7 +272,8 @@ def gemm_flop(m: MoE, tokens: int) -> int:
     return 18 * c.hidden * c.ffn * tokens * c.top_k
 
 
-def launches(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> dict:
+def launches(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device,
+             opt: torch.optim.Optimizer | None = None) -> dict:
     """Kernels and memcpy/memset operations one fwd+bwd step puts on the GPU (torch.profiler)."""
     if device.type != "cuda":
         return {}
@@ -257,7 +282,7 @@ def launches(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> 
     zero(m, x)
     sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(m, x, g)
+        step(m, x, g, opt)
         sync(device)
     kernels = copies = 0
     for evt in prof.events():
@@ -332,9 +357,11 @@ ACT_SAVING_TARGET = 0.45       # fp4 activation memory at least this far below f
 T_MAX_TARGET = 1.4
 
 
-def ratios(rows: dict, judge: bool = True, config: str = "dsv3") -> list[dict]:
+def ratios(rows: dict, judge: bool = True, config: str = "dsv3", train: bool = False) -> list[dict]:
     """Step-time ratios (fp8/bf16, fp4/fp8, fp4/bf16), GEMM throughput and memory savings against the
-    targets of ``config`` (none for configs without targets); judge=False (CPU smoke): no verdicts."""
+    targets of ``config`` (none for configs without targets); judge=False (CPU smoke): no verdicts.
+    train (--optimizer): the step times are training steps, which the step-time targets (set for
+    forward + backward) do not judge."""
     def get(p, key):
         v = rows.get(p, {})
         for k in key.split("."):
@@ -345,11 +372,12 @@ def ratios(rows: dict, judge: bool = True, config: str = "dsv3") -> list[dict]:
         num, den = get(p, key), get(base, key)
         return None if num is None or not den else 1 - num / den if saving else num / den
 
-    fp8_bf16, fp4_fp8, tflops = STEP_TARGETS.get(config, (None, None, None))
-    out = [_target("step time fp8/bf16", ratio("fp8", "step_s_median", "bf16"), fp8_bf16 and "<=", fp8_bf16 or 0),
-           _target("step time fp4/fp8", ratio("fp4", "step_s_median"), fp4_fp8 and "<=", fp4_fp8 or 0),
-           _target("step time fp4/bf16", ratio("fp4", "step_s_median", "bf16"),
-                   "<=" if config == "small" else None, 1.0)]
+    fp8_bf16, fp4_fp8, tflops = STEP_TARGETS.get(config, (None, None, None)) if not train else (None, None, None)
+    what = "training step time" if train else "step time"
+    out = [_target(f"{what} fp8/bf16", ratio("fp8", "step_s_median", "bf16"), fp8_bf16 and "<=", fp8_bf16 or 0),
+           _target(f"{what} fp4/fp8", ratio("fp4", "step_s_median"), fp4_fp8 and "<=", fp4_fp8 or 0),
+           _target(f"{what} fp4/bf16", ratio("fp4", "step_s_median", "bf16"),
+                   "<=" if config == "small" and not train else None, 1.0)]
     for p in ("fp8", "fp4"):
         out.append(_target(f"GEMM TFLOP/s {p}", get(p, "gemm_tflops"), tflops and ">=", tflops or 0))
     t_max = ratio("fp4", "budget.t_max")
@@ -386,6 +414,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=40.0, help="memory budget for T_max (default 40)")
     p.add_argument("--no-budget", action="store_true", help="skip the T_max search (always skipped on CPU)")
     p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (default 0: none)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="time training steps: fwd + bwd + AdamW (bf16: torch's fused AdamW; fp8 / fp4: "
+                        "moe_fp4.optim.AdamWFP8Weights, whose step writes the FP8 weights); memory stays fwd + bwd")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten as it goes)")
     a = p.parse_args(argv)
@@ -443,10 +474,12 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
         free(device)
         rows[p] = row
     timed_ps = [p for p in a.precisions if "error" not in rows[p]]
-    log(f"  {name}: {a.warmup} warmup + {a.iters} timed steps each, in {a.rounds} rounds of "
-        f"{' / '.join(timed_ps)} (order rotated each round)")
+    opts = optimizers(m, timed_ps) if a.optimizer else {}
+    log(f"  {name}: {a.warmup} warmup + {a.iters} timed {'training ' if a.optimizer else ''}steps each, in "
+        f"{a.rounds} rounds of {' / '.join(timed_ps)} (order rotated each round)"
+        + (": fwd + bwd + AdamW (bf16: torch's fused AdamW; fp8 / fp4: AdamWFP8Weights)" if a.optimizer else ""))
     try:
-        for p, rounds in time_interleaved(m, timed_ps, x, g, a.warmup, a.iters, a.rounds, device).items():
+        for p, rounds in time_interleaved(m, timed_ps, x, g, a.warmup, a.iters, a.rounds, device, opts).items():
             add_times(m, rows[p], rounds)
     except Exception as e:  # noqa: BLE001 - report the failure in every row that was to be timed
         for p in timed_ps:
@@ -459,13 +492,18 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
     for p in timed_ps:
         if "error" not in rows[p]:
             m.precision = p
-            rows[p].update(launches(m, x, g, device))
+            if opts:   # an untimed step first: the FP8 pairs another optimizer's step left stale
+                zero(m, x)
+                step(m, x, g, opts[p])
+            rows[p].update(launches(m, x, g, device, opts.get(p)))
+    opts = None
     log(_cells([n for n, _ in COLUMNS]))
     for p in a.precisions:
         entry["rows"].append(rows[p])
         log(table_line(name, rows[p]))
     save()
-    entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda", name)
+    entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda", name,
+                             train=a.optimizer)
     del m, x, g
     free(device)
     save()
@@ -474,9 +512,10 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds, "budget_gib": a.budget_gib,
-              "seed": a.seed, "configs": []}
-    log(f"moe_fp4 {result['moe_fp4']} MoE layer fwd+bwd | device: {result['device']} | torch {result['torch']} "
+    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds, "optimizer": a.optimizer,
+              "budget_gib": a.budget_gib, "seed": a.seed, "configs": []}
+    what = "training step (fwd+bwd+AdamW)" if a.optimizer else "fwd+bwd"
+    log(f"moe_fp4 {result['moe_fp4']} MoE layer {what} | device: {result['device']} | torch {result['torch']} "
         f"| triton {result['triton']} | commit {result['commit']} | {result['date']}")
     log(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if device.type == "cpu":
@@ -491,7 +530,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for name in a.config:
         run_config(name, a, device, result, save)
-    log(f"\n=== MoE layer fwd+bwd on {result['device']} | torch {result['torch']} | triton {result['triton']} "
+    log(f"\n=== MoE layer {what} on {result['device']} | torch {result['torch']} | triton {result['triton']} "
         f"| commit {result['commit']} ===")
     log(_cells([n for n, _ in COLUMNS]))
     for entry in result["configs"]:
