@@ -21,11 +21,16 @@ step would (the FP8 weight cache quantizes them again). With ``--micro-batches M
 the gradients reset) once per M forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
 the cached FP8 weights and add their weight gradients into ``.grad``; the time is per pass (one timed
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
-to ``torch bf16``, and the peak memory the step adds over its inputs (MiB).
+to ``torch bf16``, and the peak memory the step adds over its inputs (MiB). The variants take their
+timed steps in --rounds rounds (default 5), the order rotated each round, one untimed step at each
+switch: the step time drifts within a process, and timed one after the other the later variants would
+pay for it (bench/RESULTS.md, ninth session).
 
 With ``--optimizer`` a timed unit is a whole training step instead: the passes, then AdamW (torch's
 fused AdamW, or moe_fp4.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
 each variant on its own copy of the weights; ``--param-dtype float32`` keeps float32 master weights.
+Those variants run one after the other, baseline first (each copy of the weights and optimizer state
+is freed before the next: at dsv3 with float32 weights they would not fit together).
 
     python bench/experts.py --json experts.json     # GPU (sm90)
     python bench/experts.py --optimizer --json experts_train.json
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -82,12 +88,10 @@ def torchao_experts(w13: torch.Tensor, w2: torch.Tensor):
     return m
 
 
-def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1,
-               bump: bool = True) -> tuple[float, float]:
-    """-> (median ms per forward + backward of fn(), peak MiB above what was allocated before). One timed
-    unit is an optimizer step's worth: the weights' versions bumped (unless ``bump`` is False: the FP8
-    pairs are then found in the cache, as AdamWFP8Weights leaves them) and their gradients reset, then
-    ``micro_batches`` forward + backward passes accumulating into ``.grad``; its time / micro_batches."""
+def pass_unit(fn, params, x, g, micro_batches: int = 1, bump: bool = True):
+    """-> a callable running one timed unit, an optimizer step's worth: the weights' versions bumped
+    (unless ``bump`` is False: the FP8 pairs are then found in the cache, as AdamWFP8Weights leaves them)
+    and their gradients reset, then ``micro_batches`` forward + backward passes accumulating into ``.grad``."""
     def step():
         for p in params:
             if bump:
@@ -96,9 +100,60 @@ def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1
         for _ in range(micro_batches):
             x.grad = None
             fn().backward(g)
+    return step
 
-    ms, mib = measured(step, warmup, iters)
+
+def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1,
+               bump: bool = True) -> tuple[float, float]:
+    """-> (median ms per forward + backward of fn(), peak MiB above what was allocated before), one
+    :func:`pass_unit` after another with nothing between (bench/torchao_ep.py times one variant per
+    process this way)."""
+    ms, mib = measured(pass_unit(fn, params, x, g, micro_batches, bump), warmup, iters)
     return ms / micro_batches, mib
+
+
+def step_times(step, n: int) -> list[float]:
+    """-> ms of each of n runs of step(), each from an idle GPU (CUDA events around it)."""
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def interleaved(units: dict, warmup: int, iters: int, rounds: int) -> dict[str, list[float]]:
+    """{name: unit} -> {name: ms of its timed runs}: ``rounds`` rounds, the order rotated each round, one
+    untimed run at each switch, iters // rounds (at least 1) timed runs per round. In one process the
+    step time drifts (bench/RESULTS.md, ninth session), so variants timed one after the other would
+    charge it to the later ones."""
+    names = list(units)
+    for name in names:
+        for _ in range(warmup):
+            units[name]()
+    torch.cuda.synchronize()
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            units[name]()              # untimed: the first run after another variant's
+            torch.cuda.synchronize()
+            out[name] += step_times(units[name], max(1, iters // rounds))
+    return out
+
+
+def peak_mib(step) -> float:
+    """Peak MiB one run of step() adds above what was allocated before it (after a run to warm up)."""
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def timed_train_step(fn, opt, x, g, warmup: int, iters: int, micro_batches: int) -> tuple[float, float]:
@@ -225,18 +280,22 @@ def run_shape(shape: str, args) -> list[dict]:
         f"{grouped_gemm_backend(x.device).value}; weights updated every {args.micro_batches} step(s))")
     log("| variant | fwd+bwd ms | / torch bf16 | peak MiB |")
     log("| --- | ---: | ---: | ---: |")
-    out, base_ms = [], None
+    out, units, mibs = [], {}, {}
     for name, fn, params, *bump in variants:
+        unit = pass_unit(fn, params, x, g, args.micro_batches, *bump)
         try:
-            ms, mib = timed_step(fn, params, x, g, args.warmup, args.iters, args.micro_batches, *bump)
+            mibs[name] = peak_mib(unit)      # also checks that the variant runs before it is timed
+            units[name] = unit
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
             log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
             out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
-            continue
+    base_ms = None
+    for name, times in interleaved(units, args.warmup, args.iters, args.rounds).items():
+        ms = statistics.median(times) / args.micro_batches
         base_ms = base_ms or ms
-        log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mib:.0f} |")
-        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mib,
-                    "micro_batches": args.micro_batches})
+        log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mibs[name]:.0f} |")
+        out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mibs[name],
+                    "micro_batches": args.micro_batches, "rounds": args.rounds})
     return out
 
 
@@ -245,6 +304,9 @@ def main() -> None:
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="forward + backward mode: the variants' timed steps in this many rounds, the order "
+                        "rotated each round (1: one variant after the other)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="bump the weights' versions every M-th step only (gradient accumulation; default 1)")
     p.add_argument("--optimizer", action="store_true",
@@ -255,8 +317,8 @@ def main() -> None:
                         "multiply a bf16 copy made each step)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    if args.micro_batches < 1:
-        p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.micro_batches < 1 or args.rounds < 1:
+        p.error(f"--micro-batches and --rounds must be >= 1, got {args.micro_batches} and {args.rounds}")
     head = sm90_run("bench/experts.py")
     results = []
     for shape in args.shape:
