@@ -19,10 +19,11 @@ around each step; median and min of --iters after --warmup, the precisions takin
 would charge the drift to the later ones); the kernel counts (torch.profiler) after all timing. With
 --optimizer the timed unit is a training step instead, with no version bumps: fwd + bwd + AdamW, bf16 on
 torch's fused AdamW, fp8 and fp4 on moe_fp4.optim.AdamWFP8Weights (which writes the FP8 weight pairs
-the next forward reads); the step-time targets (set for fwd + bwd) then judge nothing. Memory: after a step that allocates the
-grads (kept, so weights, weight grads, x, x.grad and g are the baseline), one more step under
-``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output y, [T, H] bf16, included) -
-baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
+the next forward reads); the step-time targets (set for fwd + bwd) then judge nothing.
+
+Memory: after a step that allocates the grads (kept, so weights, weight grads, x, x.grad and g are the
+baseline), one more step under ``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output
+y, [T, H] bf16, included) - baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
 --tokens, fit peak+(T) = a + b*T, T_max = (budget - a)/b rounded down to a multiple of 128, then one
 step at T_max checks peak+ <= budget. On CPU the Triton kernels run in the interpreter and the FP8
 GEMMs are emulated in float32: a smoke run of the code paths (tiny shape, wall clock, no memory
@@ -274,7 +275,8 @@ def gemm_flop(m: MoE, tokens: int) -> int:
 
 def launches(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device,
              opt: torch.optim.Optimizer | None = None) -> dict:
-    """Kernels and memcpy/memset operations one fwd+bwd step puts on the GPU (torch.profiler)."""
+    """Kernels and memcpy/memset operations one fwd+bwd step (with ``opt``: + its step) puts on the GPU
+    (torch.profiler)."""
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
