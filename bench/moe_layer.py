@@ -424,9 +424,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     cpu = not torch.cuda.is_available()
     a.config = a.config or (["smoke"] if cpu else ["dsv3", "small"])
-    a.iters = a.iters or (1 if cpu else 20)
+    a.iters = a.iters if a.iters is not None else 1 if cpu else 20
     a.warmup = a.warmup if a.warmup is not None else 0 if cpu else 3
-    a.rounds = a.rounds or (1 if cpu else 5)
+    a.rounds = a.rounds if a.rounds is not None else 1 if cpu else 5
     if a.rounds < 1 or a.iters < 1:
         p.error(f"--rounds and --iters must be >= 1, got {a.rounds} and {a.iters}")
     return a
