@@ -19,7 +19,9 @@ experts then end in a 128-row tile, as with a router's counts):
 Columns: median ms over --iters after --warmup (CUDA events; the runs issued back to back, so the
 times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits for the last,
 its time then includes the host's launch cost, which is how this script timed before 2026-11-26's fifth
-session), TFLOP/s = 2 R N K / time, each engine / cublas as a ratio of throughputs, and the host's
+session); the engines' configs are picked first, each alone, then the picked ones and the baselines are
+timed again in --rounds rounds with the order rotated (since the ninth session of 2026-11-26; before, each
+was timed once, cuBLAS after the engines), and those times go in the table; TFLOP/s = 2 R N K / time, each engine / cublas as a ratio of throughputs, and the host's
 microseconds per launch of the Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS per GEMM
 and reports the best.
 
@@ -149,6 +151,24 @@ def route_counts(rows: int, e: int, routing: str) -> list[int]:
     return [c + (-c) % 128 for c in counts]
 
 
+def interleaved_ms(fns: dict, warmup: int, iters: int, rounds: int, back_to_back: bool = False) -> dict:
+    """{name: fn} -> {name: median ms}: the contenders timed in ``rounds`` rounds, the order rotated
+    each round (round 0 in the given order), each round a :func:`timed` of iters // rounds runs (at least
+    1) after one untimed call; a name's time is the median of its round medians. Timed one after the
+    other, a later contender would pay for a drift within the process (bench/RESULTS.md, ninth session:
+    the layer step rose 1-4% over a few seconds of steps); cuBLAS was timed after the engines here."""
+    names = list(fns)
+    for name in names:
+        timed(fns[name], warmup, 1, back_to_back)
+    per_round = max(1, iters // rounds)
+    got: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            got[name].append(timed(fns[name], 1, per_round, back_to_back))
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
 def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     """One GEMM: [rows, k_dim] x per-expert [n_dim, k_dim]^T (nt), or dW [n_dim, k_dim] over rows (wgrad)."""
     counts = route_counts(rows, e, "skew" if args.skew else "ragged" if args.ragged else "balanced")
@@ -240,8 +260,21 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     if best is None:
         res["error"] = "no config compiled"
         return res
-    cublas_ms = timed(cublas, args.warmup, args.iters, b2b)
-    bf16_ms = timed(bf16, args.warmup, args.iters, b2b)
+    # The head-to-head: the configs picked above and the baselines, in rotated rounds (cuBLAS first in
+    # round 0); these times replace the picking runs' in the table.
+    picked = {"cublas": cublas, "bf16": bf16, "triton": run_triton(best[1])}
+    if "gluon_ms" in res:
+        picked["gluon"] = gluon(GL.GluonConfig(**res["gluon_config"]))
+    for label, _, fn in runs:
+        if label != "gluon" and f"{label}_ms" in res:
+            picked[label] = fn
+    final = interleaved_ms(picked, args.warmup, args.iters, args.rounds, b2b)
+    res["rounds"] = args.rounds
+    for label in ("gluon", "gluon_decode", "rowwise"):
+        if label in final:
+            res[f"{label}_ms"], res[f"{label}_tflops"] = final[label], flop / final[label] / 1e9
+    best = (final["triton"], best[1])
+    cublas_ms, bf16_ms = final["cublas"], final["bf16"]
     res["host_us"] = {"cublas": host_us(cublas), "bf16": host_us(bf16)}
     if gluon:
         res["host_us"]["gluon"] = host_us(gluon(gluon_default))
@@ -283,6 +316,9 @@ def main() -> None:
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="the final head-to-head (the picked engines and the baselines) in this many rounds, the "
+                        "order rotated each round, cuBLAS first in the first (default 5)")
     p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
     p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
     p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
@@ -301,6 +337,8 @@ def main() -> None:
     p.add_argument("--asm", action="store_true",
                    help="after the run, print each compiled grouped-GEMM kernel's registers, spills and MMA kind")
     args = p.parse_args()
+    if args.rounds < 1 or args.iters < 1:
+        p.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     head = sm90_run("bench/gemm.py")
     results = []
     for shape in args.shape:
