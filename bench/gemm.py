@@ -20,10 +20,11 @@ Columns: median ms over --iters after --warmup (CUDA events; the runs issued bac
 times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits for the last,
 its time then includes the host's launch cost, which is how this script timed before 2026-11-26's fifth
 session); the engines' configs are picked first, each alone, then the picked ones and the baselines are
-timed again in --rounds rounds with the order rotated (since the ninth session of 2026-11-26; before, each
-was timed once, cuBLAS after the engines), and those times go in the table; TFLOP/s = 2 R N K / time, each engine / cublas as a ratio of throughputs, and the host's
-microseconds per launch of the Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS per GEMM
-and reports the best.
+timed again in --rounds rounds with the order rotated (since the ninth session of 2026-11-26; before,
+each was timed once, cuBLAS after the engines), and those times go in the table; TFLOP/s = 2 R N K /
+time, each engine / cublas as a ratio of throughputs, and the host's microseconds per launch of the
+Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS
+per GEMM and reports the best.
 
     python bench/gemm.py                      # GPU (sm90): both shapes
     python bench/gemm.py --shape dsv3 --sweep --json bench/results/gemm_h200.json
