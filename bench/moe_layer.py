@@ -184,7 +184,7 @@ def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Te
 
     Why not one precision after the other: in one process the step time drifts (on an H100, +1-3% over
     a few seconds of steps, with and without a profiler session before; bench/RESULTS.md), so whichever
-    precision ran later paid for it (fp4/fp8 over 3 runs: 1.00-1.02 when fp8 ran first, 0.94-0.98
+    precision ran later paid for it (fp4/fp8 over 3 runs: 1.00-1.02 when fp8 ran first, 0.94-0.99
     when fp4 did). Rotated rounds give every precision every position equally often. Each precision
     takes ``warmup`` untimed steps before its first round and one whenever it takes its turn (with
     ``opts``, {precision: optimizer}: that step also remakes the FP8 pairs another optimizer's step
