@@ -22,6 +22,11 @@ MAGS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 # alarm about once in 10^6 runs.
 SIGMAS = 6.0
 SR_SAMPLES = 400
+# The samples as SR_STEPS calls (steps 0..SR_STEPS-1) on SR_SAMPLES / SR_STEPS stacked copies of the tensor:
+# Philox's counter is the element's position, so every copy of an element draws its own bits, and every
+# step a new stream. Through the torch reference: the kernels equal it bit for bit (the kernel tests here
+# and in test_nvfp4.py, and the API call below), and 400 interpreter calls took about 40 s per format.
+SR_STEPS = 20
 
 
 @triton.jit
@@ -103,10 +108,17 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not(fmt):
     x[0] = torch.where(odd, 0.3, 1.0) * torch.sign(x[0])
     x[1] = torch.where(odd, 0.7, 1.0) * torch.sign(x[1])
     quant = moe_fp4.quantize_mxfp4 if fmt == "mxfp4" else moe_fp4.quantize_nvfp4
+    ref = moe_fp4.reference.quantize_mxfp4 if fmt == "mxfp4" else moe_fp4.reference.quantize_nvfp4
+    deq = moe_fp4.reference.dequantize_mxfp4 if fmt == "mxfp4" else moe_fp4.reference.dequantize_nvfp4
     near_q = quant(x)
+    # What the statistics below hold for is what the API returns: one call, bit for bit.
+    api, want = quant(x, rounding="stochastic", seed=7, step=3), ref(x, rounding="stochastic", seed=7, step=3)
+    assert torch.equal(api.data, want.data) and torch.equal(api.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    copies = SR_SAMPLES // SR_STEPS
+    stacked = x.repeat(copies, 1)
     acc = torch.zeros_like(x)
-    for step in range(SR_SAMPLES):
-        acc += quant(x, rounding="stochastic", seed=7, step=step).dequantize(torch.float32)
+    for step in range(SR_STEPS):
+        acc += deq(ref(stacked, rounding="stochastic", seed=7, step=step), torch.float32).view(copies, *x.shape).sum(0)
     mean = acc / SR_SAMPLES
     scale = _element_scale(near_q)               # the same scales in both roundings
     # An element's two neighbours are at most 2 * scale apart: its rounding error has a standard deviation
