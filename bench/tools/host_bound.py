@@ -71,7 +71,7 @@ def _cprofile(fn, n: int, top: int) -> str:
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(top)
-    # Drop pstats' preamble; keep the table, per call of fn.
+    # Drop pstats' preamble; keep the table (times summed over the n calls).
     lines = out.getvalue().splitlines()
     start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
     return f"  (cProfile over {n} calls; times are totals)\n" + "\n".join(lines[start:start + top + 1])
