@@ -52,7 +52,7 @@ from moe_fp4.hook import register_activation_compression
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
 # bench/gemm.py: CUDA-event timing, the run's record, the JSON
-from gemm import log, sm90_run, timed, write_results  # noqa: E402
+from gemm import log, rotated, sm90_run, timed, write_results  # noqa: E402
 
 SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
 
@@ -136,9 +136,8 @@ def interleaved(units: dict, warmup: int, iters: int, rounds: int) -> dict[str, 
             units[name]()
     torch.cuda.synchronize()
     out: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+    for order in rotated(names, rounds):
+        for name in order:
             units[name]()              # untimed: the first run after another variant's
             torch.cuda.synchronize()
             out[name] += step_times(units[name], max(1, iters // rounds))

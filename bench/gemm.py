@@ -152,6 +152,16 @@ def route_counts(rows: int, e: int, routing: str) -> list[int]:
     return [c + (-c) % 128 for c in counts]
 
 
+def rotated(names: list, rounds: int):
+    """The order of each of ``rounds`` rounds: round r starts at names[r mod n] and wraps around, so over
+    n rounds every name takes every position once. The benchmarks time their variants in these rounds:
+    within one process the step time drifts (bench/RESULTS.md, ninth session), and timed one after the
+    other the later variants would pay for it."""
+    for r in range(rounds):
+        k = r % len(names)
+        yield names[k:] + names[:k]
+
+
 def interleaved_ms(fns: dict, warmup: int, iters: int, rounds: int, back_to_back: bool = False) -> dict:
     """{name: fn} -> {name: median ms}: the contenders timed in ``rounds`` rounds, the order rotated
     each round (round 0 in the given order), each round a :func:`timed` of iters // rounds runs (at least
@@ -163,9 +173,8 @@ def interleaved_ms(fns: dict, warmup: int, iters: int, rounds: int, back_to_back
         timed(fns[name], warmup, 1, back_to_back)
     per_round = max(1, iters // rounds)
     got: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+    for order in rotated(names, rounds):
+        for name in order:
             got[name].append(timed(fns[name], 1, per_round, back_to_back))
     return {name: statistics.median(v) for name, v in got.items()}
 
@@ -231,6 +240,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         runs += [("gluon", cfg, gluon(cfg)) for cfg in (sweep if args.sweep_gluon else [gluon_default])]
         if kind == "nt_mxfp4":
             runs.append(("gluon_decode", None, gluon(GL.NT_MXFP4_CONFIGS[torch.bfloat16])))
+    picked_fns = {}   # label -> the fastest of its runs (its config), for the head-to-head below
     for label, cfg, fn in runs:
         try:
             ms = timed(fn, args.warmup, args.iters, b2b)
@@ -244,8 +254,9 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                 log(f"  {name}: gluon stages {cfg.num_stages} d_bufs {cfg.d_bufs} group_m {cfg.group_m} "
                     f"split {cfg.split} wide {cfg.wide}: "
                     f"{flop / ms / 1e9:.0f} TFLOP/s")
-        if f"{label}_ms" not in res or ms < res[f"{label}_ms"]:
+        if label not in picked_fns or ms < res[f"{label}_ms"]:
             res[f"{label}_ms"], res[f"{label}_tflops"] = ms, flop / ms / 1e9
+            picked_fns[label] = fn
             if cfg is not None:
                 res["gluon_config"] = cfg.__dict__
     best = None
@@ -263,12 +274,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
         return res
     # The head-to-head: the configs picked above and the baselines, in rotated rounds (cuBLAS first in
     # round 0); these times replace the picking runs' in the table.
-    picked = {"cublas": cublas, "bf16": bf16, "triton": run_triton(best[1])}
-    if "gluon_ms" in res:
-        picked["gluon"] = gluon(GL.GluonConfig(**res["gluon_config"]))
-    for label, _, fn in runs:
-        if label != "gluon" and f"{label}_ms" in res:
-            picked[label] = fn
+    picked = {"cublas": cublas, "bf16": bf16, "triton": run_triton(best[1]), **picked_fns}
     final = interleaved_ms(picked, args.warmup, args.iters, args.rounds, b2b)
     res["rounds"] = args.rounds
     for label in ("gluon", "gluon_decode", "rowwise"):

@@ -60,6 +60,9 @@ from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
 from moe_fp4.saved import saved_bytes  # noqa: E402
 from moe_fp4.compare import commit  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from gemm import rotated  # noqa: E402  (bench/gemm.py: the rounds' order, shared by the benchmarks)
+
 CONFIGS = {  # name: (MoEConfig without shared_ffn, default tokens)
     "dsv3": (dict(hidden=7168, ffn=2048, num_experts=32, top_k=8), 4096),
     "small": (dict(hidden=2048, ffn=1408, num_experts=64, top_k=6), 8192),
@@ -198,9 +201,8 @@ def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Te
     sync(device)
     per_round = max(1, iters // rounds)
     out: dict[str, list[list[float]]] = {p: [] for p in precisions}
-    for r in range(rounds):
-        k = r % len(precisions)
-        for p in precisions[k:] + precisions[:k]:
+    for order in rotated(precisions, rounds):
+        for p in order:
             m.precision = p
             zero(m, x)
             step(m, x, g, opts.get(p))   # untimed: the first step after another precision's
