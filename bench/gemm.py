@@ -325,7 +325,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5,
                    help="the final head-to-head (the picked engines and the baselines) in this many rounds, the "
-                        "order rotated each round, cuBLAS first in the first (default 5)")
+                        "order rotated each round, cuBLAS first in the first (default 5; keep --iters / --rounds "
+                        ">= 4: shorter bursts read low, bench/RESULTS.md)")
     p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
     p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
     p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
