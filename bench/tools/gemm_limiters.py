@@ -5,7 +5,7 @@ of the Gluon engine and one of cuBLAS's blockwise scaled_mm of the same total si
     python bench/tools/gemm_limiters.py --shape dsv3 --gemm "fc1 fprop" "fc2 wgrad" --json lim.json --csv raw.csv
 
 Runs this script itself under ``ncu`` (``--child``: builds each GEMM's operands as bench/gemm.py does,
-balanced routing, launches everything twice unprofiled to compile and warm, then once each inside the
+balanced routing unless --routing, launches everything twice unprofiled to compile and warm, then once each inside the
 profiled range). Before each labelled launch the child runs ``torch.cuda._sleep`` (ATen's
 ``spin_kernel``), so the profiled kernels split into one group per label however many kernels a launch
 is (cuBLAS may add helpers; the MXFP4-A row converts A first). Per group the table gives the longest
@@ -15,7 +15,7 @@ kernel's counters and the group's summed time:
   ncu knows, found with ``--query-metrics``; on Hopper the gmma pipe);
 - issue slots used, cycles between two issued instructions per warp and its three largest shares by
   stall reason (``smsp__average_warps_issue_stalled_<reason>_per_issue_active``), achieved occupancy;
-- L2 hit rate and DRAM throughput (% of peak), and the SM clock the kernel ran at
+- L2 hit rate, L2 and DRAM throughput (% of peak), and the SM clock the kernel ran at
   (``--clock-control none``: the clocks of the timed runs, not ncu's base clock).
 
 The rows: ``gluon`` (the engine's default path: for "fc1 fprop (MXFP4 A)" the conversion to FP8 and the
@@ -49,6 +49,9 @@ METRICS = {
     "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "registers": "launch__registers_per_thread",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    # L2 throughput: a 256 x 128 tile reads 384 B of operands per 128 x 2 x 256 x 128 flops (170 flop/B)
+    # whatever K is, so at the tensor rate the operands stream from L2 at several TB/s
+    "l2_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
     "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "fma_pct": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
     **{f"stall_{r}": f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in STALLS},
@@ -56,7 +59,7 @@ METRICS = {
 MARKER = "spin_kernel"   # torch.cuda._sleep's kernel: one before each labelled launch
 
 
-def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_path: str) -> None:
+def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_path: str, routing: str = "balanced") -> None:
     """Build every GEMM's launches, warm them, then launch each once inside the profiled range, a marker
     kernel before each; the labels go to labels_path in launch order."""
     import torch
@@ -73,9 +76,9 @@ def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_pat
         for name, kind, k_dim, n_dim in table:
             if names and name not in names:
                 continue
-            counts = route_counts(rows, e, "balanced")
+            counts = route_counts(rows, e, routing)
             r = sum(counts)
-            label = {"shape": shape, "gemm": name, "R": r, "N": n_dim, "K": k_dim, "flop": 2 * r * n_dim * k_dim}
+            label = {"shape": shape, "routing": routing, "gemm": name, "R": r, "N": n_dim, "K": k_dim, "flop": 2 * r * n_dim * k_dim}
             if kind == "wgrad":
                 dy = torch.randn(r, n_dim, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(r, k_dim, device="cuda", dtype=torch.bfloat16)
@@ -167,7 +170,7 @@ def table(rows: list[dict]) -> str:
     """A markdown table, one row per (GEMM, engine)."""
     pipes = sorted({k for r in rows for k in r if k.startswith("pipe_")})
     head = ["shape", "GEMM", "engine", "kernels", "ms", "TFLOP/s", "SM GHz", *[p[5:-4] + " pipe %" for p in pipes],
-            "issue %", "occupancy %", "cycles / issue", "largest stalls (cycles per issue)", "L2 hit %", "DRAM %"]
+            "issue %", "occupancy %", "cycles / issue", "largest stalls (cycles per issue)", "L2 hit %", "L2 %", "DRAM %"]
     out = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 4 + ["---:"] * (len(head) - 4)) + " |"]
     nan = float("nan")
     for r in rows:
@@ -181,7 +184,7 @@ def table(rows: list[dict]) -> str:
                  *[f"{r.get(p, nan):.1f}" for p in pipes], f"{100 * r.get('issue_active', nan):.1f}",
                  f"{r.get('occupancy_pct', nan):.1f}", f"{r.get('cycles_per_issue', nan):.2f}",
                  ", ".join(f"{s.replace('_', ' ')} {v:.2f}" for v, s in stalls),
-                 f"{r.get('l2_hit_pct', nan):.1f}", f"{r.get('dram_pct', nan):.1f}"]
+                 f"{r.get('l2_hit_pct', nan):.1f}", f"{r.get('l2_pct', nan):.1f}", f"{r.get('dram_pct', nan):.1f}"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -190,6 +193,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["dsv3", "small"], help="shapes of bench/gemm.py")
     ap.add_argument("--gemm", nargs="+", help="only these GEMMs (bench/gemm.py's names; default: every GEMM)")
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "skew", "ragged"],
+                    help="expert row counts as bench/gemm.py routes them (default balanced)")
     ap.add_argument("--wgrad-out", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dW dtype of the weight-gradient GEMMs (the layer writes bf16 for bf16 weights)")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
@@ -199,14 +204,14 @@ def main() -> None:
     ap.add_argument("--labels", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.shape, a.gemm, a.wgrad_out, a.labels)
+        child(a.shape, a.gemm, a.wgrad_out, a.labels, a.routing)
         return
     metrics = available_metrics(a.ncu)
     with tempfile.TemporaryDirectory() as tmp:
         labels_path = os.path.join(tmp, "labels.json")
         cmd = [a.ncu, "--csv", "--clock-control", "none", "--profile-from-start", "off",
                "--metrics", ",".join(metrics.values()), sys.executable, os.path.abspath(__file__), "--child",
-               "--labels", labels_path, "--wgrad-out", a.wgrad_out, "--shape", *a.shape]
+               "--labels", labels_path, "--wgrad-out", a.wgrad_out, "--routing", a.routing, "--shape", *a.shape]
         if a.gemm:
             cmd += ["--gemm", *a.gemm]
         proc = subprocess.run(cmd, capture_output=True, text=True)
