@@ -5,8 +5,8 @@ of the Gluon engine and one of cuBLAS's blockwise scaled_mm of the same total si
     python bench/tools/gemm_limiters.py --shape dsv3 --gemm "fc1 fprop" "fc2 wgrad" --json lim.json --csv raw.csv
 
 Runs this script itself under ``ncu`` (``--child``: builds each GEMM's operands as bench/gemm.py does,
-balanced routing unless --routing, launches everything twice unprofiled to compile and warm, then once each inside the
-profiled range). Before each labelled launch the child runs ``torch.cuda._sleep`` (ATen's
+balanced routing unless --routing, launches everything twice unprofiled to compile and warm, then
+once each inside the profiled range). Before each labelled launch the child runs ``torch.cuda._sleep`` (ATen's
 ``spin_kernel``), so the profiled kernels split into one group per label however many kernels a launch
 is (cuBLAS may add helpers; the MXFP4-A row converts A first). Per group the table gives the longest
 kernel's counters and the group's summed time:
