@@ -47,6 +47,12 @@ def test_a_gemm_without_a_number_is_no_verdict():
     line = targets.gemm_targets(res, "balanced")[0]
     assert line["value"] is None and line["met"] is None
     assert "fc2 fprop" in line["detail"] and "fc1 dgrad" in line["detail"]
+    # a failed MXFP4-A row gives its own lines no verdict and leaves the FP8-A GEMMs' line alone
+    res = [_gemm("fc1 fprop", "dsv3", 0.99), {"gemm": "fc1 fprop (MXFP4 A)", "shape": "dsv3", "error": "boom"}]
+    lines = _by_name(targets.gemm_targets(res, "balanced"))
+    assert lines["dsv3 grouped GEMM / cuBLAS, least of 1"]["met"] is True
+    dec = lines["dsv3 fc1 fprop (MXFP4 A) decoded in the GEMM / FP8 A"]
+    assert dec["value"] is None and dec["met"] is None and dec["detail"] == "boom"
 
 
 def _layer_doc(config, fp8_over_bf16, fp4_over_fp8):
