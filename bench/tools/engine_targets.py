@@ -2,6 +2,7 @@
 
     python bench/tools/engine_targets.py --out /tmp/targets                 # GPU (sm90): runs, then judges
     python bench/tools/engine_targets.py --out /tmp/targets --judge-only    # judge the JSON files already there
+    python bench/tools/engine_targets.py --out /tmp/targets --repeat 3      # each target: the median of 3 sets
 
 It runs, one after the other in fresh processes, each writing its JSON into --out (its log beside it):
 
@@ -18,6 +19,11 @@ then prints the targets with their verdicts (also written to --out as targets.md
 | MXFP4 A decoded in the GEMM / the FP8-A GEMM | gemm.py `gluon_decode_vs_cublas` / fc1 fprop's `gluon_vs_cublas` | >= 0.95 |
 | layer step fp8 / bf16, fp4 / fp8 | moe_layer.py's own verdicts | dsv3 <= 0.80, small <= 0.95; dsv3 fp4/fp8 <= 1.00 |
 | experts fwd + bwd, fp8 (FP8 weights from AdamWFP8Weights) / torch's bf16 experts | experts.py `vs_torch_bf16` | dsv3 <= 0.75, small <= 0.95 |
+
+With ``--repeat N`` the whole set runs N times (files ``<name>_r<k>.json``) and each target is judged by
+the median of its N values, every value listed: the ratios that sit on their lines (the dsv3 weight
+gradients, fp4 / fp8 at dsv3; bench/RESULTS.md, tenth session of 2026-11-26) fall either side of them
+from one run to the next.
 
 Reference lines (no verdict) show what each target's neighbours read: the MXFP4 A converted first, fp4 in
 the experts, the weights quantized every pass, torchao's FP8 experts. The header names each JSON's
@@ -121,6 +127,29 @@ def experts_targets(results: list[dict]) -> list[dict]:
     return out
 
 
+def combine(runs: list[list[dict]]) -> list[dict]:
+    """The lines of N repeats (each a list as the *_targets functions give) -> one line per name: the
+    median of the repeats' values (those with one), judged against the same threshold, every repeat's
+    value in the detail. One repeat: its lines as they are."""
+    if len(runs) == 1:
+        return runs[0]
+    by_name: dict[str, list[dict]] = {}
+    for lines in runs:
+        for r in lines:
+            by_name.setdefault(r["name"], []).append(r)
+    out = []
+    for name, rs in by_name.items():
+        values = sorted(r["value"] for r in rs if r["value"] is not None)
+        n = len(values)
+        value = None if not n else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+        target = rs[0]["target"]
+        op, threshold = target.split() if target else (None, None)
+        each = ", ".join("n/a" if r["value"] is None else f"{r['value']:.3f}" for r in rs)
+        out.append({**_line(name, value, op, threshold and float(threshold), rs[0]["source"]), "target": target,
+                    "detail": f"median of {n} of {len(runs)} runs ({each}); first run: {rs[0]['detail']}"})
+    return out
+
+
 def header_of(doc: dict) -> dict:
     return doc.get("header") or {k: doc.get(k) for k in ("device", "commit", "date")}
 
@@ -159,34 +188,47 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20, help="each benchmark's --iters (default 20)")
     p.add_argument("--routing", nargs="+", default=["balanced", "skew"], choices=list(ROUTINGS),
                    help="bench/gemm.py once per routing (default: balanced and skew)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole set this many times, each benchmark in a fresh process each time, and "
+                        "judge each target by the median over the repeats (default 1: single runs of the "
+                        "ratios that sit on their lines fall either side of them)")
     p.add_argument("--judge-only", action="store_true", help="run nothing; judge the JSON files in --out")
     args = p.parse_args()
-    if args.iters < 4:
-        p.error(f"--iters must be >= 4 (the benchmarks time in 5 rounds; shorter rounds read low), got {args.iters}")
+    if args.iters < 20:
+        p.error(f"--iters must be >= 20: the benchmarks time in 5 rounds, and rounds of fewer than 4 runs read "
+                f"low (bench/RESULTS.md, ninth session); got {args.iters}")
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     os.makedirs(args.out, exist_ok=True)
     it = ["--iters", str(args.iters)]
     jobs = [(f"gemm_{r}", "gemm.py", ["--shape", "dsv3", "small", "--wgrad-out", "bfloat16"] + ROUTINGS[r] + it)
             for r in args.routing]
     jobs += [("moe_layer", "moe_layer.py", ["--config", "dsv3", "small", "--no-budget"] + it),
              ("experts", "experts.py", it)]
+    suffixes = [""] if args.repeat == 1 else [f"_r{k}" for k in range(1, args.repeat + 1)]
     if not args.judge_only:
-        for name, script, a in jobs:
-            run(args.out, name, script, a)
-    lines, heads = [], {}
-    for name, _, _ in jobs:
-        path = os.path.join(args.out, f"{name}.json")
-        if not os.path.exists(path):
-            lines.append(_line(f"{name}: no results", None, source=path, detail="see its .log"))
-            continue
-        with open(path) as fh:
-            doc = json.load(fh)
-        heads[f"{name}.json"] = header_of(doc)
-        if name.startswith("gemm_"):
-            lines += gemm_targets(doc["results"], name[len("gemm_"):])
-        elif name == "moe_layer":
-            lines += layer_targets(doc)
-        else:
-            lines += experts_targets(doc["results"])
+        for suffix in suffixes:           # a whole set per repeat, so a slow spell of the GPU hits every target
+            for name, script, a in jobs:
+                run(args.out, name + suffix, script, a)
+    runs, heads = [], {}
+    for suffix in suffixes:
+        lines = []
+        for name, _, _ in jobs:
+            path = os.path.join(args.out, f"{name}{suffix}.json")
+            if not os.path.exists(path):
+                lines.append(_line(f"{name}: no results", None, source=path, detail="see its .log"))
+                continue
+            with open(path) as fh:
+                doc = json.load(fh)
+            heads[f"{name}{suffix}.json"] = header_of(doc)
+            if name.startswith("gemm_"):
+                lines += gemm_targets(doc["results"], name[len("gemm_"):])
+            elif name == "moe_layer":
+                lines += layer_targets(doc)
+            else:
+                lines += experts_targets(doc["results"])
+        runs.append(lines)
+    lines = combine(runs)
     text = render(lines, heads)
     print(text)
     with open(os.path.join(args.out, "targets.md"), "w") as fh:
