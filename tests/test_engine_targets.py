@@ -113,6 +113,11 @@ def test_repeats_are_judged_by_their_median():
     assert gemm["value"] == pytest.approx(0.905) and gemm["met"] is True and gemm["target"] == ">= 0.9"
     assert gemm["detail"].startswith("median of 2 of 3 runs (0.880, n/a, 0.930)")
     assert three["reference"]["met"] is None and three["reference"]["value"] == 1.0
+    # the same name from two sources (gemm.py's routings) stays two lines
+    skew = [{**r, "source": "gemm.py skew"} for r in lines(0.70)]
+    both = targets.combine([lines(0.92) + skew, lines(0.94) + skew])
+    assert [(r["source"], r["value"]) for r in both if r["name"].startswith("dsv3")] == \
+        [("gemm.py balanced", pytest.approx(0.93)), ("gemm.py skew", 0.70)]
     odd = _by_name(targets.combine([lines(0.95), lines(0.89), lines(0.88)]))
     assert odd["dsv3 grouped GEMM / cuBLAS, least of 6"]["value"] == 0.89
     assert odd["dsv3 grouped GEMM / cuBLAS, least of 6"]["met"] is False

@@ -130,15 +130,16 @@ def experts_targets(results: list[dict]) -> list[dict]:
 def combine(runs: list[list[dict]]) -> list[dict]:
     """The lines of N repeats (each a list as the *_targets functions give) -> one line per name: the
     median of the repeats' values (those with one), judged against the same threshold, every repeat's
-    value in the detail. One repeat: its lines as they are."""
+    value in the detail. Lines are matched by name and source (gemm.py's routings share their names).
+    One repeat: its lines as they are."""
     if len(runs) == 1:
         return runs[0]
-    by_name: dict[str, list[dict]] = {}
+    by_key: dict[tuple[str, str], list[dict]] = {}
     for lines in runs:
         for r in lines:
-            by_name.setdefault(r["name"], []).append(r)
+            by_key.setdefault((r["name"], r["source"]), []).append(r)
     out = []
-    for name, rs in by_name.items():
+    for (name, _), rs in by_key.items():
         values = sorted(r["value"] for r in rs if r["value"] is not None)
         n = len(values)
         value = None if not n else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
@@ -146,7 +147,8 @@ def combine(runs: list[list[dict]]) -> list[dict]:
         op, threshold = target.split() if target else (None, None)
         each = ", ".join("n/a" if r["value"] is None else f"{r['value']:.3f}" for r in rs)
         out.append({**_line(name, value, op, threshold and float(threshold), rs[0]["source"]), "target": target,
-                    "detail": f"median of {n} of {len(runs)} runs ({each}); first run: {rs[0]['detail']}"})
+                    "detail": f"median of {n} of {len(runs)} runs ({each})"
+                              + (f"; first run: {rs[0]['detail']}" if rs[0]["detail"] else "")})
     return out
 
 
