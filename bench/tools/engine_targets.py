@@ -1,4 +1,4 @@
-"""The grouped-GEMM engine's targets (issue 29) from ONE run of the three benchmarks behind them, as a table.
+"""The grouped-GEMM engine's targets (issue 29), judged from one call that runs the three benchmarks behind them.
 
     python bench/tools/engine_targets.py --out /tmp/targets                 # GPU (sm90): runs, then judges
     python bench/tools/engine_targets.py --out /tmp/targets --judge-only    # judge the JSON files already there
