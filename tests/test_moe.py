@@ -450,7 +450,7 @@ def test_every_token_to_one_expert(precision, references):
 # Input received as MXFP4 (from the all-to-all): converted straight to FP8, kept as is.
 
 @pytest.mark.parametrize("precision", ["fp8", "fp4"])
-def test_mxfp4_input_equals_its_dequantized_bf16_input(precision):
+def test_mxfp4_input_equals_its_dequantized_bf16_input(precision, references):
     w13, w2 = _weights(e=2)
     torch.manual_seed(7)
     counts = (TOKEN_ALIGN, TOKEN_ALIGN)

@@ -76,7 +76,7 @@ def _grad(m, x, g):
     return x.grad
 
 
-def test_moe_layer_measures_the_round_trip_and_switches_to_bf16():
+def test_moe_layer_measures_the_round_trip_and_switches_to_bf16(references):
     ref, m = _layers(dispatch_grad="auto", combine_grad="auto")
     x = torch.randn(24, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     g = torch.randn(24, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)

@@ -177,9 +177,10 @@ def _moe_pair(precision: str, **formats):
 
 
 @pytest.mark.parametrize("precision,dispatch", [("bf16", "bf16"), ("fp8", "fp8"), ("fp4", "mxfp4")])
-def test_simulated_exchanges_forward(precision, dispatch):
+def test_simulated_exchanges_forward(precision, dispatch, references):
     """The layer with EPConfig(simulate=True): the router reads the local rows, the experts the rows as the
-    dispatch delivers them (the precision's format), and the output is the combine's round trip."""
+    dispatch delivers them (the precision's format), and the output is the combine's round trip. On the
+    reference conversions (``references``): what is tested is the layer's wiring of the exchanges."""
     from moe_fp4 import wire as W
 
     ref, sim = _moe_pair(precision, combine="nvfp4")
@@ -192,7 +193,9 @@ def test_simulated_exchanges_forward(precision, dispatch):
     assert torch.equal(sim(x).view(torch.int16), want.view(torch.int16))
 
 
-def test_simulated_exchanges_backward():
+def test_simulated_exchanges_backward(references):
+    # On the reference conversions (the kernels equal them bit for bit in their own tests): 43 s of
+    # interpreted kernels before, for a test of the layer's simulated exchanges.
     from moe_fp4 import wire as W
 
     # Unquantized gradient formats: the same gradients as without simulation (bf16 layer, bf16 rows).
