@@ -6,8 +6,8 @@ of the Gluon engine and one of cuBLAS's blockwise scaled_mm of the same total si
 
 Runs this script itself under ``ncu`` (``--child``: builds each GEMM's operands as bench/gemm.py does,
 balanced routing unless --routing, launches everything twice unprofiled to compile and warm, then
-once each inside the profiled range). Before each labelled launch the child runs ``torch.cuda._sleep`` (ATen's
-``spin_kernel``), so the profiled kernels split into one group per label however many kernels a launch
+once each inside the profiled range). Before each labelled launch the child runs ``torch.cuda._sleep``
+(ATen's ``spin_kernel``), so the profiled kernels split into one group per label however many kernels a launch
 is (cuBLAS may add helpers; the MXFP4-A row converts A first). Per group the table gives the longest
 kernel's counters and the group's summed time:
 
@@ -59,7 +59,8 @@ METRICS = {
 MARKER = "spin_kernel"   # torch.cuda._sleep's kernel: one before each labelled launch
 
 
-def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_path: str, routing: str = "balanced") -> None:
+def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_path: str,
+          routing: str = "balanced") -> None:
     """Build every GEMM's launches, warm them, then launch each once inside the profiled range, a marker
     kernel before each; the labels go to labels_path in launch order."""
     import torch
@@ -78,7 +79,8 @@ def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_pat
                 continue
             counts = route_counts(rows, e, routing)
             r = sum(counts)
-            label = {"shape": shape, "routing": routing, "gemm": name, "R": r, "N": n_dim, "K": k_dim, "flop": 2 * r * n_dim * k_dim}
+            label = {"shape": shape, "routing": routing, "gemm": name, "R": r, "N": n_dim, "K": k_dim,
+                     "flop": 2 * r * n_dim * k_dim}
             if kind == "wgrad":
                 dy = torch.randn(r, n_dim, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(r, k_dim, device="cuda", dtype=torch.bfloat16)
@@ -170,7 +172,8 @@ def table(rows: list[dict]) -> str:
     """A markdown table, one row per (GEMM, engine)."""
     pipes = sorted({k for r in rows for k in r if k.startswith("pipe_")})
     head = ["shape", "GEMM", "engine", "kernels", "ms", "TFLOP/s", "SM GHz", *[p[5:-4] + " pipe %" for p in pipes],
-            "issue %", "occupancy %", "cycles / issue", "largest stalls (cycles per issue)", "L2 hit %", "L2 %", "DRAM %"]
+            "issue %", "occupancy %", "cycles / issue", "largest stalls (cycles per issue)", "L2 hit %", "L2 %",
+            "DRAM %"]
     out = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 4 + ["---:"] * (len(head) - 4)) + " |"]
     nan = float("nan")
     for r in rows:
