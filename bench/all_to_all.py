@@ -21,7 +21,7 @@ The split check is off (``check=False``): a dispatcher knows its counts; its cos
 all-gather and a host sync) is timed on its own as ``check``. Median of --iters CUDA-event timings
 after --warmup, each iteration after a barrier; a row reports the slowest rank's median.
 
-``--layer``: the EP MoE layer (``moe_fp4.nn.MoE`` with ``EPConfig``), forward + backward, each rank
+``--layer``: the EP MoE layer (``moe_fp4.model.moe.MoE`` with ``EPConfig``), forward + backward, each rank
 its own --layer-tokens tokens, bf16 / fp8 / fp4 precision on the same weights and tokens.
 """
 
@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 import moe_fp4
-from moe_fp4.comm import exchange_rows
-from moe_fp4.ep import EPConfig
-from moe_fp4.metrics import sqnr_db
-from moe_fp4.nn import MoE, MoEConfig
-from moe_fp4.wire import row_bytes
-from moe_fp4.compare import commit
+from moe_fp4.exchange.all_to_all import exchange_rows
+from moe_fp4.exchange.ep import EPConfig
+from moe_fp4.formats.metrics import sqnr_db
+from moe_fp4.model.moe import MoE, MoEConfig
+from moe_fp4.exchange.wire import row_bytes
+from moe_fp4.compare.runner import commit
 
 LAYER_CONFIGS = {
     "dsv3": dict(hidden=7168, ffn=2048, num_experts=32, top_k=8),

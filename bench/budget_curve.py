@@ -1,7 +1,7 @@
 """Memory into speed: tokens/s of bf16, fp8 and fp4 against the memory budget (issue 30).
 
 For each budget (GiB per GPU) and mode, the planner of ``moe-fp4 compare --plan auto``
-(:func:`moe_fp4.compare.plan_mode`) finds each recomputation policy's exact largest micro-batch (every
+(:func:`moe_fp4.compare.runner.plan_mode`) finds each recomputation policy's exact largest micro-batch (every
 probe one step of a freshly built model), splits the global batch into the fewest micro-batches of at
 most that size, times each distinct split (``--steps`` steps after ``--warmup``, fresh model) and keeps
 the fastest. Printed and written per (budget, mode): the chosen policy, micro-batch x passes, measured
@@ -45,9 +45,9 @@ def main(argv=None) -> int:
         print("budget_curve.py measures memory with CUDA's allocator: it needs a GPU", file=sys.stderr)
         return 2
 
-    import moe_fp4.compare as C
-    from moe_fp4.data import stdlib_corpus
-    from moe_fp4.planner import NothingFits
+    from moe_fp4.compare import runner as C
+    from moe_fp4.compare.data import stdlib_corpus
+    from moe_fp4.model.planner import NothingFits
 
     env = C.Env(torch.device("cuda"))
     corpus = stdlib_corpus() if a.data == "stdlib" else None
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "args": vars(a), "rows": rows}, f, indent=1, default=str)
     if a.plot:
-        from moe_fp4.plots import budget_curve_plot
+        from moe_fp4.compare.plots import budget_curve_plot
 
         budget_curve_plot(rows, a.plot, f"{a.preset}, global batch {a.global_batch}, {meta['device']} "
                                          f"({C.provenance(meta)})")

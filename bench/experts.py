@@ -10,10 +10,10 @@ run, the same bf16 input, weights and output gradient for every variant:
   (torchao's MoE training recipe; skipped with a line when torchao does not import);
 - ``... + moe_fp4 hook``: the same module with ``register_activation_compression`` (what it saves for
   backward stored in MXFP4);
-- ``moe_fp4 bf16 / fp8 / fp4``: :func:`moe_fp4.experts.grouped_swiglu_experts` (fp8: the DeepSeek-V3
+- ``moe_fp4 bf16 / fp8 / fp4``: :func:`moe_fp4.model.experts.grouped_swiglu_experts` (fp8: the DeepSeek-V3
   blockwise recipe on the grouped FP8 GEMM engine; fp4: the same GEMMs with MXFP4-stored activations);
 - ``moe_fp4 fp8 / fp4, FP8 weights from AdamWFP8Weights``: the same, with the weights' versions left alone,
-  so forward and backward find the FP8 pairs in the cache, as moe_fp4.optim.AdamWFP8Weights leaves them
+  so forward and backward find the FP8 pairs in the cache, as moe_fp4.model.optim.AdamWFP8Weights leaves them
   after its step (which writes them in its own update pass: ``--optimizer`` times whole steps with it).
 
 Before every step (but for the rows just named) the weights' versions are bumped, as torch's optimizer
@@ -27,7 +27,7 @@ switch: the step time drifts within a process, and timed one after the other the
 pay for it (bench/RESULTS.md, ninth session).
 
 With ``--optimizer`` a timed unit is a whole training step instead: the passes, then AdamW (torch's
-fused AdamW, or moe_fp4.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
+fused AdamW, or moe_fp4.model.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
 each variant on its own copy of the weights; ``--param-dtype float32`` keeps float32 master weights.
 Those variants run one after the other, baseline first (each copy of the weights and optimizer state
 is freed before the next: at dsv3 with float32 weights they would not fit together).
@@ -46,9 +46,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moe_fp4.experts import grouped_swiglu_experts
-from moe_fp4.gemm import grouped_gemm_backend
-from moe_fp4.hook import register_activation_compression
+from moe_fp4.model.experts import grouped_swiglu_experts
+from moe_fp4.gemm.engines import grouped_gemm_backend
+from moe_fp4.saved.hook import register_activation_compression
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
 # bench/gemm.py: CUDA-event timing, the run's record, the JSON
@@ -183,9 +183,9 @@ def measured(step, warmup: int, iters: int) -> tuple[float, float]:
 def run_train_steps(shape: str, args) -> list[dict]:
     """--optimizer: whole training steps (forward + backward + AdamW), each variant on its own copy of the
     weights and its own optimizer state. torch's AdamW is the fused one (its fastest); moe_fp4's precisions
-    run with it (their FP8 weight pairs made in the next forward) and with moe_fp4.optim.AdamWFP8Weights
+    run with it (their FP8 weight pairs made in the next forward) and with moe_fp4.model.optim.AdamWFP8Weights
     (the pairs made by the optimizer's own pass)."""
-    from moe_fp4.optim import AdamWFP8Weights
+    from moe_fp4.model.optim import AdamWFP8Weights
 
     e, rows, h, f = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -270,7 +270,7 @@ def run_shape(shape: str, args) -> list[dict]:
         variants.append((f"moe_fp4 {p}", lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
                          list(ours.parameters())))
     for p in ("fp8", "fp4"):
-        # The pairs made by the optimizer (moe_fp4.optim.AdamWFP8Weights writes them in its update pass,
+        # The pairs made by the optimizer (moe_fp4.model.optim.AdamWFP8Weights writes them in its update pass,
         # which bench/tools/adamw_fp8.py times against torch's fused AdamW): forward + backward find them.
         variants.append((f"moe_fp4 {p}, FP8 weights from AdamWFP8Weights",
                          lambda p=p: grouped_swiglu_experts(x, ours.w13, ours.w2, counts, p),
@@ -310,7 +310,7 @@ def main() -> None:
                    help="bump the weights' versions every M-th step only (gradient accumulation; default 1)")
     p.add_argument("--optimizer", action="store_true",
                    help="time whole training steps (forward + backward + AdamW) instead: torch's fused AdamW "
-                        "against moe_fp4.optim.AdamWFP8Weights")
+                        "against moe_fp4.model.optim.AdamWFP8Weights")
     p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="with --optimizer: the weights' dtype (float32: master weights; torch's experts "
                         "multiply a bf16 copy made each step)")

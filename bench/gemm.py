@@ -8,7 +8,7 @@ experts then end in a 128-row tile, as with a router's counts):
 - ``gluon``:   the persistent warp-specialized Gluon engine (kernels/gluon_grouped_gemm.py; fprop,
                dgrad and wgrad, Hopper only; the MXFP4-A row includes its conversion to FP8, and a
                second line times the same engine decoding A inside the kernel instead);
-- ``triton``:  moe_fp4.gemm.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
+- ``triton``:  moe_fp4.gemm.engines.grouped_fp8_mm_nt / grouped_fp8_mm_wgrad, one launch for all experts;
 - ``rowwise``: torch._scaled_grouped_mm with row-wise scales (CUTLASS), torch's own grouped FP8 -
                a coarser recipe than our 1x128 x 128x128 blocks, so a speed anchor, not a twin;
 - ``cublas``:  ONE torch.nn.functional.scaled_mm of the same total M, N, K (1x128 x 128x128 blockwise
@@ -42,11 +42,11 @@ import time
 import torch
 
 import moe_fp4
-from moe_fp4.gemm import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
+from moe_fp4.gemm.engines import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
     quantize_fp8_weight, use_grouped_backend
 from moe_fp4.kernels import gluon_grouped_gemm as GL
 from moe_fp4.kernels import grouped_gemm as G
-from moe_fp4.compare import commit
+from moe_fp4.compare.runner import commit
 
 SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer.py
     "dsv3": (4096, 8, 32, 7168, 2048),

@@ -30,7 +30,7 @@ import time
 import torch
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 MiB = 2**20
 REDUCTION_ORDER_FLOOR_DB = 80.0

@@ -3,7 +3,7 @@
 For each op and MoE shape (tokens x hidden, bf16 activations) it reports the median time of one
 call, the bytes it moves (inputs read + outputs written, data and scales, from the tensors' own
 sizes), GB/s, the GB/s of a device-to-device copy moving the same bytes measured in the same run,
-the ratio of the two (%copy), the speedup over the op's pure-torch twin in ``moe_fp4.reference``
+the ratio of the two (%copy), the speedup over the op's pure-torch twin in ``moe_fp4.formats.reference``
 under torch.compile (vs_ref), and for the fused BF16 -> {FP8, MXFP4} pass the speedup over running
 the two separate quantizers back to back (vs_separate). Every op's output is checked bit for bit
 against the eager twin once per shape; a difference is printed as MISMATCH, recorded in the JSON,
@@ -48,7 +48,7 @@ import torch
 
 import moe_fp4
 from moe_fp4 import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
-from moe_fp4 import reference as twins
+from moe_fp4.formats import reference as twins
 
 DEFAULT_TOKENS = [4096, 16384, 32768, 65536]
 DEFAULT_HIDDEN = [2048, 4096, 7168]
@@ -308,7 +308,7 @@ def bench_op(spec: OpSpec, x: torch.Tensor, cfg: TimingConfig, ref: Reference | 
         problems = mismatches(out, spec.ref(*args))
         row["valid"], row["mismatch"] = not problems, problems
         if problems:
-            log(f"!!!!!!!! MISMATCH {spec.name} {tokens}x{hidden}: kernel != moe_fp4.reference twin: "
+            log(f"!!!!!!!! MISMATCH {spec.name} {tokens}x{hidden}: kernel != moe_fp4.formats.reference twin: "
                 + "; ".join(problems))
     del out
     free_memory(cfg.device)
@@ -420,7 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.25,
                    help="seconds of timed calls per measurement before --iters is cut (default 0.25)")
     p.add_argument("--ref", choices=["compile", "compile-static", "eager", "none"], default="compile",
-                   help="how to time the moe_fp4.reference twins for vs_ref (default: torch.compile, dynamic shapes)")
+                   help="how to time the moe_fp4.formats.reference twins for vs_ref (default: torch.compile, dynamic shapes)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten after every row)")
     p.add_argument("--smoke", action="store_true", help="tokens 256 x hidden 256 on whatever device, few iterations")
     a = p.parse_args(argv)
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
         if op.run is None:
             log(f"{op.name}: skipped: not available (moe_fp4 has no such function yet)")
         elif op.ref is None:
-            log(f"{op.name}: no twin in moe_fp4.reference: no output check, no vs_ref")
+            log(f"{op.name}: no twin in moe_fp4.formats.reference: no output check, no vs_ref")
         elif a.ref != "none":
             refs[op.name] = Reference(op.ref, a.ref)
 

@@ -1,6 +1,6 @@
 """MoE layer forward+backward, bf16 vs fp8 vs fp4: step time, memory, largest batch in a memory budget.
 
-One ``moe_fp4.nn.MoE`` per config; its precision is switched between bf16, fp8 (FP8 GEMMs,
+One ``moe_fp4.model.moe.MoE`` per config; its precision is switched between bf16, fp8 (FP8 GEMMs,
 DeepSeek-V3 storage: the baseline) and fp4 (FP8 GEMMs, MXFP4 saved activations), so every precision
 runs the same weights on the same input. Routing: random router weights, tokens N(0,1) bf16, so
 tokens per expert are roughly balanced; each step routes its own input.
@@ -10,7 +10,7 @@ tokens per expert are roughly balanced; each step routes its own input.
     python bench/moe_layer.py --config small --tokens 16384 --precisions fp8 fp4 --no-budget
     python bench/moe_layer.py --config dsv3 --no-budget --optimizer     # training steps, with AdamW
 
-Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.metrics.sqnr_db) of the output y and
+Method (CUDA). check: one fwd+bwd per precision; SQNR (moe_fp4.formats.metrics.sqnr_db) of the output y and
 the input gradient dx vs bf16; fp8 and fp4 outputs must be equal (same FP8 operands). step: y =
 m(x); y.backward(g) with a fixed random bf16 g; grads set to None before each step and the weights'
 versions bumped (as an optimizer step would: the FP8 weight copies are made again every step); CUDA events
@@ -18,11 +18,11 @@ around each step; median and min of --iters after --warmup, the precisions takin
 (order rotated each round: the step time drifts within a process, and one precision after the other
 would charge the drift to the later ones); the kernel counts (torch.profiler) after all timing. With
 --optimizer the timed unit is a training step instead, with no version bumps: fwd + bwd + AdamW, bf16 on
-torch's fused AdamW, fp8 and fp4 on moe_fp4.optim.AdamWFP8Weights (which writes the FP8 weight pairs
+torch's fused AdamW, fp8 and fp4 on moe_fp4.model.optim.AdamWFP8Weights (which writes the FP8 weight pairs
 the next forward reads); the step-time targets (set for fwd + bwd) then judge nothing.
 
 Memory: after a step that allocates the grads (kept, so weights, weight grads, x, x.grad and g are the
-baseline), one more step under ``moe_fp4.saved.saved_bytes``: act = allocated after forward (the output
+baseline), one more step under ``moe_fp4.saved.accounting.saved_bytes``: act = allocated after forward (the output
 y, [T, H] bf16, included) - baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
 --tokens, fit peak+(T) = a + b*T, T_max = (budget - a)/b rounded down to a multiple of 128, then one
 step at T_max checks peak+ <= budget. On CPU the Triton kernels run in the interpreter and the FP8
@@ -54,11 +54,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")       # before moe_fp4 imports triton
 
 import moe_fp4  # noqa: E402
-from moe_fp4.api import conversion_path  # noqa: E402
-from moe_fp4.metrics import sqnr_db  # noqa: E402
-from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
-from moe_fp4.saved import saved_bytes  # noqa: E402
-from moe_fp4.compare import commit  # noqa: E402
+from moe_fp4.formats.conversions import conversion_path  # noqa: E402
+from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
+from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
+from moe_fp4.saved.accounting import saved_bytes  # noqa: E402
+from moe_fp4.compare.runner import commit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
 from gemm import rotated  # noqa: E402  (bench/gemm.py: the rounds' order, shared by the benchmarks)
@@ -119,7 +119,7 @@ def zero(m: MoE, x: torch.Tensor) -> None:
 def step(m: MoE, x: torch.Tensor, g: torch.Tensor, opt: torch.optim.Optimizer | None = None) -> None:
     if opt is None:
         # An optimizer would change the weights between two steps: bump their versions (no data touched)
-        # so that the FP8 weight cache (moe_fp4.gemm.FP8_WEIGHTS) quantizes them again, as in training.
+        # so that the FP8 weight cache (moe_fp4.gemm.engines.FP8_WEIGHTS) quantizes them again, as in training.
         for p in m.parameters():
             torch.autograd.graph.increment_version(p)
         m(x).backward(g)
@@ -131,9 +131,9 @@ def step(m: MoE, x: torch.Tensor, g: torch.Tensor, opt: torch.optim.Optimizer | 
 
 
 def optimizers(m: MoE, precisions: list[str]) -> dict[str, torch.optim.Optimizer]:
-    """--optimizer: torch's fused AdamW for bf16 (its fastest), moe_fp4.optim.AdamWFP8Weights (fused for
+    """--optimizer: torch's fused AdamW for bf16 (its fastest), moe_fp4.model.optim.AdamWFP8Weights (fused for
     the rest) for fp8 and fp4, which share it. A small learning rate: the weights stay near their start."""
-    from moe_fp4.optim import AdamWFP8Weights
+    from moe_fp4.model.optim import AdamWFP8Weights
 
     hp = dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     ours = AdamWFP8Weights(m.parameters(), **hp) if any(p != "bf16" for p in precisions) else None
@@ -420,7 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (default 0: none)")
     p.add_argument("--optimizer", action="store_true",
                    help="time training steps: fwd + bwd + AdamW (bf16: torch's fused AdamW; fp8 / fp4: "
-                        "moe_fp4.optim.AdamWFP8Weights, whose step writes the FP8 weights); memory stays fwd + bwd")
+                        "moe_fp4.model.optim.AdamWFP8Weights, whose step writes the FP8 weights); memory stays fwd + bwd")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten as it goes)")
     a = p.parse_args(argv)

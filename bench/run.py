@@ -23,7 +23,7 @@ import sys
 import torch
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 
 def _run_script(path: str, args: list[str]) -> None:

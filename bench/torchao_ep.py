@@ -12,7 +12,7 @@ tokens per rank:
 - ``torchao fp8``: the same block with the experts converted by torchao (row-wise FP8 grouped GEMMs);
 - ``torchao fp8 + hook``: plus ``moe_fp4.register_activation_compression`` (saved activations in MXFP4);
 - ``torchao fp8 + hook + mxfp4 dispatch``: plus ``moe_fp4.swap_all_to_all`` (dispatch MXFP4, combine bf16);
-- ``moe_fp4 fp8`` / ``moe_fp4 fp4``: :class:`moe_fp4.nn.MoE` with :class:`moe_fp4.ep.EPConfig` (each token
+- ``moe_fp4 fp8`` / ``moe_fp4 fp4``: :class:`moe_fp4.model.moe.MoE` with :class:`moe_fp4.exchange.ep.EPConfig` (each token
   sent once per rank; blockwise FP8 GEMMs; fp4: MXFP4 dispatch and MXFP4-stored activations).
 
 Columns: median ms of forward + backward over --iters (CUDA events, the slowest rank's), tokens/s per
@@ -37,8 +37,8 @@ from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the
 
 from experts import timed_step  # noqa: E402  (bench/experts.py: fwd + bwd with the weights' versions bumped)
 from gemm import log, sm90_run, write_results  # noqa: E402  (bench/gemm.py: run record, JSON)
-from moe_fp4.ep import EPConfig  # noqa: E402
-from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
+from moe_fp4.exchange.ep import EPConfig  # noqa: E402
+from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 64, 8, 4096), "small": (2048, 1408, 128, 8, 6144)}   # H, F, E, k, tokens/rank
 

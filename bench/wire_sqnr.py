@@ -9,7 +9,7 @@ then one more batch runs with hooks on every MoE layer. Captured per layer, as [
 ``dispatch`` the MoE input (what the dispatch sends), ``combine`` the MoE output (at EP 1 the combine
 rows are each token's sum over its experts: the layer's output), ``dispatch_grad`` the gradient of
 the MoE input and ``combine_grad`` that of its output (what the two backward exchanges send). Each
-is packed into every wire format and unpacked (``moe_fp4.wire``: the bytes that would travel), and
+is packed into every wire format and unpacked (``moe_fp4.exchange.wire``: the bytes that would travel), and
 the table gives the SQNR in dB of the round trip against the float32 rows, the median over layers
 (min, max), and the bytes per row at the model's H. The stochastic formats draw one sample each.
 
@@ -29,11 +29,11 @@ import statistics
 import torch
 
 import moe_fp4
-from moe_fp4 import wire as W
-from moe_fp4.compare import commit
-from moe_fp4.data import stdlib_corpus, TokenBatches
-from moe_fp4.metrics import sqnr_db
-from moe_fp4.model import PRESETS, DecoderLM
+from moe_fp4.exchange import wire as W
+from moe_fp4.compare.runner import commit
+from moe_fp4.compare.data import stdlib_corpus, TokenBatches
+from moe_fp4.formats.metrics import sqnr_db
+from moe_fp4.model.decoder import PRESETS, DecoderLM
 
 FORMATS = ["bf16", "fp8", "mxfp4", "nvfp4", "mxfp4-sr", "nvfp4-sr"]
 ROLES = ["dispatch", "combine", "dispatch_grad", "combine_grad"]

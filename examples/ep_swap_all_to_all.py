@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 
 def ep_step(x: torch.Tensor, dest: torch.Tensor, expert: torch.nn.Linear, group) -> torch.Tensor:

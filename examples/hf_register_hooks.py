@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 
 def build(a) -> torch.nn.Module:

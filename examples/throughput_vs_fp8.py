@@ -1,4 +1,4 @@
-"""The fp4 vs fp8 comparison from Python: moe_fp4.compare.run on one device (or under torchrun).
+"""The fp4 vs fp8 comparison from Python: moe_fp4.compare.runner.run on one device (or under torchrun).
 
     python examples/throughput_vs_fp8.py                      # a GPU: small preset; CPU: tiny (CPU timings mean nothing)
     python examples/throughput_vs_fp8.py --preset small --steps 300 --batch 32
@@ -18,8 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from moe_fp4.compare import CompareConfig, Env, run, table
-from moe_fp4.ep import EPConfig
+from moe_fp4.compare.runner import CompareConfig, Env, run, table
+from moe_fp4.exchange.ep import EPConfig
 
 
 def main() -> None:

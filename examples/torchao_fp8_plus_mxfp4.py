@@ -30,7 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 ALIGN = 16   # rows per expert group: torchao's FP8 grouped GEMM needs multiples of 16
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import moe_fp4
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 DIM, HEAD_DIM, LAYERS, VOCAB, EXPERTS, TOP_K, BATCH, SEQ = 64, 16, 2, 256, 4, 2, 2, 16

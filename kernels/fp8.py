@@ -2,7 +2,7 @@
 dequantize: Triton kernels, launchers, and pure-torch references.
 
 Each launcher ``name`` has a twin ``name_ref`` with the same signature on plain 2-D tensors;
-``moe_fp4._ops`` wraps them in the containers. FP8 scales come back in the M-major layout of
+``moe_fp4.formats._ops`` wraps them in the containers. FP8 scales come back in the M-major layout of
 ``FP8BlockTensor`` (strides (1, M)). A program covers [BLOCK_M rows, TILES x 128 columns] viewed as
 [BLOCK_M, TILES, 4, 16] pair words: the FP8 tile amax is a max over the last two axes, the MXFP4
 block amax over the last one, so one load serves both formats.

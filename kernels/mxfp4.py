@@ -1,7 +1,7 @@
 """MXFP4 quantize / dequantize: Triton kernels, their launchers, and pure-torch references.
 
 Each launcher ``name`` has a twin ``name_ref`` with the same signature on plain 2-D tensors (plus
-tuning keywords on the launcher); ``moe_fp4._ops`` wraps them in the containers. The kernels read
+tuning keywords on the launcher); ``moe_fp4.formats._ops`` wraps them in the containers. The kernels read
 and write *pair words* (two bf16/fp16 in an int32, two fp32 in an int64, two E4M3 in an int16), so
 the two elements that share an MXFP4 byte come out of one load with a shift and a mask, no split.
 """

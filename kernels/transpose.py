@@ -550,7 +550,7 @@ def mxfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, rows: torch.Te
     prmt / max.u16x2 forms on sm_90+ outside the interpreter (use_asm), True / False to force them or
     their pure-Triton twins. Other M take the one-code-per-operation kernel at its own configuration
     (nb = 1, 4 warps). rows: optional int32/int64 [M'] indices into data's rows (in range; not checked
-    here: moe_fp4.api checks them): converts data[rows] (out [K, M'], M = M' above) reading each token's
+    here: moe_fp4.formats.conversions checks them): converts data[rows] (out [K, M'], M = M' above) reading each token's
     row in place, e.g. the experts' rows from the tokens' MXFP4 copies without gathering them first."""
     half_k = data.shape[1]
     m = data.shape[0] if rows is None else rows.shape[0]

@@ -1,6 +1,7 @@
 """moe_fp4: MXFP4 activation storage and all-to-all transport for FP8 MoE training on Hopper."""
 
-from moe_fp4.api import (
+from moe_fp4 import _moved
+from moe_fp4.formats.conversions import (
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -14,9 +15,9 @@ from moe_fp4.api import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from moe_fp4.comm import Received, all_to_all, exchange_role, swap_all_to_all
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
-from moe_fp4.hook import (
+from moe_fp4.exchange.all_to_all import Received, all_to_all, exchange_role, swap_all_to_all
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.saved.hook import (
     CompressionConfig,
     CompressionHandle,
     CompressionStats,
@@ -28,11 +29,13 @@ from moe_fp4.hook import (
 
 __version__ = "0.1.0"
 
+_moved.install()
+
 
 def __getattr__(name: str):
-    # moe_fp4.plan (moe_fp4.planner.plan) on first use: the planner sits above the layers imported here.
+    # moe_fp4.plan (moe_fp4.model.planner.plan) on first use: the planner sits above the layers imported here.
     if name == "plan":
-        from moe_fp4.planner import plan
+        from moe_fp4.model.planner import plan
 
         return plan
     raise AttributeError(f"module 'moe_fp4' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from moe_fp4.cli import main
+from moe_fp4.compare.cli import main
 
 raise SystemExit(main())

@@ -9,8 +9,8 @@ import math
 import torch
 
 import moe_fp4
-import moe_fp4.reference
-from moe_fp4.metrics import sqnr_db  # noqa: F401  (re-exported for the tests)
+import moe_fp4.formats.reference
+from moe_fp4.formats.metrics import sqnr_db  # noqa: F401  (re-exported for the tests)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 INPUT_KINDS = ("gaussian", "outlier_channels", "tiny", "subnormal", "zero_rows", "mixed_magnitudes")
@@ -23,7 +23,7 @@ def torch_references():
     the MoE layer or the saved-tensor hook does with the conversions, not of the kernels: every kernel they
     call is checked bit for bit against its reference (test_kernels.py, test_swiglu.py, test_cast_transpose.py,
     test_fp8_colwise.py, test_gemm.py), and the interpreter costs seconds per launch on the 2-core CI machine."""
-    from moe_fp4 import api
+    from moe_fp4.formats import conversions as api
 
     before = api._INTERPRET
     api._INTERPRET = False
@@ -99,7 +99,7 @@ def dequant_transpose_quantize(q: moe_fp4.MXFP4Tensor):
     """The definition of mxfp4_to_fp8_colwise: exact FP32 dequantize -> transpose -> FP8 1x128 along
     tokens (a short last tile allowed). Pure torch: the dequantize is the reference twin, not the
     kernel (under the interpreter on CPU), so the oracle shares no Triton code with what it checks."""
-    x = moe_fp4.reference.dequantize_mxfp4(q, torch.float32).reshape(q.m, q.k)
+    x = moe_fp4.formats.reference.dequantize_mxfp4(q, torch.float32).reshape(q.m, q.k)
     return quantize_fp8_rowwise_ref(x.t().contiguous())
 
 

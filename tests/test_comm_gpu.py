@@ -82,8 +82,8 @@ def _sync_case(rank, world):
     debug mode does not flag; it flags every other synchronizing call. Counted per phase."""
     import warnings
 
-    from moe_fp4 import ep as ep_module
-    from moe_fp4.ep import combine, dispatch, plan_dispatch
+    from moe_fp4.exchange import ep as ep_module
+    from moe_fp4.exchange.ep import combine, dispatch, plan_dispatch
 
     t, hidden, num_experts, k = 256, 512, 8, 2
     g = torch.Generator(device="cuda").manual_seed(rank)

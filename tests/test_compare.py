@@ -1,5 +1,5 @@
-"""``moe-fp4 compare`` (moe_fp4.compare, moe_fp4.cli, moe_fp4.plots) and the model and data behind it
-(moe_fp4.model, moe_fp4.data), on CPU.
+"""``moe-fp4 compare`` (moe_fp4.compare.runner, moe_fp4.compare.cli, moe_fp4.compare.plots) and the model and data behind it
+(moe_fp4.model.decoder, moe_fp4.compare.data), on CPU.
 
 Anything that trains runs as a subprocess (the CLI, or gloo ranks through tests/distributed.py) with
 TRITON_INTERPRET=0 and OMP_NUM_THREADS=1: the pure-torch reference conversions instead of the Triton
@@ -192,7 +192,7 @@ def test_cli_ep_torchrun(tmp_path, nproc):
 
 
 def test_cli_wire_argument():
-    from moe_fp4.cli import parse_wire
+    from moe_fp4.compare.cli import parse_wire
 
     assert parse_wire("") == {}
     assert parse_wire(" combine=mxfp4 , combine_grad=native") == {"combine": "mxfp4", "combine_grad": "native"}
@@ -221,7 +221,7 @@ def test_cli_simulate_wire(tmp_path):
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["wire"]["dispatch"] == {"fp4": "nvfp4"}
     assert report["modes"]["fp4"]["storage"] == "nvfp4" and "activations stored in nvfp4" in run.stdout
-    from moe_fp4.compare import CompareConfig
+    from moe_fp4.compare.runner import CompareConfig
 
     with pytest.raises(ValueError, match="fp4 in --modes"):
         CompareConfig(preset="tiny", modes=("fp8",), storage="nvfp4")
@@ -257,7 +257,7 @@ def test_cli_hook(tmp_path):
 # The largest-batch search on known memory functions: the exact answer, every candidate measured.
 
 def _search(fn, budget, first, **kw):
-    from moe_fp4.compare import search_largest_batch
+    from moe_fp4.compare.runner import search_largest_batch
 
     calls = []
 
@@ -321,7 +321,7 @@ def test_largest_batch_search_on_random_monotone_memory():
 def test_out_of_memory_anywhere_in_a_probe_means_it_does_not_fit(monkeypatch):
     """An out-of-memory while building the model or in the probe's first step is "does not fit" (inf),
     never a traceback; the search then reports that nothing fits."""
-    import moe_fp4.compare as C
+    from moe_fp4.compare import runner as C
 
     cfg = C.CompareConfig(preset="tiny", modes=("bf16",), steps=2, warmup=0, batch=2, data="random")
     env = C.Env(torch.device("cpu"))
@@ -373,16 +373,16 @@ def test_cli_max_batch(tmp_path):
 @pytest.fixture
 def no_training(monkeypatch):
     """Make any attempt to start a process group or to train fail the test loudly."""
-    import moe_fp4.cli
-    import moe_fp4.compare
+    import moe_fp4.compare.cli
+    import moe_fp4.compare.runner
 
     def refuse(*_a, **_k):
         raise AssertionError("argument validation let the run start")
 
-    monkeypatch.setattr(moe_fp4.compare, "run", refuse)
-    monkeypatch.setattr(moe_fp4.cli, "_distributed", refuse)
+    monkeypatch.setattr(moe_fp4.compare.runner, "run", refuse)
+    monkeypatch.setattr(moe_fp4.compare.cli, "_distributed", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    return moe_fp4.cli.main
+    return moe_fp4.compare.cli.main
 
 
 def test_cli_unknown_preset(no_training, capsys, tmp_path):
@@ -394,7 +394,7 @@ def test_cli_unknown_preset(no_training, capsys, tmp_path):
 
 
 def test_compare_config_unknown_preset():
-    from moe_fp4.compare import CompareConfig
+    from moe_fp4.compare.runner import CompareConfig
 
     with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny, small"):
         CompareConfig(preset="huge")
@@ -457,7 +457,7 @@ def test_cli_batch_does_not_fit(tmp_path):
 # 6. Model and data.
 
 def test_stdlib_corpus_is_deterministic():
-    from moe_fp4.data import stdlib_corpus
+    from moe_fp4.compare.data import stdlib_corpus
 
     a, b = stdlib_corpus(), stdlib_corpus()
     assert a.train.dtype == torch.uint8 and a.held_out.dtype == torch.uint8
@@ -470,7 +470,7 @@ def test_stdlib_corpus_is_deterministic():
 def test_stdlib_corpus_holds_out_whole_files(tmp_path):
     """Every file lands whole in exactly one part, one file in EVAL_EVERY is held out, and
     site-packages, __pycache__ and non-.py files are skipped."""
-    from moe_fp4.data import EVAL_EVERY, stdlib_corpus
+    from moe_fp4.compare.data import EVAL_EVERY, stdlib_corpus
 
     n, size = 2 * EVAL_EVERY, 40_000
     content = {}
@@ -500,7 +500,7 @@ def test_stdlib_corpus_holds_out_whole_files(tmp_path):
 
 
 def test_stdlib_corpus_too_little_source(tmp_path):
-    from moe_fp4.data import stdlib_corpus
+    from moe_fp4.compare.data import stdlib_corpus
 
     (tmp_path / "a.py").write_bytes(b"x = 1\n")
     with pytest.raises(RuntimeError, match="too little Python source"):
@@ -508,7 +508,7 @@ def test_stdlib_corpus_too_little_source(tmp_path):
 
 
 def test_token_batches():
-    from moe_fp4.data import TokenBatches
+    from moe_fp4.compare.data import TokenBatches
 
     stream = torch.arange(250, dtype=torch.uint8)       # each byte is its own position
     seq, batch = 16, 5
@@ -530,7 +530,7 @@ def test_token_batches():
 
 
 def test_random_tokens():
-    from moe_fp4.data import RandomTokens
+    from moe_fp4.compare.data import RandomTokens
 
     ids, targets = RandomTokens(vocab=50, seq=12, seed=1).next(4)
     assert ids.shape == targets.shape == (4, 12) and ids.dtype == torch.int64
@@ -548,7 +548,7 @@ def test_random_tokens():
     ({"layers": 0}, "layers must be positive, got 0"),
 ])
 def test_model_config_validation(change, message):
-    from moe_fp4.model import PRESETS
+    from moe_fp4.model.decoder import PRESETS
 
     with pytest.raises(ValueError) as e:
         replace(PRESETS["tiny"], **change)
@@ -556,7 +556,7 @@ def test_model_config_validation(change, message):
 
 
 def test_presets_build_and_count_on_meta():
-    from moe_fp4.model import PRESETS, DecoderLM, parameter_count
+    from moe_fp4.model.decoder import PRESETS, DecoderLM, parameter_count
 
     for name, c in PRESETS.items():
         m = DecoderLM(c, precision="bf16", device="meta")
@@ -577,10 +577,10 @@ def _ep_decoder_ranks(rank, world):
     gathered from every rank."""
     import torch.distributed as dist
 
-    from moe_fp4.compare import Env, Trainer, _lm_loss
-    from moe_fp4.data import RandomTokens
-    from moe_fp4.ep import EPConfig
-    from moe_fp4.model import PRESETS, DecoderLM
+    from moe_fp4.compare.runner import Env, Trainer, _lm_loss
+    from moe_fp4.compare.data import RandomTokens
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.model.decoder import PRESETS, DecoderLM
 
     c = PRESETS["tiny"]
     model = DecoderLM(c, precision="fp8", ep=EPConfig(), seed=EP_SEED)
@@ -621,7 +621,7 @@ def _ep_decoder_ranks(rank, world):
 
 def test_decoder_ep_init_and_gradient_sync():
     world = 2
-    from moe_fp4.model import PRESETS
+    from moe_fp4.model.decoder import PRESETS
 
     c = PRESETS["tiny"]
     results = run_ranks(_ep_decoder_ranks, world)
@@ -666,7 +666,7 @@ ACCUMULATION_GRAD_SQNR_FLOOR_DB = 50.8
 
 
 def test_micro_batch_and_per_rank_batch():
-    from moe_fp4.compare import micro_batch, per_rank_batch
+    from moe_fp4.compare.runner import micro_batch, per_rank_batch
 
     assert per_rank_batch(12, 2) == 6 and per_rank_batch(5, 1) == 5
     with pytest.raises(ValueError, match="global batch 5 does not divide over 2 ranks"):
@@ -687,10 +687,10 @@ def test_micro_batch_and_per_rank_batch():
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp4"])
 def test_accumulated_step_equals_one_pass(mode):
     from helpers import torch_references
-    from moe_fp4.compare import Env, Trainer, _lm_loss
-    from moe_fp4.gemm import FP8_WEIGHTS
-    from moe_fp4.metrics import sqnr_db
-    from moe_fp4.model import PRESETS, DecoderLM
+    from moe_fp4.compare.runner import Env, Trainer, _lm_loss
+    from moe_fp4.gemm.engines import FP8_WEIGHTS
+    from moe_fp4.formats.metrics import sqnr_db
+    from moe_fp4.model.decoder import PRESETS, DecoderLM
 
     c = PRESETS["tiny"].with_(seq=32)
     g = torch.Generator().manual_seed(3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_fp4
-import moe_fp4.reference as REF
+from moe_fp4.formats import reference as REF
 from helpers import (INPUT_KINDS, dequant_transpose_quantize, make_input, pow2_ceil_exponent, same_bits,
                      same_values, sqnr_db)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref

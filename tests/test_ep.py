@@ -48,8 +48,8 @@ QUANTIZED_COMM_FLOOR_DB = {"out": 17.5, "dx": 22.0}
 
 
 def _layers(rank, world, precision, ep_kwargs=None, device="cpu"):
-    from moe_fp4.ep import EPConfig
-    from moe_fp4.nn import MoE, MoEConfig
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.model.moe import MoE, MoEConfig
 
     cfg = MoEConfig(**config(world))
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def _reference(ref, xs):
 def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     import torch.distributed as dist
 
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     ref, m, el = _layers(rank, world, precision, ep_kwargs, device)
     xs = _tokens(world, precision, device)
@@ -120,7 +120,7 @@ def _against_default_wire(rank, world, formats, token_scale=1.0):
     """The fp8 layer with the wire ``formats`` against the same layer with the default wire (fp8
     dispatch, bf16 otherwise), on this rank's tokens times ``token_scale`` -> output and input-gradient
     SQNR in dB (inf for a rank without tokens)."""
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     _, m_q, _ = _layers(rank, world, "fp8", formats)
     _, m_b, _ = _layers(rank, world, "fp8")
@@ -139,7 +139,7 @@ def _quantized_comm(rank, world):
 
 def _plan(rank, world):
     """plan_dispatch: each token goes once to each distinct rank among its experts' ranks."""
-    from moe_fp4.ep import plan_dispatch
+    from moe_fp4.exchange.ep import plan_dispatch
 
     num_experts, k = 8, 3
     g = torch.Generator().manual_seed(10 + rank)
@@ -166,7 +166,7 @@ def _nvfp4_dispatch(rank, world):
 def _auto_rule(rank, world):
     """Gradient wires on "auto" (the sqrt(3) rule): this rank's own sums of the sent gradients' squares
     and of their noise's, and the ratio every rank computes from the group's sums."""
-    from moe_fp4.nn import end_grad_wire_step
+    from moe_fp4.model.moe import end_grad_wire_step
 
     _, m, _ = _layers(rank, world, "fp8", dict(dispatch_grad="auto", combine_grad="auto"))
     _step(m, _tokens(world, "fp8")[rank])
@@ -224,13 +224,13 @@ def test_dispatch_plan_sends_each_token_once_per_rank(ep_results):
 
 
 # ---------------------------------------------------------------------------------------------
-# Recomputation under expert parallelism (issue 30, moe_fp4.nn.Recompute; the single-process policies are
+# Recomputation under expert parallelism (issue 30, moe_fp4.model.moe.Recompute; the single-process policies are
 # in test_recompute.py): no exchange is repeated and the gradients are bit-identical to no recomputation.
 
 def _ep_policies(rank, world):
-    import moe_fp4.ep as ep_mod
-    from moe_fp4.ep import EPConfig
-    from moe_fp4.model import PRESETS, DecoderLM
+    from moe_fp4.exchange import ep as ep_mod
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.model.decoder import PRESETS, DecoderLM
 
     calls = {"n": 0}
     original = ep_mod.exchange_rows

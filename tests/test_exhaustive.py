@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moe_fp4
-import moe_fp4.reference
+import moe_fp4.formats.reference
 from moe_fp4.kernels.numerics import encode_e2m1, encode_e4m3
 from helpers import e4m3_byte_values
 
@@ -196,7 +196,7 @@ def test_every_e4m3_byte_through_direct_fp8_to_mxfp4(s):
     fp8 = moe_fp4.FP8BlockTensor(data, scale, torch.Size((512, 128)), torch.float32)
     direct = moe_fp4.quantize_mxfp4(fp8)
     # The other side in pure torch (the twins): on CPU only the direct path runs in the interpreter.
-    via_fp32 = moe_fp4.reference.quantize_mxfp4(moe_fp4.reference.dequantize_fp8(fp8, torch.float32))
+    via_fp32 = moe_fp4.formats.reference.quantize_mxfp4(moe_fp4.formats.reference.dequantize_fp8(fp8, torch.float32))
     assert torch.equal(direct.data, via_fp32.data)
     assert torch.equal(direct.scale, via_fp32.scale)
     nan_rows = torch.tensor([0x7F, 0xFF])

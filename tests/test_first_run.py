@@ -91,7 +91,7 @@ def test_out_dir_created_and_probe_removed(first_run):
 def test_write_failure_after_training_keeps_the_results(first_run, tmp_path, capsys, monkeypatch):
     """The directory becomes unwritable after the upfront check: the table is printed first, then one
     line says where the report went instead, and that file holds every number."""
-    from moe_fp4.cli import finish
+    from moe_fp4.compare.cli import finish
 
     _, report, _ = first_run
     report = json.loads(json.dumps(report))
@@ -118,13 +118,13 @@ def test_write_failure_after_training_keeps_the_results(first_run, tmp_path, cap
 
 
 def test_plot_failure_loses_nothing(first_run, tmp_path, capsys, monkeypatch):
-    import moe_fp4.plots
-    from moe_fp4.cli import write_results
+    import moe_fp4.compare.plots
+    from moe_fp4.compare.cli import write_results
 
     def broken(*_a):
         raise ValueError("no room for a legend")
 
-    monkeypatch.setattr(moe_fp4.plots, "write_plots", broken)
+    monkeypatch.setattr(moe_fp4.compare.plots, "write_plots", broken)
     written, ok = write_results(json.loads(json.dumps(first_run[1])), str(tmp_path))
     assert not ok and written == [str(tmp_path / "compare.json")]
     assert json.loads((tmp_path / "compare.json").read_text())["modes"].keys() == set(MODES)
@@ -145,22 +145,22 @@ def test_plot_failure_loses_nothing(first_run, tmp_path, capsys, monkeypatch):
     (["--profile", "--profile-steps", "0"], "needs profile_steps > 0"),
 ])
 def test_bad_arguments_refused_before_training(tmp_path, args, message, capsys, monkeypatch):
-    # In process (moe_fp4.cli.main, what `python -m moe_fp4` exits with), starting a process group or
+    # In process (moe_fp4.compare.cli.main, what `python -m moe_fp4` exits with), starting a process group or
     # training made to fail the test: a subprocess per case cost ~3 s each on the 2-core CI machine for
     # nothing more. The refusals above and below go through a real process.
-    import moe_fp4.cli
-    import moe_fp4.compare
+    import moe_fp4.compare.cli
+    import moe_fp4.compare.runner
 
     def started(*_a, **_k):
         raise AssertionError("the run started before the argument was refused")
 
-    monkeypatch.setattr(moe_fp4.compare, "run", started)
-    monkeypatch.setattr(moe_fp4.cli, "_distributed", started)
+    monkeypatch.setattr(moe_fp4.compare.runner, "run", started)
+    monkeypatch.setattr(moe_fp4.compare.cli, "_distributed", started)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     argv = ["compare", "--preset", "tiny", *args, "--steps", "2", "--no-progress", "--out", str(tmp_path / "out")]
     try:
-        code = moe_fp4.cli.main(argv)
+        code = moe_fp4.compare.cli.main(argv)
     except SystemExit as e:          # an argparse error
         code = e.code
     captured = capsys.readouterr()
@@ -169,8 +169,8 @@ def test_bad_arguments_refused_before_training(tmp_path, args, message, capsys, 
 
 
 def test_moe_layer_count_comes_from_the_model_config():
-    from moe_fp4.compare import CompareConfig
-    from moe_fp4.model import PRESETS
+    from moe_fp4.compare.runner import CompareConfig
+    from moe_fp4.model.decoder import PRESETS
 
     dense = PRESETS["small"].dense_layers
     with pytest.raises(ValueError, match=f"use layers >= {dense + 1}"):
@@ -192,16 +192,16 @@ def test_max_batch_refused_on_cpu(tmp_path):
 
 
 def test_allow_cpu_budget_lets_max_batch_through(tmp_path, monkeypatch):
-    import moe_fp4.cli
+    import moe_fp4.compare.cli
 
     def started(*_a, **_k):
         raise RuntimeError("started")
 
-    monkeypatch.setattr(moe_fp4.cli, "_distributed", started)
+    monkeypatch.setattr(moe_fp4.compare.cli, "_distributed", started)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="started"):
-        moe_fp4.cli.main(["compare", "--preset", "tiny", "--max-batch", "0.02", "--allow-cpu-budget",
+        moe_fp4.compare.cli.main(["compare", "--preset", "tiny", "--max-batch", "0.02", "--allow-cpu-budget",
                           "--out", str(tmp_path)])
 
 
@@ -228,7 +228,7 @@ def test_torchrun_output_is_labelled_and_printed_once(tmp_path):
 # `compare --help`: raw reST markup, a dict repr, no defaults shown.
 
 def _help(monkeypatch, capsys, columns: int) -> str:
-    from moe_fp4.cli import main
+    from moe_fp4.compare.cli import main
 
     monkeypatch.setenv("COLUMNS", str(columns))
     with pytest.raises(SystemExit) as e:
@@ -303,7 +303,7 @@ def _git(cwd, *args):
 
 def _repo(path, name: str | None):
     """A git repository at ``path`` with one commit (and a pyproject.toml of project ``name``) and a
-    copy of moe_fp4/compare.py under moe_fp4/ -> that file's path."""
+    copy of moe_fp4/compare/runner.py under moe_fp4/ -> that file's path."""
     (path / "moe_fp4").mkdir(parents=True)
     shutil.copy(os.path.join(ROOT, "moe_fp4", "compare.py"), path / "moe_fp4" / "compare.py")
     if name:
@@ -316,7 +316,7 @@ def _repo(path, name: str | None):
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_commit_only_from_moe_fp4s_own_repository(tmp_path, monkeypatch):
-    import moe_fp4.compare as compare
+    from moe_fp4.compare import runner as compare
 
     monkeypatch.delenv("MOE_FP4_COMMIT", raising=False)
     # moe_fp4's own checkout (source tree or editable install): its HEAD
@@ -340,7 +340,7 @@ def test_commit_only_from_moe_fp4s_own_repository(tmp_path, monkeypatch):
 
 
 def test_provenance_without_a_commit():
-    from moe_fp4.compare import provenance
+    from moe_fp4.compare.runner import provenance
 
     assert provenance({"version": "0.1.0", "commit": None}) == "moe_fp4 0.1.0"
     assert provenance({"version": "0.1.0", "commit": "abc1234"}) == "moe_fp4 0.1.0, commit abc1234"
@@ -352,7 +352,7 @@ def test_provenance_without_a_commit():
 @pytest.mark.skipif(shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")),
                     reason="needs git and a checkout")
 def test_default_out_dir_is_ignored_by_git():
-    from moe_fp4.cli import DEFAULT_OUT
+    from moe_fp4.compare.cli import DEFAULT_OUT
 
     check = subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT}/compare.json"], cwd=ROOT, check=False)
     assert check.returncode == 0, f"{DEFAULT_OUT}/ is not in .gitignore"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moe_fp4
-from moe_fp4 import reference
-from moe_fp4.gemm import FP8WeightTensor, GemmBackend, fp8_mm_nt, gemm_backend, quantize_fp8_colwise, \
+from moe_fp4.formats import reference
+from moe_fp4.gemm.engines import FP8WeightTensor, GemmBackend, fp8_mm_nt, gemm_backend, quantize_fp8_colwise, \
     quantize_fp8_weight
 
 # cuBLAS accumulates in float32 in another order and rounds the output to bf16 once: the relative
@@ -182,7 +182,7 @@ def test_one_tile_scales_have_literal_m_major_strides(rows):
 # ---------------------------------------------------------------------------------------------
 # W and W^T from one pass, once per weight version.
 
-from moe_fp4.gemm import FP8WeightCache, quantize_fp8_weight_pair  # noqa: E402
+from moe_fp4.gemm.engines import FP8WeightCache, quantize_fp8_weight_pair  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (3, 256, 128), (2, 384, 384)])
@@ -246,7 +246,8 @@ def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monk
     # bookkeeping, not the kernels: the pure-torch references (conftest's `references`) spare 4 steps of
     # interpreted conversions.
     precision = "fp8"
-    from moe_fp4 import experts, gemm
+    from moe_fp4.model import experts
+    from moe_fp4.gemm import engines as gemm
 
     cache = FP8WeightCache()
     monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)

@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMMs (kernels/grouped_gemm.py, moe_fp4.gemm.grouped_fp8_mm_*) against the per-expert
+"""Grouped FP8 GEMMs (kernels/grouped_gemm.py, moe_fp4.gemm.engines.grouped_fp8_mm_*) against the per-expert
 references.
 
 The kernels sum the same FP8 products in another order than the float32 references (per-128 partial
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moe_fp4
-from moe_fp4.gemm import GemmBackend, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, grouped_gemm_backend, \
+from moe_fp4.gemm.engines import GemmBackend, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, grouped_gemm_backend, \
     quantize_fp8_weight, use_grouped_backend
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import grouped_gemm as G
@@ -585,7 +585,7 @@ def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     # bf16 output: the same float32 accumulator rounded once.
     assert torch.equal(GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.bfloat16, config=config),
                        got.to(torch.bfloat16))
-    if config == GL.WGRAD_CONFIG:   # the layer's path: moe_fp4.gemm picks the engine and its config
+    if config == GL.WGRAD_CONFIG:   # the layer's path: moe_fp4.gemm.engines picks the engine and its config
         with use_grouped_backend("gluon"):
             assert torch.equal(grouped_fp8_mm_wgrad(a, b, counts), got)
     if config.wide:   # [64, 128] halves and [64, 64] quarters: the same wgmma dots, the same promotion

@@ -1,4 +1,4 @@
-"""moe_fp4's Hugging Face transformers expert-parallel implementations (:mod:`moe_fp4.hf`) on gloo.
+"""moe_fp4's Hugging Face transformers expert-parallel implementations (:mod:`moe_fp4.integrations.hf`) on gloo.
 
 Two spawned CPU ranks build a tiny Qwen3-MoE (float32, random weights, no downloads) with
 ``DistributedConfig(fsdp_size=2, ep_size=2, ep_implementation=...)``: FSDP2 over the dense weights,
@@ -13,13 +13,13 @@ the same model without EP (same seed, same weights) and runs the same batch, so:
 
 The implementations, all in ONE run (spawning and importing transformers dominate the time):
 
-- ``"all_to_all"`` (transformers' own) and a :class:`moe_fp4.hf.MoeFp4EP` with every exchange
+- ``"all_to_all"`` (transformers' own) and a :class:`moe_fp4.integrations.hf.MoeFp4EP` with every exchange
   unquantized (wire format "native": the tensors' own dtype, float32 here), registered under a test
   name: controls that agree with the reference to float32 rounding;
 - ``"moe_fp4"`` (MXFP4 dispatch) and ``"moe_fp4_fp8"`` (FP8 dispatch): by SQNR, against floors.
 
 Each rank spies on what runs: ``MoeFp4EP.__call__`` is wrapped to count calls per registered class,
-the implementation installed in each experts module is read back, and ``moe_fp4.ep.pack`` (with
+the implementation installed in each experts module is read back, and ``moe_fp4.exchange.ep.pack`` (with
 which every moe_fp4 exchange packs its rows) records the wire format of each exchange, so the
 dispatch is seen to travel in MXFP4 (resp. FP8) and everything else in bfloat16 (the "bf16" wire: the
 float32 values rounded to bfloat16). Last, the
@@ -160,7 +160,7 @@ def _local_experts(model, ref_params):
 
 
 def _compare_forward(ref_logits, ref_loss, logits, loss) -> dict:
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     return {"logits_sqnr": sqnr_db(ref_logits, logits), "logits_rel": _rel_err(ref_logits, logits),
             "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
@@ -169,7 +169,7 @@ def _compare_forward(ref_logits, ref_loss, logits, loss) -> dict:
 def _compare_grads(ref_grads, grads) -> dict:
     """All parameters' gradients together (SQNR), the worst parameter (SQNR, name) and the largest
     relative error of any."""
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     names = sorted(ref_grads)
     missing = sorted(set(names) - set(grads))
@@ -213,7 +213,7 @@ def _ep_step(model, ids, ref, registered: str, calls: dict, wire: list):
     """One forward + backward of an EP model against ``ref`` (_reference_step's tuple) -> (the result row:
     installed and registered class, calls, wire formats forward / backward, forward and gradient
     comparisons, local expert shards; logits, loss, gradients)."""
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     ref_params, ref_logits, ref_loss, _, mean_grads = ref
     calls.clear()
@@ -240,10 +240,10 @@ def _ep_step(model, ids, ref, registered: str, calls: dict, wire: list):
 @contextlib.contextmanager
 def _spies(calls: dict, wire: list):
     """Count MoeFp4EP.__call__ per registered class into ``calls`` and record each exchange's wire
-    format (moe_fp4.ep.pack, with which every moe_fp4 exchange packs its rows) into ``wire``."""
-    import moe_fp4.ep as ep
-    import moe_fp4.hf as hf
-    from moe_fp4.wire import WireFormat
+    format (moe_fp4.exchange.ep.pack, with which every moe_fp4 exchange packs its rows) into ``wire``."""
+    from moe_fp4.exchange import ep
+    from moe_fp4.integrations import hf
+    from moe_fp4.exchange.wire import WireFormat
 
     real_call, real_pack = hf.MoeFp4EP.__call__, ep.pack
 
@@ -266,8 +266,8 @@ def _ep_worker(rank, world):
     from transformers.distributed.expert_parallel import EPImplementationInterface
 
     import moe_fp4
-    import moe_fp4.hf as hf
-    import moe_fp4.hook as hook
+    from moe_fp4.integrations import hf
+    from moe_fp4.saved import hook
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -377,7 +377,7 @@ def test_controls_match_reference_forward(ranks):
 
 def test_controls_match_reference_gradients(ranks):
     """Every gradient equals the mean of the reference's over the ranks' batches; each rank's local
-    expert shard (experts 2r, 2r+1: the contiguous layout moe_fp4.ep's routing assumes) the same."""
+    expert shard (experts 2r, 2r+1: the contiguous layout moe_fp4.exchange.ep's routing assumes) the same."""
     for rank, res in enumerate(ranks):
         for impl in CONTROLS:
             r = res["impl"][impl]
@@ -437,7 +437,7 @@ def test_activation_compression_composes(ranks):
 
 
 def test_activation_compression_passes_expert_weights_through(ranks):
-    """The hook stores parameters (and views of them) as they are, never in MXFP4 (moe_fp4.hook: a
+    """The hook stores parameters (and views of them) as they are, never in MXFP4 (moe_fp4.saved.hook: a
     compressed copy would add memory, not save it, and make the weight operands lossy). Under
     transformers' EP the experts run on ``param.to_local()`` (non-leaf tensors with a grad_fn, not
     views of a Parameter), so they must still be recognised as weights: one "parameter" skip per

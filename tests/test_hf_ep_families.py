@@ -1,4 +1,4 @@
-"""moe_fp4's Hugging Face expert-parallel implementations (:mod:`moe_fp4.hf`) on the other two MoE
+"""moe_fp4's Hugging Face expert-parallel implementations (:mod:`moe_fp4.integrations.hf`) on the other two MoE
 families transformers distributes with EP: Mixtral and DeepSeek-V3 (test_hf_ep.py does Qwen3-MoE).
 
 The same set-up as test_hf_ep.py, whose helpers this module reuses: two spawned CPU ranks (gloo) build
@@ -11,12 +11,12 @@ ranks of the reference's (an all-reduce), each rank's local expert shard that me
 
 Per family, in ONE run:
 
-- a :class:`moe_fp4.hf.MoeFp4EP` with every exchange unquantized (wire "native"), registered under a
+- a :class:`moe_fp4.integrations.hf.MoeFp4EP` with every exchange unquantized (wire "native"), registered under a
   test name: a control that agrees with the reference to float32 rounding;
 - ``"moe_fp4"`` (MXFP4 dispatch, bf16 combine and gradients): by SQNR, against floors.
 
 As there, ``MoeFp4EP.__call__`` is wrapped to count calls per registered class, the implementation
-installed in each experts module is read back, and ``moe_fp4.ep.pack`` records the wire format of
+installed in each experts module is read back, and ``moe_fp4.exchange.ep.pack`` records the wire format of
 each exchange, forward and backward.
 
 The families differ from Qwen3-MoE where it matters here: Mixtral's router is a softmax over the
@@ -143,7 +143,7 @@ def _family_run(family, rank, world, calls, wire) -> dict:
 
 
 def _ep_worker(rank, world):
-    import moe_fp4.hf as hf
+    from moe_fp4.integrations import hf
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))

@@ -1,4 +1,4 @@
-"""The saved-tensor hook (moe_fp4.hook) on small plain-torch functions and modules: one test per
+"""The saved-tensor hook (moe_fp4.saved.hook) on small plain-torch functions and modules: one test per
 documented rule. Compressed tensors must come back as exactly dequantize(quantize(x)); passed-through
 tensors bit-exact; stats counted exactly."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import moe_fp4
-from moe_fp4 import hook as H
-from moe_fp4.hook import CompressionConfig, SkipReason, compress_saved_activations, register_activation_compression
+from moe_fp4.saved import hook as H
+from moe_fp4.saved.hook import CompressionConfig, SkipReason, compress_saved_activations, register_activation_compression
 from helpers import same_bits
 
 
@@ -456,7 +456,7 @@ def test_module_grads_with_hook_close_and_dtype_kept(dtype):
     (gw,) = torch.autograd.grad(out.float().pow(2).sum(), lin.weight)
     ref = torch.autograd.grad(torch.nn.functional.silu(lin(x)).float().pow(2).sum(), lin.weight)[0]
     assert gw.dtype == dtype
-    assert moe_fp4.metrics.sqnr_db(ref.float(), gw.float()) > 12
+    assert moe_fp4.formats.metrics.sqnr_db(ref.float(), gw.float()) > 12
 
 
 # ---------------------------------------------------------------- module selection
@@ -565,7 +565,7 @@ def test_register_stats_remove_and_restore(references):
     assert tot.bytes_after == sum(s.bytes_after for s in st.modules.values())
     assert tot.bytes_after / tot.bytes_before == pytest.approx(17 / 128)
     for n in ref:
-        assert moe_fp4.metrics.sqnr_db(ref[n], got[n]) > 10, n
+        assert moe_fp4.formats.metrics.sqnr_db(ref[n], got[n]) > 10, n
     assert any(not torch.equal(ref[n], got[n]) for n in ref)
     h.remove()
     h.remove()
@@ -801,7 +801,7 @@ def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(r
     assert stats.skipped.get(SkipReason.SUBCLASS.value, 0) + stats.skipped.get(SkipReason.PARAMETER.value, 0) > 0
     for r, g in zip(ref, got):
         g = g._inner if isinstance(g, WrappedWeight) else g
-        assert moe_fp4.metrics.sqnr_db(r.float(), g.float()) > WRAPPED_GRAD_SQNR_FLOOR_DB
+        assert moe_fp4.formats.metrics.sqnr_db(r.float(), g.float()) > WRAPPED_GRAD_SQNR_FLOOR_DB
     # A parameter's storages are those of what it wraps; a plain parameter's, its own.
     assert H._storage_ptrs(wrapped.down_proj) == {wrapped.down_proj._inner.untyped_storage().data_ptr()}
     assert H._storage_ptrs(plain.down_proj) == {plain.down_proj.untyped_storage().data_ptr()}

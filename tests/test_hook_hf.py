@@ -13,9 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from helpers import torch_references  # noqa: E402
-from moe_fp4 import hook as H  # noqa: E402
-from moe_fp4.hook import CompressionConfig, register_activation_compression  # noqa: E402
-from moe_fp4.metrics import sqnr_db  # noqa: E402
+from moe_fp4.saved import hook as H  # noqa: E402
+from moe_fp4.saved.hook import CompressionConfig, register_activation_compression  # noqa: E402
+from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
 
 # Measured on this configuration (torch 2.13 CPU, transformers 5.x, seed 0, the four cases): all parameter
 # gradients together 32.2-36.8 dB; the worst single parameter 15.1-15.8 dB (an expert weight or the router:

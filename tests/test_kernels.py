@@ -606,7 +606,7 @@ def test_row_chunk_kernels_with_several_column_programs_and_strided_rows():
 def test_row_column_grid_spills_row_blocks_onto_axis_2(monkeypatch):
     # CUDA caps grid axes 1 and 2 at 65535, so row blocks past that go to axis 2 (rounded up, the
     # extra programs masked). Cap the axis at 3 here so 13 rows in 1-row programs need it.
-    import moe_fp4.kernels.triton_numerics as TN
+    from moe_fp4.kernels import triton_numerics as TN
     assert TN.row_column_grid(70000, 14) == (14, 65535, 2)
     assert TN.row_column_grid(1, 3) == (3, 1, 1)
     monkeypatch.setattr(TN, "MAX_GRID_YZ", 3)

@@ -14,13 +14,13 @@ import torch
 
 import moe_fp4
 from helpers import torch_references
-from moe_fp4.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
+from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     quantize_expert_tokens
-from moe_fp4.metrics import sqnr_db
-from moe_fp4 import nn as nn_module
-from moe_fp4.ep import counts_to_host
-from moe_fp4.nn import MoE, MoEConfig, make_routing, permute, row_weights, unpermute
-from moe_fp4.saved import saved_bytes
+from moe_fp4.formats.metrics import sqnr_db
+from moe_fp4.model import moe as nn_module
+from moe_fp4.exchange.ep import counts_to_host
+from moe_fp4.model.moe import MoE, MoEConfig, make_routing, permute, row_weights, unpermute
+from moe_fp4.saved.accounting import saved_bytes
 
 # SQNR floors (dB) against the bf16 precision, for CONFIG / TOKENS below, set 1 dB under the lowest
 # value measured over seeds 0-3. Measured with the router weights inside the experts (fp8: out 23.44,
@@ -212,8 +212,8 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
     wait (prefetch_fp8_weights); the experts then find every pair cached (forward, backward and a
     checkpoint's recomputation), the numbers are those of the layer without the cache, and bf16
     quantizes nothing."""
-    from moe_fp4 import experts
-    from moe_fp4.gemm import FP8WeightCache
+    from moe_fp4.model import experts
+    from moe_fp4.gemm.engines import FP8WeightCache
 
     cache = FP8WeightCache()
     monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)

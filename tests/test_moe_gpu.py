@@ -5,9 +5,9 @@ Marked gpu; skipped without CUDA."""
 import pytest
 import torch
 
-from moe_fp4.metrics import sqnr_db
-from moe_fp4.nn import MoE, MoEConfig
-from moe_fp4.saved import saved_bytes
+from moe_fp4.formats.metrics import sqnr_db
+from moe_fp4.model.moe import MoE, MoEConfig
+from moe_fp4.saved.accounting import saved_bytes
 from test_moe import EXPERT_LABELS, FP4_SAVED_RATIO_MAX
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ TRITON_VS_CUBLAS_FLOOR_DB = 40.0
 
 
 def test_triton_grouped_layer_matches_per_expert_cublas_layer():
-    from moe_fp4.gemm import use_grouped_backend
+    from moe_fp4.gemm.engines import use_grouped_backend
 
     cfg, tokens = CONFIGS["h2048"]
     torch.manual_seed(1)
@@ -83,10 +83,10 @@ def test_triton_grouped_layer_matches_per_expert_cublas_layer():
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
 def test_layer_step_syncs_the_host_once(precision, monkeypatch):
     """One host sync per layer step: the routing counts, read through a non-blocking copy and an event
-    (moe_fp4.ep.counts_to_host), which CUDA's sync debug mode does not flag; it flags every other sync."""
+    (moe_fp4.exchange.ep.counts_to_host), which CUDA's sync debug mode does not flag; it flags every other sync."""
     import warnings
 
-    from moe_fp4 import nn as nn_module
+    from moe_fp4.model import moe as nn_module
 
     cfg = MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2)
     m = MoE(cfg, precision, device="cuda")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import moe_fp4
-import moe_fp4.reference
+import moe_fp4.formats.reference
 from helpers import binade_blocks
 from moe_fp4.kernels import nvfp4 as N
-from moe_fp4.metrics import sqnr_db
+from moe_fp4.formats.metrics import sqnr_db
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # NVFP4's 16-element blocks and E4M3 scales against MXFP4's 32 and powers of two, on 64 x 4096 N(0, 1)
@@ -147,9 +147,9 @@ def test_api_round_trip_shapes_and_the_reference_twin():
         assert q.nbytes == m * shape[-1] // 2 + m * shape[-1] // 16 + 4
         y = q.dequantize()
         assert y.shape == x.shape and y.dtype == torch.bfloat16
-        r = moe_fp4.reference.quantize_nvfp4(x)
+        r = moe_fp4.formats.reference.quantize_nvfp4(x)
         assert torch.equal(r.data, q.data) and torch.equal(r.scale.view(torch.uint8), q.scale.view(torch.uint8))
-        assert torch.equal(moe_fp4.reference.dequantize_nvfp4(r, torch.float32), moe_fp4.dequantize_nvfp4(q, torch.float32))
+        assert torch.equal(moe_fp4.formats.reference.dequantize_nvfp4(r, torch.float32), moe_fp4.dequantize_nvfp4(q, torch.float32))
 
 
 def test_a_given_tensor_scale_quantizes_a_tensor_in_pieces():
@@ -340,7 +340,7 @@ def test_fp8_to_nvfp4_is_the_quantization_of_the_fp8_values():
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)) * 40
     f = moe_fp4.quantize_fp8(x)
     got = moe_fp4.quantize_nvfp4(f)
-    want = moe_fp4.reference.quantize_nvfp4(moe_fp4.dequantize_fp8(f, torch.float32))
+    want = moe_fp4.formats.reference.quantize_nvfp4(moe_fp4.dequantize_fp8(f, torch.float32))
     assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
     assert torch.equal(got.tensor_scale, want.tensor_scale) and got.shape == f.shape
 
@@ -450,7 +450,7 @@ def test_nvfp4_to_fp8_colwise_is_dequantize_transpose_quantize(m):
     want = _fp8_of(q.dequantize(torch.float32).t().contiguous())
     assert got.shape == (256, m)
     assert torch.equal(got.data.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got.scale, want[1])
-    ref = moe_fp4.reference.nvfp4_to_fp8_colwise(q)
+    ref = moe_fp4.formats.reference.nvfp4_to_fp8_colwise(q)
     assert torch.equal(ref.data.view(torch.uint8), want[0].view(torch.uint8))
 
 

@@ -1,4 +1,4 @@
-"""AdamW fused with the FP8 weight quantization (kernels/adamw.py, moe_fp4.optim): the kernel equals its
+"""AdamW fused with the FP8 weight quantization (kernels/adamw.py, moe_fp4.model.optim): the kernel equals its
 pure-torch twin bit for bit under the interpreter, its FP8 pair equals quantize_fp8_weight_pair of the
 updated weight, and the optimizer follows torch's AdamW (to float32 rounding) while keeping the cache."""
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from moe_fp4.gemm import FP8WeightCache, adamw_step_fp8_weight_pair, quantize_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8WeightCache, adamw_step_fp8_weight_pair, quantize_fp8_weight_pair
 from moe_fp4.kernels.adamw import AdamWScalars, _div_rn, _sqrt_rn, adamw_fp8_weight_step, adamw_fp8_weight_step_ref
-from moe_fp4.optim import AdamWFP8Weights
+from moe_fp4.model.optim import AdamWFP8Weights
 
 # The fused update and torch's AdamW round the same float32 formula differently in a few places (torch's
 # single-tensor path lerps the first moment; its fused kernel multiplies in double): after a few steps
@@ -232,7 +232,7 @@ def test_gpu_kernel_matches_the_reference_and_quantizes_its_own_weight(dtype):
 def test_gpu_experts_train_on_the_optimizer_pairs(monkeypatch, precision):
     """The experts' forward and backward find the pairs the optimizer wrote (no quantization after the
     first forward), and each equals quantize_fp8_weight_pair of the weight as it now is."""
-    from moe_fp4 import experts
+    from moe_fp4.model import experts
 
     cache = FP8WeightCache()
     monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)

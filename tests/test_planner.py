@@ -1,4 +1,4 @@
-"""The planner (issue 30): moe_fp4.planner.choose over known memory and speed functions, the compare
+"""The planner (issue 30): moe_fp4.model.planner.choose over known memory and speed functions, the compare
 CLI's ``--plan auto`` end to end on CPU (estimated memory), its argument checks, and moe_fp4.plan on a GPU.
 
 The CLI runs as a subprocess (TRITON_INTERPRET=0, like test_compare.py): it trains.
@@ -56,8 +56,8 @@ def _brute_cap(policy, budget, batch):
 @pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7),
                                                (72, 64), (74.5, 64), (20.5, 12)])
 def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batch):
-    from moe_fp4.compare import micro_batch
-    from moe_fp4.planner import choose
+    from moe_fp4.compare.runner import micro_batch
+    from moe_fp4.model.planner import choose
 
     budget = budget_gib * GIB
     measure, timed, calls = _model(budget, batch)
@@ -90,7 +90,7 @@ def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batc
 
 
 def test_choose_when_everything_fits_times_only_none():
-    from moe_fp4.planner import choose
+    from moe_fp4.model.planner import choose
 
     measure, timed, calls = _model(500 * GIB, 32)
     plan = choose(POLICIES, measure, timed, 32, 500 * GIB)
@@ -101,7 +101,7 @@ def test_choose_when_everything_fits_times_only_none():
 def test_choose_sees_the_one_pass_step_off_the_two_pass_curve():
     """The H200 case: the whole batch fits in one pass while two passes of one sequence less do not (they
     hold the first pass's gradients). The plan must take the single pass."""
-    from moe_fp4.planner import choose
+    from moe_fp4.model.planner import choose
 
     budget = FIXED + PER_SEQ["none"] * 16 + 0.5 * GIB      # one pass of 16 fits; two of 15 need GRADS more
     measure, timed, _ = _model(budget, 16)
@@ -110,7 +110,7 @@ def test_choose_sees_the_one_pass_step_off_the_two_pass_curve():
 
 
 def test_choose_nothing_fits():
-    from moe_fp4.planner import NothingFits, choose
+    from moe_fp4.model.planner import NothingFits, choose
 
     measure, timed, _ = _model(5 * GIB, 8)
     with pytest.raises(NothingFits, match="not even one sequence"):
@@ -120,7 +120,7 @@ def test_choose_nothing_fits():
 
 
 def test_search_never_probes_above_most():
-    from moe_fp4.compare import search_largest_batch
+    from moe_fp4.compare.runner import search_largest_batch
 
     probed = []
 
@@ -136,7 +136,7 @@ def test_search_never_probes_above_most():
 
 def test_plan_is_exported_and_needs_a_gpu():
     import moe_fp4
-    from moe_fp4.planner import plan
+    from moe_fp4.model.planner import plan
 
     assert moe_fp4.plan is plan
     if not torch.cuda.is_available():
@@ -149,7 +149,7 @@ def test_plan_on_a_gpu_model():
     """moe_fp4.plan on the small decoder: the chosen policy is applied, its split fits the budget as
     measured, and each timed candidate's measured peak is within the budget."""
     import moe_fp4
-    from moe_fp4.model import PRESETS, DecoderLM
+    from moe_fp4.model.decoder import PRESETS, DecoderLM
 
     cfg = PRESETS["tiny"].with_(seq=256)
     model = DecoderLM(cfg, "fp4", device="cuda")
@@ -209,17 +209,17 @@ def test_cli_plan_auto(tmp_path):
     (["--plan", "auto", "--budget-gib", "1", "--global-batch", "8"], "--plan auto needs a GPU"),
 ])
 def test_cli_plan_arguments(tmp_path, capsys, monkeypatch, args, message):
-    import moe_fp4.cli
-    import moe_fp4.compare
+    import moe_fp4.compare.cli
+    import moe_fp4.compare.runner
 
     def refuse(*_a, **_k):
         raise AssertionError("argument validation let the run start")
 
-    monkeypatch.setattr(moe_fp4.compare, "run", refuse)
-    monkeypatch.setattr(moe_fp4.cli, "_distributed", refuse)
+    monkeypatch.setattr(moe_fp4.compare.runner, "run", refuse)
+    monkeypatch.setattr(moe_fp4.compare.cli, "_distributed", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert moe_fp4.cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
+    assert moe_fp4.compare.cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-fp4 compare: error: ") and message in err, err
 
@@ -254,7 +254,7 @@ def test_cli_max_batch_takes_the_whole_rank_batch_in_one_pass(tmp_path):
 def test_table_shows_no_ratios_without_the_baseline():
     """A run of one mode (here fp4 alone, as when modes are planned in separate calls) prints its row and
     plan, and no "ratios vs fp8" line of NaNs."""
-    from moe_fp4.compare import ratios, table
+    from moe_fp4.compare.runner import ratios, table
 
     row = {"mode": "fp4", "tokens_per_s_per_gpu": 1000.0, "step_ms": 10.0, "peak_bytes": 2 * GIB,
            "activation_bytes": GIB, "a2a_share": None, "loss_final": 1.0, "loss_eval": 1.1}

@@ -1,4 +1,4 @@
-"""Recomputation policies (issue 30): none, swiglu, moe, layer (moe_fp4.nn.Recompute).
+"""Recomputation policies (issue 30): none, swiglu, moe, layer (moe_fp4.model.moe.Recompute).
 
 Each policy must give the loss and every gradient of "none" bit for bit in the same precision (the
 recomputation runs the same kernels on the same inputs), keep less for backward than the policy
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import moe_fp4
-from moe_fp4.experts import TOKEN_ALIGN, grouped_swiglu_experts
-from moe_fp4.model import PRESETS, DecoderLM
-from moe_fp4.nn import MoE, MoEConfig, Recompute, checkpoint
-from moe_fp4.saved import saved_bytes
+from moe_fp4.model.experts import TOKEN_ALIGN, grouped_swiglu_experts
+from moe_fp4.model.decoder import PRESETS, DecoderLM
+from moe_fp4.model.moe import MoE, MoEConfig, Recompute, checkpoint
+from moe_fp4.saved.accounting import saved_bytes
 
 POLICIES = [p.value for p in Recompute]
 PRECISIONS = ["bf16", "fp8", "fp4"]
@@ -110,7 +110,7 @@ def test_torch_checkpoint_drops_the_experts_activations(references, precision):
 
 
 def test_hook_around_a_checkpoint_compresses_its_input_only(references):
-    """The compression hook entered around moe_fp4.nn.checkpoint sees only what the checkpoint holds
+    """The compression hook entered around moe_fp4.model.moe.checkpoint sees only what the checkpoint holds
     (its input): the experts' kept tensors are the checkpoint's to drop, not the hook's to count."""
     torch.manual_seed(2)
     m = MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1), "fp8")
@@ -146,7 +146,7 @@ def test_policy_names_and_misuse():
 
 
 def test_replay_refuses_a_recomputation_that_runs_more_exchanges():
-    from moe_fp4.nn import _Replay
+    from moe_fp4.model.moe import _Replay
 
     rep = _Replay()
     assert rep.once(lambda: 1) == 1

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from moe_fp4 import wire as W
-from moe_fp4.ep import AUTO, SQRT3, EPConfig, GradWireRule, grad_format
-from moe_fp4.nn import MoE, MoEConfig, end_grad_wire_step
-from moe_fp4.wire import WireFormat
+from moe_fp4.exchange import wire as W
+from moe_fp4.exchange.ep import AUTO, SQRT3, EPConfig, GradWireRule, grad_format
+from moe_fp4.model.moe import MoE, MoEConfig, end_grad_wire_step
+from moe_fp4.exchange.wire import WireFormat
 
 
 def test_rule_ratio_patience_and_fallback():

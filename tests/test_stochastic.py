@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 import moe_fp4
-import moe_fp4.reference
+import moe_fp4.formats.reference
 from helpers import binade_blocks
 from moe_fp4.kernels.numerics import encode_e2m1_stochastic, philox4x32, random_bits
 
@@ -108,8 +108,8 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not(fmt):
     x[0] = torch.where(odd, 0.3, 1.0) * torch.sign(x[0])
     x[1] = torch.where(odd, 0.7, 1.0) * torch.sign(x[1])
     quant = moe_fp4.quantize_mxfp4 if fmt == "mxfp4" else moe_fp4.quantize_nvfp4
-    ref = moe_fp4.reference.quantize_mxfp4 if fmt == "mxfp4" else moe_fp4.reference.quantize_nvfp4
-    deq = moe_fp4.reference.dequantize_mxfp4 if fmt == "mxfp4" else moe_fp4.reference.dequantize_nvfp4
+    ref = moe_fp4.formats.reference.quantize_mxfp4 if fmt == "mxfp4" else moe_fp4.formats.reference.quantize_nvfp4
+    deq = moe_fp4.formats.reference.dequantize_mxfp4 if fmt == "mxfp4" else moe_fp4.formats.reference.dequantize_nvfp4
     near_q = quant(x)
     # What the statistics below hold for is what the API returns: one call, bit for bit.
     api, want = quant(x, rounding="stochastic", seed=7, step=3), ref(x, rounding="stochastic", seed=7, step=3)
@@ -186,5 +186,5 @@ def test_mxfp4_stochastic_kernel_empty_and_through_the_api():
     assert d.shape == (0, 32) and s.shape == (0, 2)
     x = torch.randn(4, 3, 64, device=DEVICE, dtype=torch.bfloat16)
     q = moe_fp4.quantize_mxfp4(x, rounding="stochastic", seed=3, step=1, rank=2)
-    r = moe_fp4.reference.quantize_mxfp4(x, rounding="stochastic", seed=3, step=1, rank=2)
+    r = moe_fp4.formats.reference.quantize_mxfp4(x, rounding="stochastic", seed=3, step=1, rank=2)
     assert q.shape == x.shape and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)

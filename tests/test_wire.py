@@ -1,4 +1,4 @@
-"""The all-to-all wire format (moe_fp4.wire): pack -> unpack equals the direct API conversion bit for
+"""The all-to-all wire format (moe_fp4.exchange.wire): pack -> unpack equals the direct API conversion bit for
 bit, for every wire format and every output, on plain, special-value and empty inputs; row sizes;
 containers travel unchanged; a wider ``out`` buffer keeps its extra columns. Single process. The
 stochastic formats are packed right after ``seed_stochastic_rounding(SR_SEED)`` (``_pack``), so their
@@ -11,8 +11,8 @@ import torch
 
 import moe_fp4
 from helpers import INPUT_KINDS, make_input, same_bits, torch_references
-from moe_fp4.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, row_bytes, seed_stochastic_rounding, unpack, views
-from moe_fp4.wire import pack as _wire_pack
+from moe_fp4.exchange.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, row_bytes, seed_stochastic_rounding, unpack, views
+from moe_fp4.exchange.wire import pack as _wire_pack
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWS, HIDDEN = 6, 256   # small: the kernels run in the Triton interpreter on CPU

@@ -15,7 +15,7 @@ H = 64
 
 
 def test_row_bytes_and_views():
-    from moe_fp4 import wire as W
+    from moe_fp4.exchange import wire as W
 
     assert W.row_bytes("nvfp4", 7168) == 3584 + 448 + 4 == W.row_bytes("nvfp4-sr", 7168)
     assert W.row_bytes("mxfp4-sr", 7168) == W.row_bytes("mxfp4", 7168) == 3808
@@ -28,7 +28,7 @@ def test_row_bytes_and_views():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nvfp4_rows_round_trip_with_each_senders_tensor_scale(dtype):
     import moe_fp4
-    from moe_fp4 import wire as W
+    from moe_fp4.exchange import wire as W
 
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(3, H, generator=g).to(dtype), (torch.randn(4, H, generator=g) * 1e4).to(dtype)
@@ -48,7 +48,7 @@ def test_nvfp4_rows_round_trip_with_each_senders_tensor_scale(dtype):
 @pytest.mark.parametrize("fmt", ["mxfp4-sr", "nvfp4-sr"])
 def test_stochastic_rows_reproducible_from_the_seed_and_distinct_per_rank(fmt):
     import moe_fp4
-    from moe_fp4 import wire as W
+    from moe_fp4.exchange import wire as W
 
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(2))
     W.seed_stochastic_rounding(11)
@@ -69,9 +69,9 @@ def test_stochastic_rows_reproducible_from_the_seed_and_distinct_per_rank(fmt):
 
 
 def test_stochastic_formats_are_refused_for_values():
-    from moe_fp4.cli import parse_wire
-    from moe_fp4.comm import SwapConfig
-    from moe_fp4.ep import EPConfig
+    from moe_fp4.compare.cli import parse_wire
+    from moe_fp4.exchange.all_to_all import SwapConfig
+    from moe_fp4.exchange.ep import EPConfig
 
     for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr")):
         with pytest.raises(ValueError, match="for gradients only"):
@@ -85,7 +85,7 @@ def test_stochastic_formats_are_refused_for_values():
 
 def test_the_hugging_face_formats_refuse_them_too():
     pytest.importorskip("transformers.distributed.expert_parallel")
-    from moe_fp4.hf import HFEPFormats
+    from moe_fp4.integrations.hf import HFEPFormats
 
     with pytest.raises(ValueError, match="for gradients only"):
         HFEPFormats(combine="nvfp4-sr")
@@ -95,7 +95,7 @@ def test_the_hugging_face_formats_refuse_them_too():
 
 
 def test_auto_is_refused_where_no_layer_keeps_a_rule():
-    from moe_fp4.comm import SwapConfig
+    from moe_fp4.exchange.all_to_all import SwapConfig
 
     with pytest.raises(ValueError, match="the sqrt\\(3\\) rule\\) is available for moe_fp4's MoE layer"):
         SwapConfig(combine_grad="auto")
@@ -107,8 +107,8 @@ def _exchange_case(rank: int, world: int):
     weights quantized by d (its tensor scale, its rank in the random bits, step 0 after the reseed),
     then routed: rebuilt here from every rank's seeds."""
     import moe_fp4
-    from moe_fp4 import wire as W
-    from moe_fp4.comm import all_to_all
+    from moe_fp4.exchange import wire as W
+    from moe_fp4.exchange.all_to_all import all_to_all
 
     torch.set_num_threads(1)
     S = [[1, 3], [2, 2]]
@@ -165,8 +165,8 @@ def test_two_ranks_exchange_gradients_in_each_new_format():
 # ----------------------------------------------------------------------------- EPConfig(simulate=True)
 
 def _moe_pair(precision: str, **formats):
-    from moe_fp4.ep import EPConfig
-    from moe_fp4.nn import MoE, MoEConfig
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.model.moe import MoE, MoEConfig
 
     cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=0)
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_simulated_exchanges_forward(precision, dispatch, references):
     """The layer with EPConfig(simulate=True): the router reads the local rows, the experts the rows as the
     dispatch delivers them (the precision's format), and the output is the combine's round trip. On the
     reference conversions (``references``): what is tested is the layer's wiring of the exchanges."""
-    from moe_fp4 import wire as W
+    from moe_fp4.exchange import wire as W
 
     ref, sim = _moe_pair(precision, combine="nvfp4")
     x = torch.randn(24, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -196,7 +196,7 @@ def test_simulated_exchanges_forward(precision, dispatch, references):
 def test_simulated_exchanges_backward(references):
     # On the reference conversions (the kernels equal them bit for bit in their own tests): 43 s of
     # interpreted kernels before, for a test of the layer's simulated exchanges.
-    from moe_fp4 import wire as W
+    from moe_fp4.exchange import wire as W
 
     # Unquantized gradient formats: the same gradients as without simulation (bf16 layer, bf16 rows).
     ref, sim = _moe_pair("bf16")
@@ -216,7 +216,7 @@ def test_simulated_exchanges_backward(references):
         grads.append(xs.grad)
     W.seed_stochastic_rounding(0)
     assert torch.equal(grads[0].view(torch.int16), grads[1].view(torch.int16))
-    from moe_fp4.metrics import sqnr_db
+    from moe_fp4.formats.metrics import sqnr_db
 
     assert sqnr_db(xr.grad.float(), grads[0].float()) > SIMULATED_GRAD_SQNR_MIN_DB
 
@@ -232,9 +232,9 @@ def _one_rank_ep_against_simulation(rank: int, world: int):
     simulated wire must give the real exchange's output and input gradient, for every dispatch format
     and 4-bit gradients (the same seed and step order): the gradient bit for bit, the output value for
     value (EP's receiver sums the combine rows into float32 zeros, which turns a -0 row into +0)."""
-    from moe_fp4 import wire as W
-    from moe_fp4.ep import EPConfig
-    from moe_fp4.nn import MoE, MoEConfig
+    from moe_fp4.exchange import wire as W
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.model.moe import MoE, MoEConfig
 
     torch.set_num_threads(1)
     cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=0)

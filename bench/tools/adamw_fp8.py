@@ -1,6 +1,6 @@
 """AdamW fused with the FP8 weight quantization (kernels/adamw.py) against what it replaces, at the expert
 layer's weight shapes: torch's fused AdamW step followed by the FP8 pair (quantize_fp8_weight_pair, what
-the next forward does through moe_fp4.gemm.FP8_WEIGHTS), each alone and back to back, one run.
+the next forward does through moe_fp4.gemm.engines.FP8_WEIGHTS), each alone and back to back, one run.
 
     python bench/tools/adamw_fp8.py [--dtype bfloat16 float32] [--iters 20]
 
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for gemm.py
 
 from gemm import timed  # noqa: E402  (bench/gemm.py: median of CUDA-event timings)
-from moe_fp4.gemm import quantize_fp8_weight_pair  # noqa: E402
+from moe_fp4.gemm.engines import quantize_fp8_weight_pair  # noqa: E402
 from moe_fp4.kernels.adamw import AdamWScalars, adamw_fp8_weight_step  # noqa: E402
 
 SHAPES = {   # (E, N, K) of W13 [E, 2F, H] and W2 [E, H, F], as bench/moe_layer.py's configs

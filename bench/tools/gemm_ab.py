@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from gemm import SHAPES, gemms, route_counts, sm90_run, timed, write_results  # noqa: E402
 import moe_fp4  # noqa: E402
-from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
+from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as NEW  # noqa: E402
 
 

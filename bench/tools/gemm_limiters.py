@@ -68,7 +68,7 @@ def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_pat
     sys.path.insert(0, os.path.join(HERE, ".."))
     import moe_fp4
     from gemm import gemms, route_counts  # bench/gemm.py
-    from moe_fp4.gemm import FP8WeightTensor, fp8_mm_nt, quantize_fp8_weight
+    from moe_fp4.gemm.engines import FP8WeightTensor, fp8_mm_nt, quantize_fp8_weight
     from moe_fp4.kernels import gluon_grouped_gemm as GL
 
     launches = []   # (label dict, fn)
@@ -230,7 +230,7 @@ def main() -> None:
     if a.json:
         import torch
         sys.path.insert(0, os.path.join(HERE, ".."))
-        from moe_fp4.compare import commit
+        from moe_fp4.compare.runner import commit
         with open(a.json, "w") as fh:
             json.dump({"commit": commit(), "device": torch.cuda.get_device_name(), "metrics": metrics,
                        "rows": rows}, fh, indent=1)

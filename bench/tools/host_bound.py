@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import moe_fp4  # noqa: E402
-from moe_fp4.gemm import quantize_fp8_weight  # noqa: E402
+from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
 from profile_moe import layer_args, layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 

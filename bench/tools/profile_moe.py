@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
-from moe_fp4.nn import MoE, MoEConfig  # noqa: E402
+from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 
 
 def layer_args(description: str, top: int) -> argparse.ArgumentParser:

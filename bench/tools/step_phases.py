@@ -1,6 +1,6 @@
 """Where a training step of the compare model spends its GPU time, by phase, per mode and policy.
 
-Runs ``moe-fp4 compare``'s model and trainer (moe_fp4.compare.build / Trainer) at a given batch, split and
+Runs ``moe-fp4 compare``'s model and trainer (moe_fp4.compare.runner.build / Trainer) at a given batch, split and
 recomputation policy, profiles ``--steps`` steps after ``--warmup`` with torch.profiler and sums the CUDA
 kernels' time per step into phases by kernel name: expert GEMMs (moe_fp4's grouped FP8 engines, torch's
 grouped BF16), dense GEMMs (cuBLAS: attention projections, dense MLP, head), conversions+SwiGLU (moe_fp4's
@@ -43,7 +43,7 @@ def phase_of(name: str) -> str:
 
 
 def measure(cfg, mode: str, env, batch: int, micro: int, warmup: int, steps: int) -> dict:
-    import moe_fp4.compare as C
+    from moe_fp4.compare import runner as C
     from torch.profiler import ProfilerActivity, profile
 
     model, loss_fn, sharded, handle = C.build(cfg, mode, env)
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("step_phases.py profiles CUDA kernels: it needs a GPU", file=sys.stderr)
         return 2
-    import moe_fp4.compare as C
+    from moe_fp4.compare import runner as C
 
     env = C.Env(torch.device("cuda"))
     meta = C.describe(env)

@@ -5,7 +5,7 @@ same bytes, at the expert layer's weight shapes.
 
 The pass reads W (bf16, 2 bytes per element) and writes two FP8 codes per element (W and W^T), the
 same bytes as a bf16 clone of W, which is the baseline. It runs once per weight version (an optimizer
-step) through moe_fp4.gemm.FP8_WEIGHTS, so a step with one micro-batch pays it in full.
+step) through moe_fp4.gemm.engines.FP8_WEIGHTS, so a step with one micro-batch pays it in full.
 ``asm``: the PTX E4M3 rounding (the default on sm_90); ``twin``: the pure-Triton rounding.
 """
 

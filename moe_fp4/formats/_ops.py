@@ -2,7 +2,7 @@
 
 Every kernel module exposes a Triton launcher ``name`` and its pure-torch twin ``name_ref`` with the
 same signature on plain tensors; ``_pick`` chooses one and these functions wrap the result in the
-containers. ``moe_fp4.api`` (validated, dispatching by device) and ``moe_fp4.reference`` (always
+containers. ``moe_fp4.formats.conversions`` (validated, dispatching by device) and ``moe_fp4.formats.reference`` (always
 the twins) are thin layers over this module.
 """
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4

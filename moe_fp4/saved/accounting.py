@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 
 _local = threading.local()
 
@@ -102,7 +102,7 @@ def keep(label: str, obj, converted_from: int | None = None) -> tuple[tuple[torc
     (its tensors, to pass to ``ctx.save_for_backward``; a spec for :func:`rebuild`).
 
     The tensors are tagged with one :class:`Kept`: :func:`saved_bytes` reports the container once, and
-    :mod:`moe_fp4.hook`'s compression passes them through (they are quantized already, or must stay
+    :mod:`moe_fp4.saved.hook`'s compression passes them through (they are quantized already, or must stay
     exact like the router weights) and counts them once."""
     fmt, shape = _describe(obj)
     tag = Kept(label, fmt, shape, obj.nbytes, converted_from)
@@ -220,3 +220,6 @@ def saved_bytes(fn, *args, **kwargs):
     finally:
         _local.accounting = outer
     return out, SavedReport(tuple(acc.records))
+
+
+__all__ = ["Kept", "SavedRecord", "SavedReport", "keep", "kept_tag", "label_saved", "note_packed", "rebuild", "report_saved", "saved_bytes"]

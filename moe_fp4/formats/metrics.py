@@ -12,3 +12,6 @@ def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     ref, test = ref.double(), test.double()
     err = (ref - test).pow(2).sum().item()
     return math.inf if err == 0 else 10 * math.log10(ref.pow(2).sum().item() / err)
+
+
+__all__ = ["sqnr_db"]

@@ -4,7 +4,7 @@ Rows arrive permuted by expert and padded so that every expert's group is a mult
 ``TOKEN_ALIGN`` = 128 rows: the weight-gradient GEMMs contract over tokens in 1x128 tiles, and a
 tile must not straddle two experts. Expert e owns rows ``offsets[e] : offsets[e] + counts[e]``.
 
-Every step runs once for all experts: the grouped GEMMs of :mod:`moe_fp4.gemm` (one Triton launch
+Every step runs once for all experts: the grouped GEMMs of :mod:`moe_fp4.gemm.engines` (one Triton launch
 each on Hopper), the conversions over the whole [R, *] tensors (a 128-aligned group never shares a
 1x128 token tile with another expert, so the column-wise operands of all experts come from one
 launch), and SwiGLU fused with the quantization of its output.
@@ -30,17 +30,17 @@ Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_co
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
 for dgrad and its column-wise FP8 for wgrad from one read). The SwiGLU backward reads fp4's MXFP4
 SwiGLU input as kept, decoding it in registers (no bf16 copy of it). The FP8 weights (128x128 blocks) and
-their transposed copies come from :data:`moe_fp4.gemm.FP8_WEIGHTS`, made once per weight version and
+their transposed copies come from :data:`moe_fp4.gemm.engines.FP8_WEIGHTS`, made once per weight version and
 shared by forward, backward and every micro-batch of an optimizer step.
 
 Inside :func:`moe_fp4.compress_saved_activations` with ``compress_fp8=True``, the fp8 precision
 stores its FP8 activations as MXFP4 converted directly from the FP8 codes (no BF16 round trip); its
 bf16 SwiGLU input goes through ``save_for_backward``, where that hook compresses it. Nothing is
-compressed twice: the quantized containers are tagged (:func:`moe_fp4.saved.keep`) and the hook passes
+compressed twice: the quantized containers are tagged (:func:`moe_fp4.saved.accounting.keep`) and the hook passes
 them through.
 
 Everything kept goes through ``ctx.save_for_backward`` (containers as their tensors), none of it on
-ctx attributes, so activation checkpointing (``torch.utils.checkpoint``, :func:`moe_fp4.nn.checkpoint`)
+ctx attributes, so activation checkpointing (``torch.utils.checkpoint``, :func:`moe_fp4.model.moe.checkpoint`)
 around the experts drops it in forward and recomputes it in backward; ``recompute_swiglu`` drops the
 SwiGLU output alone (bf16, fp8).
 """
@@ -51,16 +51,16 @@ import enum
 
 import torch
 
-from moe_fp4 import _ops
-from moe_fp4.api import _use_triton, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
+from moe_fp4.formats import _ops
+from moe_fp4.formats.conversions import _use_triton, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
     mxfp4_to_fp8_colwise, nvfp4_to_fp8_colwise, quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4, quantize_nvfp4
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
-from moe_fp4.gemm import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
-from moe_fp4.hook import StorageFormat, current_compression
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.gemm.engines import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
+from moe_fp4.saved.hook import StorageFormat, current_compression
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.saved import keep, label_saved, rebuild, report_saved
+from moe_fp4.saved.accounting import keep, label_saved, rebuild, report_saved
 
 TOKEN_ALIGN = 128
 
@@ -86,7 +86,7 @@ class _Kept:
     """What the experts' Function keeps for backward, all of it through ``ctx.save_for_backward`` (so
     that ``torch.utils.checkpoint`` can drop it and recompute it: a ctx attribute would be held by the
     graph whatever the checkpoint does). Quantized containers and the router weights are tagged by
-    :func:`moe_fp4.saved.keep` (reported by label and format, passed through the compression hook);
+    :func:`moe_fp4.saved.accounting.keep` (reported by label and format, passed through the compression hook);
     bf16 tensors go through as they are (labelled for ``saved_bytes``; the hook may compress them)."""
 
     def __init__(self):
@@ -232,14 +232,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # fp4 in NVFP4 (storage): the same tensors kept, each quantized with NVFP4's rules instead
         # (x and h from bf16, a from its FP8 codes), and MXFP4 rows received from the dispatch as they came.
         nv = fp4 and storage is StorageFormat.NVFP4
-        # W and W^T from one pass, once per weight version (moe_fp4.gemm.FP8_WEIGHTS): backward's dgrad
+        # W and W^T from one pass, once per weight version (moe_fp4.gemm.engines.FP8_WEIGHTS): backward's dgrad
         # operands are forward's, and micro-batches between two optimizer steps share them.
         (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
         report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
         report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
             # A received MXFP4 FC1 input: decoded inside the grouped GEMM where the engine does that
-            # faster than a conversion pass (moe_fp4.gemm.decodes_mxfp4_in_gemm), else converted first.
+            # faster than a conversion pass (moe_fp4.gemm.engines.decodes_mxfp4_in_gemm), else converted first.
             xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
             kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor) and x_saved is not None:
@@ -363,7 +363,7 @@ def gather_expert_tokens(tokens, src_row: torch.Tensor):
 
 def prefetch_fp8_weights(*weights) -> None:
     """weights: [E, N, K] tensors (or None, skipped) -> nothing: each one's FP8 pair (W, W^T) made now,
-    as the experts would make it (:data:`moe_fp4.gemm.FP8_WEIGHTS`), so that their forward finds it
+    as the experts would make it (:data:`moe_fp4.gemm.engines.FP8_WEIGHTS`), so that their forward finds it
     cached. The MoE layer calls it where the GPU would otherwise wait for the host (the weights need no
     routing): the FC1 weights before the router, the FC2 weights while the host waits for the routing's
     counts. Nothing when the cache is off: the experts would quantize a second time."""
@@ -392,7 +392,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
             MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it where
-            ``moe_fp4.gemm.decodes_mxfp4_in_gemm`` says that is faster: no engine today) and kept as
+            ``moe_fp4.gemm.engines.decodes_mxfp4_in_gemm`` says that is faster: no engine today) and kept as
             is for backward; FP8 is the GEMM operand, kept
             as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
@@ -416,7 +416,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             of x is x_saved's row x_saved_rows[r] (each in [0, T'); not checked: a host sync). Each token
             is kept once rather than once per expert row; backward converts the rows in place.
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
-    :func:`moe_fp4.nn.checkpoint`) around this call drops it and recomputes it.
+    :func:`moe_fp4.model.moe.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
     """
     precision = Precision(precision)
@@ -474,3 +474,6 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                              f"{tuple(getattr(x_saved_rows, 'shape', ()))}")
     return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
                                 x_saved, x_saved_rows)
+
+
+__all__ = ["TOKEN_ALIGN", "Precision", "gather_expert_tokens", "grouped_swiglu_experts", "prefetch_fp8_weights", "quantize_expert_tokens"]

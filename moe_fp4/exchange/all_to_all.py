@@ -3,7 +3,7 @@ torch's ``all_to_all_single`` functions.
 
 :func:`all_to_all` moves rows like ``torch.distributed.all_to_all_single`` (``input_split_sizes[d]``
 rows go to rank d, ``output_split_sizes[s]`` rows come from rank s; None = equal splits). Values
-travel in the ``forward`` wire format (:mod:`moe_fp4.wire`: one uint8 message per call, data and
+travel in the ``forward`` wire format (:mod:`moe_fp4.exchange.wire`: one uint8 message per call, data and
 scales per row), their gradients back in the ``backward`` format, and the receiver returns
 ``output``: the input's float dtype, an FP8BlockTensor, or the MXFP4Tensor as received.
 
@@ -28,8 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
-from moe_fp4.wire import HIDDEN_MULTIPLE, STOCHASTIC, OutputFormat, WireFormat, pack, unpack
+from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
+from moe_fp4.exchange.wire import HIDDEN_MULTIPLE, STOCHASTIC, OutputFormat, WireFormat, pack, unpack
 
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _FORMAT_CODE = {f: i for i, f in enumerate(WireFormat)}

@@ -1,14 +1,14 @@
 """AdamW that writes the FP8 expert weights while it updates them.
 
 The FP8 expert GEMMs read every expert weight W as 128x128-block FP8 codes, and their dgrad reads W^T
-(:data:`moe_fp4.gemm.FP8_WEIGHTS` holds the pair per weight version). With torch's AdamW the pair is
+(:data:`moe_fp4.gemm.engines.FP8_WEIGHTS` holds the pair per weight version). With torch's AdamW the pair is
 made in the next forward: one more pass over the weights per optimizer step, which BF16 training does
 not pay (about 2 ms of an 11.8 ms DeepSeek-V3 expert step on the H100, bench/RESULTS.md).
 :class:`AdamWFP8Weights` is torch.optim.AdamW, except that each weight the FP8 GEMMs read takes a fused
 step (``kernels/adamw.py``): one pass updates W and its moments and writes the FP8 pair of the new W
 into the cache, so the next forward and backward find it there.
 
-    opt = moe_fp4.optim.AdamWFP8Weights(model.parameters(), lr=3e-4, weight_decay=0.1)
+    opt = moe_fp4.model.optim.AdamWFP8Weights(model.parameters(), lr=3e-4, weight_decay=0.1)
 
 Which weights take the fused step is decided by the cache, at each step: a parameter whose FP8 pair
 the GEMMs made since its last change (an expert weight of the fp8 or fp4 precisions), with a dense
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_fp4.gemm import FP8_WEIGHTS, FP8WeightCache, adamw_step_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightCache, adamw_step_fp8_weight_pair
 from moe_fp4.kernels.adamw import AdamWScalars
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,7 +42,7 @@ def _unhooked_adamw_step():
 
 class AdamWFP8Weights(torch.optim.AdamW):
     """torch.optim.AdamW whose step also makes the FP8 (W, W^T) pair of each weight the FP8 expert GEMMs
-    read, in the same pass as the update, and hands it to ``cache`` (default: moe_fp4.gemm.FP8_WEIGHTS).
+    read, in the same pass as the update, and hands it to ``cache`` (default: moe_fp4.gemm.engines.FP8_WEIGHTS).
 
     Arguments are AdamW's; ``amsgrad`` is not offered (its update is not fused: use torch's AdamW), and
     a group with ``capturable`` or ``differentiable`` set takes torch's step for all its parameters.

@@ -30,9 +30,9 @@ import enum
 
 import torch
 
-from moe_fp4._ops import _pick
-from moe_fp4.api import _use_triton, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
-from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.formats._ops import _pick
+from moe_fp4.formats.conversions import _use_triton, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
+from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4

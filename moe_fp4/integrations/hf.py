@@ -9,7 +9,7 @@ Importing this module registers two expert-parallel implementations with transfo
 | ``"moe_fp4_fp8"`` | FP8 1x128      | bf16                        |
 
 so a model built with ``DistributedConfig(..., ep_size=N, ep_implementation="moe_fp4")`` sends its
-tokens to the experts' ranks in MXFP4 (:mod:`moe_fp4.ep`: one count exchange and one host sync per
+tokens to the experts' ranks in MXFP4 (:mod:`moe_fp4.exchange.ep`: one count exchange and one host sync per
 layer, each token quantized once and sent at most once per destination rank with its router
 weights). The experts run the model's own ``experts_forward`` on the dequantized rows, so any HF
 experts module works, and :func:`moe_fp4.register_activation_compression` composes with it (it
@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
-from moe_fp4.comm import check_value_formats, fixed_wire_format
-from moe_fp4.ep import combine, dispatch, plan_dispatch
-from moe_fp4.wire import WireFormat
+from moe_fp4.exchange.all_to_all import check_value_formats, fixed_wire_format
+from moe_fp4.exchange.ep import combine, dispatch, plan_dispatch
+from moe_fp4.exchange.wire import WireFormat
 
 
 @dataclass(frozen=True)
 class HFEPFormats:
-    """Wire formats of one registered implementation (see :class:`moe_fp4.ep.EPConfig`)."""
+    """Wire formats of one registered implementation (see :class:`moe_fp4.exchange.ep.EPConfig`)."""
 
     dispatch: WireFormat = WireFormat.MXFP4
     combine: WireFormat = WireFormat.BF16
@@ -45,7 +45,7 @@ class HFEPFormats:
 
 
 class MoeFp4EP(EPImplementation):
-    """An ``EPImplementation`` that moves tokens with :func:`moe_fp4.ep.dispatch` / :func:`combine`.
+    """An ``EPImplementation`` that moves tokens with :func:`moe_fp4.exchange.ep.dispatch` / :func:`combine`.
 
     Called with this rank's ``hidden_states`` [T, H], ``top_k_index`` int64 [T, k] (global expert
     ids) and ``top_k_weights`` [T, k]; returns [T, H], each token's weighted sum of its experts'

@@ -1,6 +1,6 @@
 """The end-to-end comparison behind ``moe-fp4 compare``: train one model in bf16, fp8 and fp4.
 
-Each mode builds the same :class:`~moe_fp4.model.DecoderLM` (same seed: same initial weights,
+Each mode builds the same :class:`~moe_fp4.model.decoder.DecoderLM` (same seed: same initial weights,
 same batches) and trains it for ``steps`` steps with AdamW (float32 master weights, bf16 compute,
 global-norm clipping at 1, linear warmup then cosine decay). Measured per mode:
 
@@ -9,13 +9,13 @@ global-norm clipping at 1, linear warmup then cosine decay). Measured per mode:
 - peak memory: ``torch.cuda.max_memory_allocated`` over the whole run (largest rank);
 - activation memory: what one forward keeps alive for backward. On CUDA the allocator's growth
   over the forward (logits and loss included); on CPU the bytes saved for backward
-  (:func:`moe_fp4.saved.saved_bytes`, plus what the compression hook stored in the ``--hook`` run);
+  (:func:`moe_fp4.saved.accounting.saved_bytes`, plus what the compression hook stored in the ``--hook`` run);
 - all-to-all share: the NCCL send/recv kernels' time in a few profiled steps over the step time
   (EP only);
 - loss: every step's training loss (averaged over ranks), and a held-out loss at the end.
 
 Expert parallelism: under ``torchrun`` with more than one process every MoE layer is split over all
-ranks (:class:`moe_fp4.ep.EPConfig`); the other parameters are replicated and their gradients
+ranks (:class:`moe_fp4.exchange.ep.EPConfig`); the other parameters are replicated and their gradients
 averaged (data parallel over the same ranks), each rank draws its own batches.
 
 ``max_batch_gib``: for each mode, the exact largest batch (sequences per rank) whose step peaks
@@ -25,9 +25,9 @@ timed run then uses each mode's own largest batch. On CPU the memory of
 a step is estimated (parameters, gradients, optimizer state and saved activations; there is no
 allocator to ask), so CPU budgets are for tests, not measurements.
 
-``recompute``: every mode's recomputation policy (:class:`moe_fp4.nn.Recompute`). ``plan`` (with
+``recompute``: every mode's recomputation policy (:class:`moe_fp4.model.moe.Recompute`). ``plan`` (with
 ``budget_gib`` and ``global_batch``): per mode, :func:`plan_mode` measures each policy's largest
-micro-batch in the budget and the tokens/s of each distinct split (:mod:`moe_fp4.planner`), and the mode
+micro-batch in the budget and the tokens/s of each distinct split (:mod:`moe_fp4.model.planner`), and the mode
 trains with the fastest; the report keeps every candidate under "plans".
 """
 
@@ -48,16 +48,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-from moe_fp4.api import conversion_path
-from moe_fp4.data import RandomTokens, TokenBatches, stdlib_corpus
-from moe_fp4.ep import EPConfig
-from moe_fp4.experts import Precision
-from moe_fp4.gemm import grouped_gemm_backend
-from moe_fp4.hook import StorageFormat
-from moe_fp4.model import PRESETS, DecoderLM, ModelConfig, parameter_count
-from moe_fp4.nn import DISPATCH_FORMAT, MoE, Recompute, end_grad_wire_step
-from moe_fp4.optim import AdamWFP8Weights
-from moe_fp4.planner import (  # noqa: F401 (re-exported)
+from moe_fp4.formats.conversions import conversion_path
+from moe_fp4.compare.data import RandomTokens, TokenBatches, stdlib_corpus
+from moe_fp4.exchange.ep import EPConfig
+from moe_fp4.model.experts import Precision
+from moe_fp4.gemm.engines import grouped_gemm_backend
+from moe_fp4.saved.hook import StorageFormat
+from moe_fp4.model.decoder import PRESETS, DecoderLM, ModelConfig, parameter_count
+from moe_fp4.model.moe import DISPATCH_FORMAT, MoE, Recompute, end_grad_wire_step
+from moe_fp4.model.optim import AdamWFP8Weights
+from moe_fp4.model.planner import (  # noqa: F401 (re-exported)
     MAX_SEARCH_PROBES,
     PLAN_TIMED_STEPS,
     PLAN_WARMUP_STEPS,
@@ -65,7 +65,7 @@ from moe_fp4.planner import (  # noqa: F401 (re-exported)
     micro_batch,
     search_largest_batch,
 )
-from moe_fp4.saved import saved_bytes
+from moe_fp4.saved.accounting import saved_bytes
 
 GiB = 2**30
 MODES = tuple(p.value for p in Precision)
@@ -92,11 +92,11 @@ class CompareConfig:
     each rank takes global_batch / world of them per step in the fewest near-equal micro-batches of at
     most the mode's batch (``batch``, or with ``max_batch_gib`` its largest micro-batch whose
     accumulated step fits), the gradients accumulated, so every mode trains on the same batches;
-    recompute: the recomputation policy of every mode (:class:`moe_fp4.nn.Recompute`: none, swiglu, moe,
+    recompute: the recomputation policy of every mode (:class:`moe_fp4.model.moe.Recompute`: none, swiglu, moe,
     layer); plan: per mode, choose the policy and micro-batch with the highest measured tokens/s that fits
-    ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.planner`) and train with that choice; storage: the
+    ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.model.planner`) and train with that choice; storage: the
     format the fp4 mode keeps its activations in, "mxfp4" or "nvfp4" (:class:`moe_fp4.StorageFormat`);
-    optimizer: "adamw-fp8" (:class:`moe_fp4.optim.AdamWFP8Weights`: the FP8 modes' expert weights take a step
+    optimizer: "adamw-fp8" (:class:`moe_fp4.model.optim.AdamWFP8Weights`: the FP8 modes' expert weights take a step
     that also writes their FP8 copies, every other parameter torch's fused AdamW step; the bf16 and Hugging
     Face modes have no FP8 weights, so for them it is torch's AdamW) or "adamw" (torch.optim.AdamW for
     every mode: the FP8 copies are made in the next forward)."""
@@ -317,7 +317,7 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = [p for p in params if id(p) in sharded_ids]
         self.replicated = [p for p in params if id(p) not in sharded_ids]
-        # AdamWFP8Weights steps the weights the FP8 GEMMs read (moe_fp4.gemm.FP8_WEIGHTS) and writes their
+        # AdamWFP8Weights steps the weights the FP8 GEMMs read (moe_fp4.gemm.engines.FP8_WEIGHTS) and writes their
         # FP8 copies in the same pass; every other parameter takes torch's AdamW step.
         opt_class = {"adamw-fp8": AdamWFP8Weights, "adamw": torch.optim.AdamW}[optimizer]
         self.opt = opt_class(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=env.cuda or None)
@@ -330,7 +330,7 @@ class Trainer:
         optimizer step. With ``micro_batch`` the B sequences go through forward and backward in
         ceil(B / micro_batch) near-equal micro-batches, each loss weighted by its share of B, the
         gradients accumulated: the same update as one pass over B, up to rounding. The FP8 weight
-        copies are made once per step (moe_fp4.gemm.FP8_WEIGHTS: the weights change only at opt.step)."""
+        copies are made once per step (moe_fp4.gemm.engines.FP8_WEIGHTS: the weights change only at opt.step)."""
         n = ids.shape[0]
         passes = -(-n // (self.micro_batch or n))          # near-equal passes of at most micro_batch
         loss = None
@@ -377,7 +377,7 @@ def _hf_shifted_loss(model, ids, targets):
 
 
 def hf_causal_lm(config, device=None, arch: str = "qwen3_moe", experts_implementation: str | None = None):
-    """A Hugging Face MoE causal LM of the shape of a :class:`moe_fp4.model.ModelConfig` (random bf16
+    """A Hugging Face MoE causal LM of the shape of a :class:`moe_fp4.model.decoder.ModelConfig` (random bf16
     weights from the current torch seed, built from a config: no download). Qwen3-MoE has no shared
     expert, so ``shared_ffn`` is ignored; the first ``dense_layers`` layers are dense MLPs of
     ``dense_ffn``. ``experts_implementation``: transformers' expert kernel ("grouped_mm" by default on
@@ -648,7 +648,7 @@ def _quiet(*_a, **_k) -> None:
 def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
     """The exact largest batch whose training step fits ``budget`` bytes per device
     (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes).
-    With a global batch, :func:`moe_fp4.planner.largest_micro_batch` instead."""
+    With a global batch, :func:`moe_fp4.model.planner.largest_micro_batch` instead."""
     return search_largest_batch(lambda b: step_bytes(cfg, mode, env, corpus, [b])[b], budget,
                                 max(1, cfg.batch // 2), log=lambda *a, **k: log(f"  {mode}:" + a[0][1:], **k))
 
@@ -689,10 +689,10 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
 
 def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, log=print,
               warmup_steps: int = PLAN_WARMUP_STEPS, timed_steps: int = PLAN_TIMED_STEPS):
-    """:func:`moe_fp4.planner.choose` for one mode: each policy's exact largest micro-batch in
+    """:func:`moe_fp4.model.planner.choose` for one mode: each policy's exact largest micro-batch in
     ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`), each distinct split timed by
     :func:`measure_steps` -> the Plan."""
-    from moe_fp4.planner import choose
+    from moe_fp4.model.planner import choose
 
     budget = cfg.budget_gib * GiB
 

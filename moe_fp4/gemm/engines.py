@@ -1,7 +1,7 @@
 """FP8 blockwise GEMMs for the expert MLPs (DeepSeek-V3 recipe: E4M3, power-of-two scales).
 
 Operands:
-- activations: :class:`~moe_fp4.formats.FP8BlockTensor` [M, K], 1x128 tiles along K (the contraction);
+- activations: :class:`~moe_fp4.formats.containers.FP8BlockTensor` [M, K], 1x128 tiles along K (the contraction);
 - weights: :class:`FP8WeightTensor` [N, K] in 128x128 blocks. A 128x128 block grid is the same for W
   and W^T, so one quantization serves fprop (x W^T) and dgrad (dy W) (``.t()`` transposes the codes);
 - weight gradients contract over tokens: both operands are FP8BlockTensors quantized in 1x128 tiles
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from moe_fp4.api import _check_out_dtype
-from moe_fp4.formats import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
+from moe_fp4.formats.conversions import _check_out_dtype
+from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
 from moe_fp4.kernels import adamw as adamw_kernels
 from moe_fp4.kernels import fp8 as fp8_kernels
 from moe_fp4.kernels import gluon_grouped_gemm as gluon_kernels
@@ -105,7 +105,7 @@ class FP8WeightTensor:
 
 def _quantize_weight(w: torch.Tensor, write_q: bool, write_t: bool, fn: str):
     """-> (data, data^T, scale) of quantize_fp8_weight_128x128 for w [N, K] / [E, N, K], after the checks."""
-    from moe_fp4.api import _use_triton
+    from moe_fp4.formats.conversions import _use_triton
 
     if not isinstance(w, torch.Tensor) or w.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"{fn}: expected a bf16/fp16/fp32 tensor, got {getattr(w, 'dtype', type(w))}")
@@ -193,7 +193,7 @@ class FP8WeightCache:
 
     def _after_step(self, optimizer) -> None:
         """Drop the pairs of every parameter the optimizer just stepped, unless the optimizer keeps this
-        cache itself (``optimizer.fp8_weight_cache is self``: moe_fp4.optim.AdamWFP8Weights puts the
+        cache itself (``optimizer.fp8_weight_cache is self``: moe_fp4.model.optim.AdamWFP8Weights puts the
         pairs its step made and drops the others)."""
         if not self._entries or getattr(optimizer, "fp8_weight_cache", None) is self:
             return
@@ -252,7 +252,7 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     the same pass quantizes the new p: equal to quantize_fp8_weight_pair(p) after the update, without
     reading p again. One Triton pass on CUDA (or under TRITON_INTERPRET=1), the pure-torch twin
     elsewhere. p's ``_version`` is bumped (the kernel writes it behind autograd's back)."""
-    from moe_fp4.api import _use_triton
+    from moe_fp4.formats.conversions import _use_triton
 
     if not isinstance(p, torch.Tensor) or p.dim() not in (2, 3):
         raise ValueError(f"adamw_step_fp8_weight_pair: expected p [N, K] or [E, N, K], got {getattr(p, 'shape', p)}")
@@ -271,7 +271,7 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     return _pair(q, qt, scale, p.shape[:-2])
 
 
-# The process's cache, used by the expert layer (moe_fp4.experts). ``FP8_WEIGHTS.enabled = False``
+# The process's cache, used by the expert layer (moe_fp4.model.experts). ``FP8_WEIGHTS.enabled = False``
 # quantizes on every call instead (the memory of the copies then lives only from forward to backward).
 FP8_WEIGHTS = FP8WeightCache()
 
@@ -283,7 +283,7 @@ def quantize_fp8_colwise(x: torch.Tensor) -> FP8BlockTensor:
     a transpose copy, then the row-wise quantizer. Same definition as ``fp8_to_fp8_colwise`` and
     ``mxfp4_to_fp8_colwise`` applied to exact inputs.
     """
-    from moe_fp4.api import quantize_fp8
+    from moe_fp4.formats.conversions import quantize_fp8
 
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8_colwise: expected [M, K], got {tuple(x.shape)}")
@@ -440,7 +440,7 @@ def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, count
 
 
 def _grouped_nt_scaled_mm(a, b: FP8WeightTensor, counts, out_dtype) -> torch.Tensor:
-    from moe_fp4.api import mxfp4_to_fp8
+    from moe_fp4.formats.conversions import mxfp4_to_fp8
 
     # Same validation as the kernels (shapes, counts), then one cuBLAS GEMM per expert.
     grouped_kernels._nt_shapes(a.data, a.scale, b.data, b.scale, counts, "grouped_fp8_mm_nt")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_fp4.nn import MoE, Recompute
+from moe_fp4.model.moe import MoE, Recompute
 
 GiB = 2**30
 # Steps per timed candidate: untimed first (kernels compile, the allocator settles), then timed (median).
@@ -43,7 +43,7 @@ def micro_batch(per_rank: int, cap: int) -> int:
     """The micro-batch for ``per_rank`` sequences a step when at most ``cap`` fit in one pass (the mode's
     batch, or its largest that fits): the fewest passes, ceil(per_rank / cap), of near-equal size, so
     the largest is ceil(per_rank / passes) <= cap (88 at cap 31: 3 passes of 30, 29, 29 -> 30).
-    :class:`moe_fp4.compare.Trainer` splits a step the same way (``torch.tensor_split``)."""
+    :class:`moe_fp4.compare.runner.Trainer` splits a step the same way (``torch.tensor_split``)."""
     if cap < 1:
         raise ValueError("no micro-batch fits: not even one sequence")
     passes = -(-per_rank // cap)
@@ -245,12 +245,12 @@ def _default_apply(model: torch.nn.Module, policy: Recompute) -> None:
 
 
 def _policies_for(model: torch.nn.Module) -> tuple[str, ...]:
-    """Every policy for a model that applies recompute itself (moe_fp4.model.DecoderLM); without that,
-    those of its moe_fp4.nn.MoE layers (a layer checkpoint is the model's to apply)."""
+    """Every policy for a model that applies recompute itself (moe_fp4.model.decoder.DecoderLM); without that,
+    those of its moe_fp4.model.moe.MoE layers (a layer checkpoint is the model's to apply)."""
     if hasattr(model, "recompute"):
         return tuple(p.value for p in Recompute)
     if not any(isinstance(m, MoE) for m in model.modules()):
-        raise ValueError("moe_fp4.plan: the model has no moe_fp4.nn.MoE layer and no `recompute` attribute; pass "
+        raise ValueError("moe_fp4.plan: the model has no moe_fp4.model.moe.MoE layer and no `recompute` attribute; pass "
                          "policies and apply")
     return (Recompute.NONE.value, Recompute.SWIGLU.value, Recompute.MOE.value)
 
@@ -268,7 +268,7 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
     ``budget_gib`` GiB on this CUDA device (the module docstring gives the rule).
 
     model: the model to plan for (its policy is set through ``apply``; default: ``model.recompute``
-        where it has one, else every ``moe_fp4.nn.MoE`` layer's ``recompute``). It is trained by the probes.
+        where it has one, else every ``moe_fp4.model.moe.MoE`` layer's ``recompute``). It is trained by the probes.
     step(micro_batch, passes): one optimizer step over ``passes`` micro-batches of ``micro_batch``
         sequences each, their gradients accumulated (what the training loop will run).
     batch: sequences per optimizer step on this device. seq: tokens per sequence (for tokens/s).

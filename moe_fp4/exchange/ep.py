@@ -1,4 +1,4 @@
-"""Expert-parallel (EP) token dispatch and combine for :class:`moe_fp4.nn.MoE`.
+"""Expert-parallel (EP) token dispatch and combine for :class:`moe_fp4.model.moe.MoE`.
 
 E experts are split over the ``world`` ranks of a group, E/world consecutive experts per rank. Per
 layer and step:
@@ -6,7 +6,7 @@ layer and step:
 1. :func:`plan_dispatch` — ONE count exchange (an all-to-all of [world, 1 + E/world] int64: the
    tokens this rank sends each rank, and its (token, expert) pair counts for that rank's experts),
    then ONE host sync for the split sizes. Nothing else in the layer waits for the host.
-2. :func:`dispatch` — every token is quantized ONCE into a wire row (:mod:`moe_fp4.wire`), with its
+2. :func:`dispatch` — every token is quantized ONCE into a wire row (:mod:`moe_fp4.exchange.wire`), with its
    k router weights (float32) and expert ids (int32) appended, and sent AT MOST ONCE per
    destination rank, however many of its k experts live there (DeepEP's rule; one copy per
    (token, expert) pair would send up to k times the bytes). The receiver expands the rows into
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_fp4.comm import check_value_formats, exchange_rows, grad_carrier, resolve_group
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.exchange.all_to_all import check_value_formats, exchange_rows, grad_carrier, resolve_group
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
-from moe_fp4.wire import DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, \
+from moe_fp4.exchange.wire import DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, \
     unpack, views
 
 TOKEN_ALIGN = 128
@@ -54,7 +54,7 @@ class EPConfig:
     dispatch_grad. Either gradient may be ``"auto"``: the sqrt(3) rule (:class:`GradWireRule`) sends it
     in ``auto_format`` while the payload's norm stays at least sqrt(3) times its quantization noise's,
     and in bf16 from the optimizer step after ``auto_patience`` consecutive steps below; each MoE layer
-    keeps its own rule per gradient, and :func:`moe_fp4.nn.end_grad_wire_step` (once per optimizer
+    keeps its own rule per gradient, and :func:`moe_fp4.model.moe.end_grad_wire_step` (once per optimizer
     step) closes the step's measurement.
     simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and
     applies each exchange's round trip where EP would send it (the dispatch on the expert input, its

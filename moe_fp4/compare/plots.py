@@ -26,7 +26,7 @@ def _save(plt, fig, ax, title: str, path: str) -> str:
 
 
 def write_plots(report: dict, out_dir: str) -> list[str]:
-    """report: what :func:`moe_fp4.compare.run` returns -> paths of throughput.png, memory.png and
+    """report: what :func:`moe_fp4.compare.runner.run` returns -> paths of throughput.png, memory.png and
     loss.png in ``out_dir``. Raises ImportError without matplotlib."""
     import matplotlib
 
@@ -88,3 +88,6 @@ def budget_curve_plot(rows: list[dict], path: str, title: str) -> str:
     ax.set_ylabel("tokens / s per GPU (planned, measured)")
     ax.legend()
     return _save(plt, fig, ax, title, path)
+
+
+__all__ = ["budget_curve_plot", "write_plots"]

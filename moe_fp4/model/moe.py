@@ -1,8 +1,8 @@
-"""``moe_fp4.nn.MoE``: a DeepSeek-V3-style routed MoE block with bf16 / fp8 / fp4 precision modes.
+"""``moe_fp4.model.moe.MoE``: a DeepSeek-V3-style routed MoE block with bf16 / fp8 / fp4 precision modes.
 
 Router (top-k over softmax or sigmoid scores, in float32) -> dropless permutation of the (token,
 expert) pairs by expert, each expert's group padded to 128 rows -> grouped SwiGLU experts
-(:mod:`moe_fp4.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4, the router weights
+(:mod:`moe_fp4.model.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4, the router weights
 applied to the SwiGLU output) -> unweighted combine (nothing saved for backward) -> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
 the permutation and the combine are identical in every precision.
 
@@ -25,13 +25,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch, \
+from moe_fp4.exchange.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch, \
     simulate_dispatch_rows, simulate_exchange
-from moe_fp4.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
+from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     prefetch_fp8_weights, quantize_expert_tokens
-from moe_fp4.gemm import WEIGHT_BLOCK
-from moe_fp4.hook import StorageFormat, as_current, current_compression
-from moe_fp4.wire import WireFormat
+from moe_fp4.gemm.engines import WEIGHT_BLOCK
+from moe_fp4.saved.hook import StorageFormat, as_current, current_compression
+from moe_fp4.exchange.wire import WireFormat
 
 # The dispatch all-to-all's wire format in each precision (DESIGN.md): the FP8 baseline sends what
 # its GEMM reads (FP8 1x128, power-of-two scales); fp4 sends MXFP4 and keeps it for backward.
@@ -52,7 +52,7 @@ class Recompute(str, enum.Enum):
     keeps its MXFP4 output, see ``grouped_swiglu_experts``). MOE: the MoE block keeps its input (and,
     under expert parallelism, the received rows and the combined output) and recomputes router, experts
     and shared expert. LAYER: the decoder layer (attention + MoE) keeps its input only; a decoder
-    applies it (:class:`moe_fp4.model.DecoderLM`), or wrap your own layer in :func:`checkpoint`."""
+    applies it (:class:`moe_fp4.model.decoder.DecoderLM`), or wrap your own layer in :func:`checkpoint`."""
 
     NONE = "none"
     SWIGLU = "swiglu"
@@ -68,7 +68,7 @@ class _Replay:
         self.results: list = []
         self.recorded = False
         self.pos = 0
-        self.scope = None   # the compression scope the first run saw (moe_fp4.hook.current_compression)
+        self.scope = None   # the compression scope the first run saw (moe_fp4.saved.hook.current_compression)
 
     def once(self, compute):
         if not self.recorded:
@@ -76,7 +76,7 @@ class _Replay:
             self.results.append(out)
             return out
         if self.pos >= len(self.results):
-            raise RuntimeError("moe_fp4.nn.checkpoint: the recomputation ran more MoE exchanges than the forward "
+            raise RuntimeError("moe_fp4.model.moe.checkpoint: the recomputation ran more MoE exchanges than the forward "
                                f"({len(self.results)}); the checkpointed function must run the same layers each time")
         out = self.results[self.pos]
         self.pos += 1
@@ -97,7 +97,7 @@ def checkpoint(fn, *args, **kwargs):
     """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)`` whose recomputation
     does not repeat the MoE layers' host syncs and exchanges (:func:`once`): the first run records
     their results, the recomputation reuses them. Works with the saved-tensor hook like any
-    non-reentrant checkpoint (see :mod:`moe_fp4.hook`). ``kwargs`` go to torch's checkpoint
+    non-reentrant checkpoint (see :mod:`moe_fp4.saved.hook`). ``kwargs`` go to torch's checkpoint
     (``preserve_rng_state``, ``determinism_check``, ...); pass fn's keyword arguments through a closure."""
     rep = _Replay()
 
@@ -174,7 +174,7 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
 
     ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FC2
     weights and quantized input), run between the counts' copy to the host and the wait for it
-    (:func:`moe_fp4.ep.counts_to_host`); called once, and not again when a checkpoint's recomputation
+    (:func:`moe_fp4.exchange.ep.counts_to_host`); called once, and not again when a checkpoint's recomputation
     replays the routing."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
@@ -281,9 +281,9 @@ class MoE(nn.Module):
     be changed on a built module, as may ``storage`` ("mxfp4" | "nvfp4"), the format fp4 keeps its
     activations in.
 
-    ``ep``: an :class:`~moe_fp4.ep.EPConfig` for expert parallelism. The group's ranks hold
+    ``ep``: an :class:`~moe_fp4.exchange.ep.EPConfig` for expert parallelism. The group's ranks hold
     E_local = E / world experts each (rank r: experts r*E_local ... (r+1)*E_local - 1); tokens go
-    to their experts' ranks and back through :mod:`moe_fp4.ep` (MXFP4 dispatch in fp4, FP8 in fp8,
+    to their experts' ranks and back through :mod:`moe_fp4.exchange.ep` (MXFP4 dispatch in fp4, FP8 in fp8,
     bf16 in bf16). The router and the shared expert are replicated and run on local tokens; reduce
     their gradients over the data-parallel replicas as usual. Without ``ep``, E_local = E; with
     ``EPConfig(simulate=True)`` too, and each exchange's wire round trip is applied where EP would send
@@ -351,8 +351,8 @@ class MoE(nn.Module):
         value = Recompute(value)
         if value is Recompute.LAYER:
             raise ValueError("MoE: recompute='layer' recomputes the whole decoder layer, which the layer must "
-                             "do: use moe_fp4.model.DecoderLM(recompute='layer') or wrap your layer in "
-                             "moe_fp4.nn.checkpoint")
+                             "do: use moe_fp4.model.decoder.DecoderLM(recompute='layer') or wrap your layer in "
+                             "moe_fp4.model.moe.checkpoint")
         self._recompute = value
 
     def reset_parameters(self) -> None:
@@ -383,7 +383,7 @@ class MoE(nn.Module):
 
     def _prefetch_fp8_weights(self, fc1: bool = True, fc2: bool = True) -> None:
         """fp8 / fp4: the FP8 pairs of the FC1 (w13) and / or FC2 (w2) weights, routed and shared, made now
-        (:func:`moe_fp4.experts.prefetch_fp8_weights`), where the GPU would otherwise wait for the host."""
+        (:func:`moe_fp4.model.experts.prefetch_fp8_weights`), where the GPU would otherwise wait for the host."""
         if self.precision is not Precision.BF16:
             prefetch_fp8_weights(*((self.w13, self.shared_w13) if fc1 else ()),
                                  *((self.w2, self.shared_w2) if fc2 else ()))
@@ -493,7 +493,7 @@ class MoE(nn.Module):
 
 def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
     """Close one optimizer step of every sqrt(3) rule in ``model``'s MoE layers (gradient wires set to
-    "auto", :class:`moe_fp4.ep.GradWireRule`): call it once per optimizer step, after the step's
+    "auto", :class:`moe_fp4.exchange.ep.GradWireRule`): call it once per optimizer step, after the step's
     backward passes, on every rank of the EP group (it sums each rule's measurement over the group).
     -> {layer name: {gradient: this step's norm / noise ratio}} for the rules that measured one."""
     out: dict[str, dict[str, float]] = {}
@@ -505,3 +505,6 @@ def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
             if got:
                 out[name] = got
     return out
+
+
+__all__ = ["DISPATCH_FORMAT", "MoE", "MoEConfig", "Recompute", "Routing", "ScoreFunction", "checkpoint", "end_grad_wire_step", "make_routing", "once", "permute", "row_weights", "unpermute"]

@@ -3,7 +3,7 @@
 token embedding -> L blocks -> RMSNorm -> LM head, each block ``x + attn(norm(x))`` then
 ``x + mlp(norm(x))``: causal self-attention with rotary embeddings through
 ``torch.nn.functional.scaled_dot_product_attention``; the MLP of the first ``dense_layers`` blocks is
-a dense SwiGLU, the others are :class:`moe_fp4.nn.MoE` (top-k router, routed SwiGLU experts, a shared
+a dense SwiGLU, the others are :class:`moe_fp4.model.moe.MoE` (top-k router, routed SwiGLU experts, a shared
 expert). Parameters are float32 master copies; every layer computes in bf16 (weights cast on use).
 
 Only the MoE layers change with the precision mode ("bf16" | "fp8" | "fp4", :attr:`DecoderLM.precision`):
@@ -11,10 +11,10 @@ attention, the dense MLP, norms, embeddings and the head stay bf16 in every mode
 this package implements (FP4 for the experts' stored activations and the dispatch, FP8 GEMMs in the
 experts).
 
-Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "layer", :class:`moe_fp4.nn.Recompute`) trades
+Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "layer", :class:`moe_fp4.model.moe.Recompute`) trades
 what a forward keeps for backward for compute, with gradients identical to "none" in the same precision.
 
-Expert parallelism: with an :class:`~moe_fp4.ep.EPConfig` each rank holds E / world experts per MoE
+Expert parallelism: with an :class:`~moe_fp4.exchange.ep.EPConfig` each rank holds E / world experts per MoE
 layer and every other parameter is replicated. :meth:`DecoderLM.init_weights` gives every rank the
 same replicated weights and expert e the same weights wherever it lives (one generator seed per
 global expert), so a run at any EP width starts from the model a single GPU would build.
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_fp4.ep import EPConfig
-from moe_fp4.experts import Precision
-from moe_fp4.nn import MoE, MoEConfig, Recompute, ScoreFunction, checkpoint
+from moe_fp4.exchange.ep import EPConfig
+from moe_fp4.model.experts import Precision
+from moe_fp4.model.moe import MoE, MoEConfig, Recompute, ScoreFunction, checkpoint
 
 BYTE_VOCAB = 256
 
@@ -80,7 +80,7 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-# Byte-level vocabulary (the stdlib text of moe_fp4.data). "dsv3-layers" has DeepSeek-V3's hidden,
+# Byte-level vocabulary (the stdlib text of moe_fp4.compare.data). "dsv3-layers" has DeepSeek-V3's hidden,
 # heads, dense FFN, expert width, top-8 routing and shared expert, with 32 experts instead of 256.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab=BYTE_VOCAB, hidden=128, layers=2, heads=2, dense_ffn=256, ffn=128,
@@ -171,7 +171,7 @@ class DecoderLM(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.recompute = recompute
         for m in self.moe_layers():
-            m.storage = storage   # fp4's activation format (moe_fp4.nn.MoE.storage)
+            m.storage = storage   # fp4's activation format (moe_fp4.model.moe.MoE.storage)
         self.init_weights(seed)
 
     def moe_layers(self) -> list[MoE]:
@@ -188,7 +188,7 @@ class DecoderLM(nn.Module):
 
     @property
     def recompute(self) -> Recompute:
-        """The recomputation policy (:class:`moe_fp4.nn.Recompute`): "swiglu" and "moe" apply to the MoE
+        """The recomputation policy (:class:`moe_fp4.model.moe.Recompute`): "swiglu" and "moe" apply to the MoE
         layers, "layer" recomputes every decoder block (dense ones too) from its input."""
         return self._recompute
 

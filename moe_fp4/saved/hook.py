@@ -18,7 +18,7 @@ Decisions (each one tested in ``tests/test_hook.py``):
   add memory, not save it, and would make weight operands lossy), tensor subclasses (``type(t) is not
   torch.Tensor``), non-float tensors, float8 tensors (a bare float8 tensor has no scale we could use;
   moe_fp4's own FP8 Functions compress theirs through :func:`current_compression`), the tensors of
-  moe_fp4's own kept activations (tagged by ``moe_fp4.saved.keep``: MXFP4 / FP8 containers and the exact
+  moe_fp4's own kept activations (tagged by ``moe_fp4.saved.accounting.keep``: MXFP4 / FP8 containers and the exact
   router weights; ``SkipReason.QUANTIZED``, counted once per container), float64, sparse or
   other non-strided layouts, devices other than CPU/CUDA, zero-size tensors, 0-d tensors, tensors below
   ``min_numel``, tensors whose padded MXFP4 form would not be smaller than the original, and (only with
@@ -75,11 +75,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moe_fp4.api import quantize_mxfp4, quantize_nvfp4
-from moe_fp4.formats import HIGH_PRECISION_DTYPES
+from moe_fp4.formats.conversions import quantize_mxfp4, quantize_nvfp4
+from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES
 from moe_fp4.kernels.numerics import MXFP4_BLOCK
 from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
-from moe_fp4.saved import kept_tag, note_packed
+from moe_fp4.saved.accounting import kept_tag, note_packed
 
 ModulePredicate = Callable[[str, nn.Module], bool]
 
@@ -118,7 +118,7 @@ class SkipReason(str, enum.Enum):
     NO_SAVING = "no_saving"
     NON_FINITE = "non_finite"
     KEPT = "kept"
-    QUANTIZED = "quantized"   # moe_fp4's own kept activation (moe_fp4.saved.keep): already in its format
+    QUANTIZED = "quantized"   # moe_fp4's own kept activation (moe_fp4.saved.accounting.keep): already in its format
 
 
 def is_expert_module(name: str, module: nn.Module) -> bool:
@@ -311,7 +311,7 @@ def current_compression() -> ActiveCompression | None:
 
 class as_current:
     """Context manager: :func:`current_compression` returns ``scope`` (None: no scope) on this thread inside
-    it, without installing that scope's saved-tensor hooks. For a recomputation (``moe_fp4.nn.checkpoint``)
+    it, without installing that scope's saved-tensor hooks. For a recomputation (``moe_fp4.model.moe.checkpoint``)
     that must take the decisions its first run took under ``scope`` (fp8 keeps MXFP4 under a
     ``compress_fp8`` scope) while the checkpoint's own hooks receive what it saves."""
 
@@ -753,3 +753,8 @@ def _exit_hook(scope: compress_saved_activations | pause_compression):
             scope.__exit__(None, None, None)
 
     return hook
+
+
+__all__ = ["ActiveCompression", "CompressionConfig", "CompressionHandle", "CompressionStats", "HookStats", "SkipReason",
+           "StorageFormat", "as_current", "compress_saved_activations", "current_compression", "is_expert_module",
+           "pause_compression", "register_activation_compression", "select_modules"]

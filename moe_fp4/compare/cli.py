@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from moe_fp4.model import PRESETS
+from moe_fp4.model.decoder import PRESETS
 
 # Sequences per rank. small: 64 x 1024 tokens keep an H200 busy; at 16 the step is bound by the host
 # (kernel launches), which hides what the modes change.
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
                         "scale per tensor, 4.5 bits an element)")
     c.add_argument("--optimizer", choices=["adamw-fp8", "adamw"], default="adamw-fp8",
-                   help="adamw-fp8 (default): moe_fp4.optim.AdamWFP8Weights, whose step also writes the FP8 copies "
+                   help="adamw-fp8 (default): moe_fp4.model.optim.AdamWFP8Weights, whose step also writes the FP8 copies "
                         "of the expert weights the FP8 GEMMs read (every other parameter, and every parameter of "
                         "the bf16 and hf modes, takes torch's AdamW step); adamw: torch.optim.AdamW for all, the "
                         "FP8 copies made in the next forward")
@@ -176,7 +176,7 @@ def write_results(report: dict, out: str, plots: bool = True) -> tuple[list[str]
     ok = True
     if plots:
         try:
-            from moe_fp4.plots import write_plots
+            from moe_fp4.compare.plots import write_plots
 
             written += write_plots(report, out)
         except ImportError:
@@ -221,7 +221,7 @@ def parse_wire(text: str) -> dict[str, str]:
     """``--wire combine=mxfp4,dispatch_grad=fp8`` -> {"combine": "mxfp4", "dispatch_grad": "fp8"};
     ValueError (one line) for an unknown role or format, a stochastic format for values, or a repeated
     role."""
-    from moe_fp4.wire import WireFormat
+    from moe_fp4.exchange.wire import WireFormat
 
     formats = [f.value for f in WireFormat]
     out: dict[str, str] = {}
@@ -247,7 +247,7 @@ def parse_wire(text: str) -> dict[str, str]:
 def _check(a: argparse.Namespace, cuda: bool):
     """Every argument and environment check, before any model is built or process group started ->
     the CompareConfig. Raises ValueError with one line for the first problem."""
-    from moe_fp4.compare import CompareConfig, check_ep
+    from moe_fp4.compare.runner import CompareConfig, check_ep
 
     preset = a.preset or ("small" if cuda else "tiny")
     steps = a.steps if a.steps is not None else (200 if cuda else 8)
@@ -262,7 +262,7 @@ def _check(a: argparse.Namespace, cuda: bool):
                         storage=a.storage, optimizer=a.optimizer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.global_batch is not None:
-        from moe_fp4.compare import per_rank_batch
+        from moe_fp4.compare.runner import per_rank_batch
 
         per_rank_batch(cfg.global_batch, world)
     wire = parse_wire(a.wire)
@@ -296,8 +296,8 @@ def _check(a: argparse.Namespace, cuda: bool):
 def compare(a: argparse.Namespace, err) -> int:
     import torch
 
-    from moe_fp4.compare import Env, run
-    from moe_fp4.ep import EPConfig
+    from moe_fp4.compare.runner import Env, run
+    from moe_fp4.exchange.ep import EPConfig
 
     try:
         cfg = _check(a, torch.cuda.is_available())
@@ -329,7 +329,7 @@ def compare(a: argparse.Namespace, err) -> int:
 def finish(report: dict, out: str, plots: bool = True) -> int:
     """Print the table, then write the files -> the exit code: 0, or 1 when something could not go to
     ``out`` (the report then went to a temporary file, see :func:`write_results`)."""
-    from moe_fp4.compare import table
+    from moe_fp4.compare.runner import table
 
     # The table first: whatever happens to the files, the run's numbers are on the screen.
     print(table(report), flush=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_fp4 import _ops
-from moe_fp4.formats import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.formats import _ops
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels.numerics import Rounding
 
 

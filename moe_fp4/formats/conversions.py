@@ -1,6 +1,6 @@
 """Public conversions: validate the input, then run the implementation for its device.
 
-Every function here has a twin with the same signature in :mod:`moe_fp4.reference` (pure torch,
+Every function here has a twin with the same signature in :mod:`moe_fp4.formats.reference` (pure torch,
 no validation). CUDA tensors run the Triton kernels; CPU tensors run the reference, or the Triton
 kernels under the interpreter when ``TRITON_INTERPRET=1`` is set (before triton is imported).
 """
@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from moe_fp4 import _ops
-from moe_fp4.formats import (
+from moe_fp4.formats import _ops
+from moe_fp4.formats.containers import (
     HIGH_PRECISION_DTYPES,
     FP8BlockTensor,
     MXFP4Tensor,
@@ -245,3 +245,6 @@ def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
     (float32) -> transpose -> quantize_fp8 along tokens; one Triton pass on CUDA."""
     _check_container(q, NVFP4Tensor, "nvfp4_to_fp8_colwise")
     return _ops.nvfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))
+
+
+__all__ = ["conversion_path", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8", "quantize_fp8_and_mxfp4", "quantize_mxfp4", "quantize_nvfp4"]

@@ -126,7 +126,7 @@ class MXFP4Tensor(_PackedE2M1):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.api import dequantize_mxfp4
+        from moe_fp4.formats.conversions import dequantize_mxfp4
 
         return dequantize_mxfp4(self, self.dtype if dtype is None else dtype)
 
@@ -196,7 +196,7 @@ class FP8BlockTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.api import dequantize_fp8
+        from moe_fp4.formats.conversions import dequantize_fp8
 
         return dequantize_fp8(self, self.dtype if dtype is None else dtype)
 
@@ -247,7 +247,7 @@ class NVFP4Tensor(_PackedE2M1):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.api import dequantize_nvfp4
+        from moe_fp4.formats.conversions import dequantize_nvfp4
 
         return dequantize_nvfp4(self, self.dtype if dtype is None else dtype)
 
@@ -271,3 +271,6 @@ def check_mxfp4_finite(scale: torch.Tensor, what: str = "MXFP4Tensor.scale") -> 
     (reads the data)."""
     if scale.numel() and bool((scale == E8M0_NAN).any()):
         _fail(ValueError, f"{what}: holds the E8M0 NaN byte 0xFF, which is not allowed here")
+
+
+__all__ = ["HIGH_PRECISION_DTYPES", "FP8BlockTensor", "MXFP4Tensor", "NVFP4Tensor", "check_fp8_scale_values", "check_mxfp4_finite", "check_values_enabled"]
