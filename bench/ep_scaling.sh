@@ -2,7 +2,7 @@
 # Issue 13's record: the all-to-all, the EP layer and `moe-fp4 compare` at EP = NGPU (4 or 8) on one
 # host, with EP = 2 on the same host as the weak-scaling baseline. Each part fits one device command
 # (under 10 minutes); run them one at a time, then R writes the tables.
-#   T  GPU tests over NCCL at world NGPU (tests/test_comm_gpu.py: all-to-all values and gradients,
+#   T  GPU tests over NCCL at world NGPU (tests/exchange/test_comm_gpu.py: all-to-all values and gradients,
 #      one host sync per EP layer, EP layer against the layer without EP)
 #   L  bench/all_to_all.py on NVLink: hidden 7168, 8192..32768 rows per rank, the dsv3 and small EP layers
 #   S  the same with NCCL_P2P_DISABLE=1 (NCCL over host shared memory: a network stand-in)
@@ -33,7 +33,7 @@ fp8_batch() { [ -n "${BATCH:-}" ] && { echo "$BATCH"; return; }
                 "$out/ep${ngpu}/A_nvlink_maxbatch/compare.json"; }
 for p in $parts; do
   case $p in
-    T) python3 -P -m pytest -m gpu -q -p no:cacheprovider "$repo/tests/test_comm_gpu.py" 2>&1 | tee "$out/T_pytest_gpu.log" ;;
+    T) python3 -P -m pytest -m gpu -q -p no:cacheprovider "$repo/tests/exchange/test_comm_gpu.py" 2>&1 | tee "$out/T_pytest_gpu.log" ;;
     L) a2a --json "$out/a2a_nvlink.json" 2>&1 | tee "$out/L.log" ;;
     S) NCCL_P2P_DISABLE=1 a2a --json "$out/a2a_shm.json" 2>&1 | tee "$out/S.log" ;;
     A|B|C) PARTS=$p bash "$here/compare_ep.sh" "$out/ep${ngpu}" "$ngpu" "$budget" "$steps" ;;

@@ -22,7 +22,7 @@ computes some products in double). The FP8 pair is quantize_fp8_weight_pair of t
 (in W's dtype), bit for bit. Division and square root are the correctly rounded ones, so under the
 interpreter the kernel equals the reference bit for bit; on a GPU the compiler may contract a
 multiply-add into an FMA, which moves m and v by an ulp or two of the terms that formed them, and W by
-as much as that moves the update (tests/test_optim.py bounds both on a GPU).
+as much as that moves the update (tests/model/test_optim.py bounds both on a GPU).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
     # stored as [BM, TILES, 4 blocks, 16] pair words. Not the row_chunks layout reshaped to that view:
     # on sm90 with Triton 3.6 the reshape of a [BM, TILES * 8, 8] load ahead of the tile reduction gave
     # wrong tile maxima (scales a binade low) for some shapes, output strides and configs, while the
-    # interpreter agreed with the reference (bench/RESULTS.md, issue 28 section; tests/test_kernels.py
+    # interpreter agreed with the reference (bench/RESULTS.md, issue 28 section; tests/formats/test_kernels.py
     # test_row_kernels_every_config_and_stride_gpu).
     rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     offs = rows[:, None, None, None] * stride_xm + pair

@@ -15,7 +15,7 @@ tile finds its expert in a small table instead of a host loop.
 
 Each launcher ``name`` has a twin ``name_ref`` with the same signature: dequantize exactly to
 float32 and multiply per expert in float32. The kernels sum the same products in another order, so
-they agree with the twins to float32 rounding (tests/test_grouped_gemm.py bounds it).
+they agree with the twins to float32 rounding (tests/gemm/test_grouped_gemm.py bounds it).
 """
 
 from __future__ import annotations

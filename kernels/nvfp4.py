@@ -1,7 +1,7 @@
 """NVFP4 (issue 27): E2M1 values, one E4M3 scale per 16 elements, one float32 scale per tensor.
 
 Triton kernels (``quantize_nvfp4``, ``dequantize_nvfp4``), their launchers, and the exact pure-torch
-references ``*_ref`` with the same signatures, which the kernels equal bit for bit (tests/test_nvfp4.py),
+references ``*_ref`` with the same signatures, which the kernels equal bit for bit (tests/formats/test_nvfp4.py),
 as for MXFP4. The tensor scale (rule 1) takes one pass of its own (``nvfp4_tensor_scale``, the finite
 amax); the block kernel reads it as a float32 0-d tensor. The rules, in float32 unless said otherwise
 (DESIGN.md section 2):

@@ -247,7 +247,8 @@ def commit() -> str | None:
     some other repository's virtual environment must not report that repository's commit."""
     if os.environ.get("MOE_FP4_COMMIT"):
         return os.environ["MOE_FP4_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # this file is <root>/moe_fp4/compare/runner.py
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not _is_moe_fp4_project(root):
         return None
     try:

@@ -9,7 +9,7 @@ Two entry points, both built on :class:`torch.autograd.graph.saved_tensors_hooks
   (default: the MoE expert modules, found by structure) through forward pre-hooks and forward hooks,
   and returns a handle with ``.remove()`` and ``.stats``.
 
-Decisions (each one tested in ``tests/test_hook.py``):
+Decisions (each one tested in ``tests/saved/test_hook.py``):
 
 - **What is compressed.** A saved bf16/fp16/fp32 tensor with at least ``config.min_numel`` elements and at
   least one dimension. Passed through untouched, each counted in ``stats.skipped`` under its

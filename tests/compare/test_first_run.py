@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI_TIMEOUT_S = 240
 MODES = ("bf16", "fp8", "fp4")
 ERROR = "moe-fp4 compare: error: "
@@ -304,14 +304,14 @@ def _git(cwd, *args):
 def _repo(path, name: str | None):
     """A git repository at ``path`` with one commit (and a pyproject.toml of project ``name``) and a
     copy of moe_fp4/compare/runner.py under moe_fp4/ -> that file's path."""
-    (path / "moe_fp4").mkdir(parents=True)
-    shutil.copy(os.path.join(ROOT, "moe_fp4", "compare.py"), path / "moe_fp4" / "compare.py")
+    (path / "moe_fp4" / "compare").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "moe_fp4", "compare", "runner.py"), path / "moe_fp4" / "compare" / "runner.py")
     if name:
         (path / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "9"\n')
     _git(path, "init", "-q")
     _git(path, "add", "-A")
     _git(path, "commit", "-q", "-m", "x")
-    return str(path / "moe_fp4" / "compare.py")
+    return str(path / "moe_fp4" / "compare" / "runner.py")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -332,7 +332,7 @@ def test_commit_only_from_moe_fp4s_own_repository(tmp_path, monkeypatch):
     _repo(app, "app")
     site = app / ".venv" / "lib" / "site-packages"
     shutil.copytree(app / "moe_fp4", site / "moe_fp4")
-    monkeypatch.setattr(compare, "__file__", str(site / "moe_fp4" / "compare.py"))
+    monkeypatch.setattr(compare, "__file__", str(site / "moe_fp4" / "compare" / "runner.py"))
     assert compare.commit() is None
     # recorded when built or copied without git history
     monkeypatch.setenv("MOE_FP4_COMMIT", "abc1234")

@@ -21,7 +21,7 @@ import torch
 
 from distributed import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLI_TIMEOUT_S = 240
 MODES = ("bf16", "fp8", "fp4")

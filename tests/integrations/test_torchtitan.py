@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("torchtitan.models.qwen3")
 pytest.importorskip("spmd_types")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "torchtitan_ep_mxfp4.py")
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 LAYERS, TOKENS, TOP_K, HIDDEN = 2, 32, 2, 64      # the example's model and batch per rank

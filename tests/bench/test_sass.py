@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sass_counts_each_path_and_the_fp8_to_mxfp4_fast_path_converts_no_data_tile():

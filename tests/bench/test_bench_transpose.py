@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOLS = str(Path(__file__).resolve().parents[1] / "bench" / "tools")
+TOOLS = str(Path(__file__).resolve().parents[2] / "bench" / "tools")
 _path, _modules = list(sys.path), set(sys.modules)
 sys.path.insert(0, TOOLS)
 try:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 # commit 1d1dac3, router weights applied inside the experts):
 # fp8 out 23.61/23.60, dx 32.78/24.04, w13 22.24/21.20, w2 20.67/20.61, router 36.22/31.55;
 # fp4 out 23.61/23.60, dx 25.56/18.98, w13 14.92/14.55, w2 15.06/15.02, router 27.21/23.75 (dsv3/h2048).
-# fp4's router gradient comes from the MXFP4 SwiGLU input (tests/test_moe.py says why). The floors set
+# fp4's router gradient comes from the MXFP4 SwiGLU input (tests/model/test_moe.py says why). The floors set
 # before that change stay where the new values clear them; the router floors are new.
 GPU_SQNR_FLOOR_DB = {
     "fp8": {"out": 22.6, "dx": 23.0, "w13": 20.2, "w2": 19.6, "router": 30.5},

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # examples/ep_swap_all_to_all.py: MXFP4 dispatch + combine against bf16, measured 14.7-16.9 dB on 2
 # ranks and 14.8-16.8 dB on 1 (output, input grad, expert grad); 1 dB under the lowest. With the
 # combine in bf16 (the example since issue 28) the values only rise; the floor stays.
