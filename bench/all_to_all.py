@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import moe_fp4
-from moe_fp4.exchange.all_to_all import exchange_rows
+from moe_fp4.exchange.a2a import exchange_rows
 from moe_fp4.exchange.ep import EPConfig
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.moe import MoE, MoEConfig

@@ -15,7 +15,8 @@ from moe_fp4.formats.conversions import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from moe_fp4.exchange.all_to_all import Received, all_to_all, exchange_role, swap_all_to_all
+from moe_fp4.exchange.a2a import Received, all_to_all
+from moe_fp4.exchange.swap import exchange_role, swap_all_to_all
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.saved.hook import (
     CompressionConfig,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_fp4.exchange.all_to_all import check_value_formats, exchange_rows, grad_carrier, resolve_group
+from moe_fp4.exchange.a2a import check_value_formats, exchange_rows, grad_carrier, resolve_group
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,25 @@ from moe_fp4.kernels.numerics import (
 )
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# The dequantization functions live once, with the other conversions (moe_fp4.formats.conversions,
+# which imports this module). They register themselves here when that module loads (``import
+# moe_fp4`` loads it), so that ``.dequantize()`` reaches them without this module importing upward.
+_DEQUANTIZERS: dict[str, Callable] = {}
+
+
+def register_dequantizer(fn: Callable) -> Callable:
+    """Decorator for the conversions module's ``dequantize_*`` functions (keyed by name)."""
+    _DEQUANTIZERS[fn.__name__] = fn
+    return fn
+
+
+def _dequantizer(name: str) -> Callable:
+    fn = _DEQUANTIZERS.get(name)
+    if fn is None:
+        raise RuntimeError(f"{name} is not registered: import moe_fp4 (or moe_fp4.formats) before dequantizing")
+    return fn
 
 
 def _fail(cls, msg: str):
@@ -126,9 +146,7 @@ class MXFP4Tensor(_PackedE2M1):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.formats.conversions import dequantize_mxfp4
-
-        return dequantize_mxfp4(self, self.dtype if dtype is None else dtype)
+        return _dequantizer("dequantize_mxfp4")(self, self.dtype if dtype is None else dtype)
 
     def to(self, device) -> "MXFP4Tensor":
         return MXFP4Tensor(self.data.to(device), self.scale.to(device), self.shape, self.dtype)
@@ -196,9 +214,7 @@ class FP8BlockTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.formats.conversions import dequantize_fp8
-
-        return dequantize_fp8(self, self.dtype if dtype is None else dtype)
+        return _dequantizer("dequantize_fp8")(self, self.dtype if dtype is None else dtype)
 
     def to(self, device) -> "FP8BlockTensor":
         scale = self.scale.t().contiguous().to(device).t()
@@ -247,9 +263,7 @@ class NVFP4Tensor(_PackedE2M1):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> tensor of ``self.shape`` in ``dtype`` (default: the original dtype)."""
-        from moe_fp4.formats.conversions import dequantize_nvfp4
-
-        return dequantize_nvfp4(self, self.dtype if dtype is None else dtype)
+        return _dequantizer("dequantize_nvfp4")(self, self.dtype if dtype is None else dtype)
 
 
 def check_fp8_scale_values(scale: torch.Tensor, what: str = "FP8BlockTensor.scale") -> None:

@@ -19,6 +19,7 @@ from moe_fp4.formats.containers import (
     NVFP4Tensor,
     check_fp8_scale_values,
     check_values_enabled,
+    register_dequantizer,
 )
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
@@ -104,6 +105,7 @@ def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = 
                                rank)
 
 
+@register_dequantizer
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: MXFP4Tensor [M, K] -> dtype tensor of q.shape (exact in float32; NaN blocks give NaN)."""
     _check_container(q, MXFP4Tensor, "dequantize_mxfp4")
@@ -121,6 +123,7 @@ def quantize_fp8(x: torch.Tensor) -> FP8BlockTensor:
     return _ops.quantize_fp8(x, use_triton=_use_triton(x))
 
 
+@register_dequantizer
 def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """t: FP8BlockTensor [M, K] -> dtype tensor of t.shape (data * scale, exact in float32)."""
     _check_fp8(t, "dequantize_fp8", full_tiles=False)
@@ -216,6 +219,7 @@ def quantize_nvfp4(x: torch.Tensor | FP8BlockTensor, tensor_scale: torch.Tensor 
                                rounding, seed, step, rank)
 
 
+@register_dequantizer
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q: NVFP4Tensor -> dtype tensor of q.shape: e2m1 * e4m3 * s_t in float32, rounded once to dtype;
     NaN blocks give NaN. A Triton kernel on CUDA, bit-identical to the pure-torch reference."""

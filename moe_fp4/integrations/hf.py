@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
-from moe_fp4.exchange.all_to_all import check_value_formats, fixed_wire_format
+from moe_fp4.exchange.a2a import check_value_formats, fixed_wire_format
 from moe_fp4.exchange.ep import combine, dispatch, plan_dispatch
 from moe_fp4.exchange.wire import WireFormat
 

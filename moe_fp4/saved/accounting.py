@@ -19,9 +19,10 @@ example :func:`moe_fp4.compress_saved_activations`) are not seen here; that hook
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -222,4 +223,64 @@ def saved_bytes(fn, *args, **kwargs):
     return out, SavedReport(tuple(acc.records))
 
 
-__all__ = ["Kept", "SavedRecord", "SavedReport", "keep", "kept_tag", "label_saved", "note_packed", "rebuild", "report_saved", "saved_bytes"]
+@dataclass
+class CompressionStats:
+    """Counters of one scope (a module, or a :class:`compress_saved_activations` object).
+
+    seen: tensors the pack hook received (= compressed + shared + sum(skipped.values())).
+    compressed: tensors stored in MXFP4 by the hook. shared: saves that reused an earlier MXFP4 copy.
+    internal: tensors moe_fp4's own Functions stored compressed themselves (:meth:`ActiveCompression.record_internal`).
+    skipped: {SkipReason value: count} of tensors passed through.
+    bytes_before / bytes_after: logical bytes of the compressed and internal tensors before, and of their
+        MXFP4 storage after (padding included); each stored copy counted once.
+    bytes_skipped: logical bytes of passed-through tensors other than parameters and grad-requiring leaves.
+    """
+
+    seen: int = 0
+    compressed: int = 0
+    shared: int = 0
+    internal: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    bytes_skipped: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """bytes_after / bytes_before (nan when nothing was compressed)."""
+        return self.bytes_after / self.bytes_before if self.bytes_before else math.nan
+
+    def __add__(self, other: "CompressionStats") -> "CompressionStats":
+        skipped = dict(self.skipped)
+        for k, v in other.skipped.items():
+            skipped[k] = skipped.get(k, 0) + v
+        return CompressionStats(self.seen + other.seen, self.compressed + other.compressed, self.shared + other.shared,
+                                self.internal + other.internal, skipped, self.bytes_before + other.bytes_before,
+                                self.bytes_after + other.bytes_after, self.bytes_skipped + other.bytes_skipped)
+
+    def reset(self) -> None:
+        self.seen = self.compressed = self.shared = self.internal = 0
+        self.bytes_before = self.bytes_after = self.bytes_skipped = 0
+        self.skipped.clear()
+
+
+@dataclass
+class HookStats:
+    """Per-module counters of a :class:`CompressionHandle`: modules maps each selected module's name to its
+    CompressionStats; total sums them."""
+
+    modules: dict[str, CompressionStats]
+
+    @property
+    def total(self) -> CompressionStats:
+        out = CompressionStats()
+        for s in self.modules.values():
+            out = out + s
+        return out
+
+    def reset(self) -> None:
+        for s in self.modules.values():
+            s.reset()
+
+
+__all__ = ["CompressionStats", "HookStats", "Kept", "SavedRecord", "SavedReport", "keep", "kept_tag", "label_saved", "note_packed", "rebuild", "report_saved", "saved_bytes"]

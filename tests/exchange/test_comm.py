@@ -1,4 +1,4 @@
-"""moe_fp4.exchange.all_to_all on gloo (spawned CPU processes), world sizes 2, 4 and 8: routing, values and gradients
+"""moe_fp4.exchange.a2a on gloo (spawned CPU processes), world sizes 2, 4 and 8: routing, values and gradients
 of ``all_to_all`` in every forward/backward/output format, the drop-ins for torch's
 ``all_to_all_single`` functions, ``swap_all_to_all``, and the errors the count exchange raises.
 
@@ -153,7 +153,7 @@ def _wait(t):
 
 def _check_equal_split_exchange(rank: int, world: int, fmt: str = "bf16", hidden: int = H):
     """A normal all_to_all after an error: equal splits, exact routing (bf16) or its round trip."""
-    from moe_fp4.exchange.all_to_all import all_to_all
+    from moe_fp4.exchange.a2a import all_to_all
 
     S = [[2] * world for _ in range(world)]
     xs = [_rows(r, 2 * world, torch.bfloat16, hidden) for r in range(world)]
@@ -176,7 +176,7 @@ def _exchange_cases(rank: int, world: int):
 
     import moe_fp4
     from helpers import sqnr_db
-    from moe_fp4.exchange.all_to_all import Received, all_to_all
+    from moe_fp4.exchange.a2a import Received, all_to_all
 
     torch.set_num_threads(1)
     ran, sqnr = set(), {"mxfp4": [], "fp8": []}
@@ -347,7 +347,7 @@ def _dropin_cases(rank: int, world: int):
     import torch.distributed._functional_collectives as funcol
     import torch.distributed.nn.functional as dnn
 
-    from moe_fp4.exchange import all_to_all as comm
+    from moe_fp4.exchange import swap as comm
     from moe_fp4.exchange.wire import row_bytes
 
     torch.set_num_threads(1)
@@ -610,7 +610,7 @@ def _role_cases(rank: int, world: int):
 
     from moe_fp4 import exchange_role
 
-    from moe_fp4.exchange import all_to_all as comm
+    from moe_fp4.exchange import swap as comm
     from moe_fp4.exchange.wire import row_bytes
 
     group = dist.group.WORLD
@@ -743,7 +743,8 @@ def _error_cases(rank: int, world: int):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from moe_fp4.exchange.all_to_all import all_to_all, swap_all_to_all
+    from moe_fp4.exchange.a2a import all_to_all
+    from moe_fp4.exchange.swap import swap_all_to_all
 
     torch.set_num_threads(1)
     n, even = 2 * world, [2] * world
@@ -841,7 +842,7 @@ def _empty_dropin_case(rank: int, world: int):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from moe_fp4.exchange.all_to_all import functional_all_to_all_single
+    from moe_fp4.exchange.swap import functional_all_to_all_single
 
     empty = torch.zeros(0, H, dtype=torch.bfloat16)
     torch_shape = tuple(_wait(funcol.all_to_all_single(empty, [0] * world, [0] * world, dist.group.WORLD)).shape)

@@ -70,7 +70,7 @@ def test_stochastic_rows_reproducible_from_the_seed_and_distinct_per_rank(fmt):
 
 def test_stochastic_formats_are_refused_for_values():
     from moe_fp4.compare.cli import parse_wire
-    from moe_fp4.exchange.all_to_all import SwapConfig
+    from moe_fp4.exchange.swap import SwapConfig
     from moe_fp4.exchange.ep import EPConfig
 
     for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr")):
@@ -95,7 +95,7 @@ def test_the_hugging_face_formats_refuse_them_too():
 
 
 def test_auto_is_refused_where_no_layer_keeps_a_rule():
-    from moe_fp4.exchange.all_to_all import SwapConfig
+    from moe_fp4.exchange.swap import SwapConfig
 
     with pytest.raises(ValueError, match="the sqrt\\(3\\) rule\\) is available for moe_fp4's MoE layer"):
         SwapConfig(combine_grad="auto")
@@ -108,7 +108,7 @@ def _exchange_case(rank: int, world: int):
     then routed: rebuilt here from every rank's seeds."""
     import moe_fp4
     from moe_fp4.exchange import wire as W
-    from moe_fp4.exchange.all_to_all import all_to_all
+    from moe_fp4.exchange.a2a import all_to_all
 
     torch.set_num_threads(1)
     S = [[1, 3], [2, 2]]

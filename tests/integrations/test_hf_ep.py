@@ -267,7 +267,7 @@ def _ep_worker(rank, world):
 
     import moe_fp4
     from moe_fp4.integrations import hf
-    from moe_fp4.saved import hook
+    from moe_fp4.saved import packing as hook
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))

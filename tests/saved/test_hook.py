@@ -14,6 +14,8 @@ from torch import nn
 
 import moe_fp4
 from moe_fp4.saved import hook as H
+from moe_fp4.saved import packing as P
+from moe_fp4.saved import policy as Pol
 from moe_fp4.saved.hook import CompressionConfig, SkipReason, compress_saved_activations, register_activation_compression
 from helpers import same_bits
 
@@ -51,7 +53,7 @@ def _clear_probe():
     yield
     Probe.seen = []
     assert H.current_compression() is None
-    assert H._stack() == []
+    assert P._stack() == []
 
 
 def act(shape, dtype=torch.float32, seed=0):
@@ -593,7 +595,7 @@ def test_scope_exits_when_forward_raises():
     h = register_activation_compression(m)
     with pytest.raises(RuntimeError, match="boom"):
         m(torch.randn(64, 64))
-    assert H.current_compression() is None and H._stack() == []
+    assert H.current_compression() is None and P._stack() == []
     _, x = act((64, 128))
     before = h.stats.total.seen
     y = x * x
@@ -719,7 +721,7 @@ def test_compiled_model_warns_once_and_stays_uncompressed(monkeypatch):
         torch.compile(lambda t: t + 1)(torch.zeros(2))
     except Exception as e:  # pragma: no cover - depends on the machine's C++ toolchain
         pytest.skip(f"torch.compile is not usable here: {type(e).__name__}: {e}")
-    monkeypatch.setattr(H, "_warned", set())
+    monkeypatch.setattr(P, "_warned", set())
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 64), Experts3D())
     h = register_activation_compression(m, CompressionConfig(min_numel=1024))
@@ -735,7 +737,7 @@ def test_compiled_model_warns_once_and_stays_uncompressed(monkeypatch):
     h.remove()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        monkeypatch.setattr(H, "_warned", set())
+        monkeypatch.setattr(P, "_warned", set())
         register_activation_compression(mc, CompressionConfig(min_numel=1024)).remove()
     assert sum("eager-only" in str(i.message) for i in w) == 1
 
@@ -803,8 +805,8 @@ def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(r
         g = g._inner if isinstance(g, WrappedWeight) else g
         assert moe_fp4.formats.metrics.sqnr_db(r.float(), g.float()) > WRAPPED_GRAD_SQNR_FLOOR_DB
     # A parameter's storages are those of what it wraps; a plain parameter's, its own.
-    assert H._storage_ptrs(wrapped.down_proj) == {wrapped.down_proj._inner.untyped_storage().data_ptr()}
-    assert H._storage_ptrs(plain.down_proj) == {plain.down_proj.untyped_storage().data_ptr()}
+    assert Pol._storage_ptrs(wrapped.down_proj) == {wrapped.down_proj._inner.untyped_storage().data_ptr()}
+    assert Pol._storage_ptrs(plain.down_proj) == {plain.down_proj.untyped_storage().data_ptr()}
 
 
 def test_torchao_fp8_training_weights_have_their_inner_storage():
@@ -820,8 +822,8 @@ def test_torchao_fp8_training_weights_have_their_inner_storage():
     assert type(w) is not torch.Tensor and isinstance(w, nn.Parameter)
     names, _ = w.__tensor_flatten__()
     inner = {getattr(w, n).untyped_storage().data_ptr() for n in names}
-    assert H._storage_ptrs(w) == inner
-    assert H._skip_reason(w, CompressionConfig()) is SkipReason.PARAMETER
+    assert Pol._storage_ptrs(w) == inner
+    assert Pol._skip_reason(w, CompressionConfig()) is SkipReason.PARAMETER
 
 
 # ---------------------------------------------------------------- NVFP4 storage (issue 27)

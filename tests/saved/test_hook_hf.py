@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from helpers import torch_references  # noqa: E402
-from moe_fp4.saved import hook as H  # noqa: E402
+from moe_fp4.saved import packing as H  # noqa: E402
 from moe_fp4.saved.hook import CompressionConfig, register_activation_compression  # noqa: E402
 from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
 
