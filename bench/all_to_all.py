@@ -43,7 +43,7 @@ from moe_fp4.exchange.ep import EPConfig
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.moe import MoE, MoEConfig
 from moe_fp4.exchange.wire import row_bytes
-from moe_fp4.compare.runner import commit
+from moe_fp4.compare.origin import commit
 
 LAYER_CONFIGS = {
     "dsv3": dict(hidden=7168, ffn=2048, num_experts=32, top_k=8),

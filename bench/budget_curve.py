@@ -1,7 +1,7 @@
 """Memory into speed: tokens/s of bf16, fp8 and fp4 against the memory budget (issue 30).
 
 For each budget (GiB per GPU) and mode, the planner of ``moe-fp4 compare --plan auto``
-(:func:`moe_fp4.compare.runner.plan_mode`) finds each recomputation policy's exact largest micro-batch (every
+(:func:`moe_fp4.compare.memory.plan_mode`) finds each recomputation policy's exact largest micro-batch (every
 probe one step of a freshly built model), splits the global batch into the fewest micro-batches of at
 most that size, times each distinct split (``--steps`` steps after ``--warmup``, fresh model) and keeps
 the fastest. Printed and written per (budget, mode): the chosen policy, micro-batch x passes, measured
@@ -45,15 +45,19 @@ def main(argv=None) -> int:
         print("budget_curve.py measures memory with CUDA's allocator: it needs a GPU", file=sys.stderr)
         return 2
 
-    from moe_fp4.compare import runner as C
+    from moe_fp4.compare.config import CompareConfig, Env
+    from moe_fp4.compare.memory import plan_mode
+    from moe_fp4.compare.origin import describe, provenance
+    from moe_fp4.model.decoder import PRESETS
+    from moe_fp4.model.planner import PLAN_TIMED_STEPS, PLAN_WARMUP_STEPS
     from moe_fp4.compare.data import stdlib_corpus
     from moe_fp4.model.planner import NothingFits
 
-    env = C.Env(torch.device("cuda"))
+    env = Env(torch.device("cuda"))
     corpus = stdlib_corpus() if a.data == "stdlib" else None
-    meta = C.describe(env)
-    print(f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {C.provenance(meta)} | {meta['date']}")
-    print(f"preset {a.preset}, global batch {a.global_batch} x seq {C.PRESETS[a.preset].seq if a.seq is None else a.seq}, "
+    meta = describe(env)
+    print(f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {provenance(meta)} | {meta['date']}")
+    print(f"preset {a.preset}, global batch {a.global_batch} x seq {PRESETS[a.preset].seq if a.seq is None else a.seq}, "
           f"modes {' '.join(a.modes)}", flush=True)
     rows, t0, per_budget = [], time.perf_counter(), None
     for budget in a.budgets:
@@ -64,12 +68,12 @@ def main(argv=None) -> int:
             break
         tb = time.perf_counter()
         for mode in a.modes:
-            cfg = C.CompareConfig(preset=a.preset, modes=(mode,), seq=a.seq, data=a.data, budget_gib=budget,
+            cfg = CompareConfig(preset=a.preset, modes=(mode,), seq=a.seq, data=a.data, budget_gib=budget,
                                   global_batch=a.global_batch, plan=True, progress=False)
             try:
-                plan = C.plan_mode(cfg, mode, env, corpus, a.global_batch, log=print,
-                                   warmup_steps=C.PLAN_WARMUP_STEPS if a.warmup is None else a.warmup,
-                                   timed_steps=C.PLAN_TIMED_STEPS if a.steps is None else a.steps)
+                plan = plan_mode(cfg, mode, env, corpus, a.global_batch, log=print,
+                                   warmup_steps=PLAN_WARMUP_STEPS if a.warmup is None else a.warmup,
+                                   timed_steps=PLAN_TIMED_STEPS if a.steps is None else a.steps)
             except NothingFits as e:
                 rows.append({"budget_gib": budget, "mode": mode, "fits": False, "why": str(e)})
                 print(f"{budget:g} GiB {mode}: {e}", flush=True)
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
         from moe_fp4.compare.plots import budget_curve_plot
 
         budget_curve_plot(rows, a.plot, f"{a.preset}, global batch {a.global_batch}, {meta['device']} "
-                                         f"({C.provenance(meta)})")
+                                         f"({provenance(meta)})")
     return 0
 
 

@@ -24,7 +24,7 @@ unit of M passes / M). Columns: median ms of forward + backward over --iters (CU
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB). The variants take their
 timed steps in --rounds rounds (default 5), the order rotated each round, one untimed step at each
 switch: the step time drifts within a process, and timed one after the other the later variants would
-pay for it (bench/RESULTS.md, ninth session).
+pay for it (bench/RESULTS.md, 2026-11-26, 65beb0b).
 
 With ``--optimizer`` a timed unit is a whole training step instead: the passes, then AdamW (torch's
 fused AdamW, or moe_fp4.model.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
@@ -128,7 +128,7 @@ def step_times(step, n: int) -> list[float]:
 def interleaved(units: dict, warmup: int, iters: int, rounds: int) -> dict[str, list[float]]:
     """{name: unit} -> {name: ms of its timed runs}: ``rounds`` rounds, the order rotated each round, one
     untimed run at each switch, iters // rounds (at least 1) timed runs per round. In one process the
-    step time drifts (bench/RESULTS.md, ninth session), so variants timed one after the other would
+    step time drifts (bench/RESULTS.md, 2026-11-26, 65beb0b), so variants timed one after the other would
     charge it to the later ones."""
     names = list(units)
     for name in names:

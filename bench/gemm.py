@@ -18,9 +18,9 @@ experts then end in a 128-row tile, as with a router's counts):
 
 Columns: median ms over --iters after --warmup (CUDA events; the runs issued back to back, so the
 times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits for the last,
-its time then includes the host's launch cost, which is how this script timed before 2026-11-26's fifth
-session); the engines' configs are picked first, each alone, then the picked ones and the baselines are
-timed again in --rounds rounds with the order rotated (since the ninth session of 2026-11-26; before,
+its time then includes the host's launch cost, which is how this script timed before a76cba6,
+2026-11-26); the engines' configs are picked first, each alone, then the picked ones and the baselines are
+timed again in --rounds rounds with the order rotated (since dee5c54, 2026-11-26; before,
 each was timed once, cuBLAS after the engines), and those times go in the table; TFLOP/s = 2 R N K /
 time, each engine / cublas as a ratio of throughputs, and the host's microseconds per launch of the
 Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS
@@ -46,7 +46,7 @@ from moe_fp4.gemm.engines import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, 
     quantize_fp8_weight, use_grouped_backend
 from moe_fp4.kernels import gluon_grouped_gemm as GL
 from moe_fp4.kernels import grouped_gemm as G
-from moe_fp4.compare.runner import commit
+from moe_fp4.compare.origin import commit
 
 SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer.py
     "dsv3": (4096, 8, 32, 7168, 2048),
@@ -155,7 +155,7 @@ def route_counts(rows: int, e: int, routing: str) -> list[int]:
 def rotated(names: list, rounds: int):
     """The order of each of ``rounds`` rounds: round r starts at names[r mod n] and wraps around, so over
     n rounds every name takes every position once. The benchmarks time their variants in these rounds:
-    within one process the step time drifts (bench/RESULTS.md, ninth session), and timed one after the
+    within one process the step time drifts (bench/RESULTS.md, 2026-11-26, 65beb0b), and timed one after the
     other the later variants would pay for it."""
     for r in range(rounds):
         k = r % len(names)
@@ -166,7 +166,7 @@ def interleaved_ms(fns: dict, warmup: int, iters: int, rounds: int, back_to_back
     """{name: fn} -> {name: median ms}: the contenders timed in ``rounds`` rounds, the order rotated
     each round (round 0 in the given order), each round a :func:`timed` of iters // rounds runs (at least
     1) after one untimed call; a name's time is the median of its round medians. Timed one after the
-    other, a later contender would pay for a drift within the process (bench/RESULTS.md, ninth session:
+    other, a later contender would pay for a drift within the process (bench/RESULTS.md, 2026-11-26, 65beb0b:
     the layer step rose 1-4% over a few seconds of steps); cuBLAS was timed after the engines here."""
     names = list(fns)
     for name in names:
@@ -336,7 +336,7 @@ def main() -> None:
     p.add_argument("--gemm", nargs="+", help="only these GEMMs (names as in the table, e.g. 'fc1 wgrad')")
     p.add_argument("--sync-each", action="store_true",
                    help="wait for each timed run before issuing the next, so each time includes the host's "
-                        "launch cost (before 2026-11-26's fifth session every run of this script did; default: "
+                        "launch cost (before a76cba6, 2026-11-26, every run of this script did; default: "
                         "runs issued back to back, GPU time alone)")
     p.add_argument("--wgrad-out", default="float32", choices=["float32", "bfloat16"],
                    help="output dtype of the wgrad rows (Gluon, Triton and cuBLAS; bf16 grouped is bf16): "

@@ -58,7 +58,7 @@ from moe_fp4.formats.conversions import conversion_path  # noqa: E402
 from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
 from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 from moe_fp4.saved.accounting import saved_bytes  # noqa: E402
-from moe_fp4.compare.runner import commit  # noqa: E402
+from moe_fp4.compare.origin import commit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
 from gemm import rotated  # noqa: E402  (bench/gemm.py: the rounds' order, shared by the benchmarks)

@@ -13,7 +13,7 @@ tests define it: the FP8 and MXFP4 forms of a against the references applied to 
 ``quantize_mxfp4_rowwise_ref(h)``. GPU only.
 
 Then the backward, ``swiglu_backward(h, da, w)``: with bf16 h (fp8's), and with fp4's MXFP4 h both ways,
-``dequantize_mxfp4`` then the bf16 kernel (the path before 2026-11-26's seventh session) against the
+``dequantize_mxfp4`` then the bf16 kernel (the path before 5e20141, 2026-11-26) against the
 kernel decoding h in registers (``h_scale=``), each checked bit for bit (dh) against the first. ``--fwd
 BM,TILES,WARPS ...`` and ``--bwd BM,BW,WARPS ...`` time the forward (each output set, checked against the
 defaults' bytes) and the MXFP4 backward at other configurations too.

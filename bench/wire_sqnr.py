@@ -30,7 +30,7 @@ import torch
 
 import moe_fp4
 from moe_fp4.exchange import wire as W
-from moe_fp4.compare.runner import commit
+from moe_fp4.compare.origin import commit
 from moe_fp4.compare.data import stdlib_corpus, TokenBatches
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.decoder import PRESETS, DecoderLM

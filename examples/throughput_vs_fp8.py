@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from moe_fp4.compare.runner import CompareConfig, Env, run, table
+from moe_fp4.compare import CompareConfig, Env, run, table
 from moe_fp4.exchange.ep import EPConfig
 
 

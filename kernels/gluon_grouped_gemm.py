@@ -232,7 +232,7 @@ if AVAILABLE:
         1024 tensor-core cycles, where shared memory moves 128 bytes a cycle: at most 74% tensor-pipe
         activity, about what Nsight Compute measured. Two m64n128 chains read A once and B twice
         (48 KiB): 144 KiB, at most 91%. Measured: 1-4% faster, the tensor pipe 70-75% busy, so that
-        bound was not the binding one (bench/RESULTS.md, issue 29, fifth session of 2026-11-26).
+        bound was not the binding one (bench/RESULTS.md, issue 29, 2026-11-26, d171d4a).
         Registers: two halves and one raw, 3 x 64."""
         acc0 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
         acc1 = gl.zeros((SUB, WIDE_N), gl.float32, layout)
@@ -825,8 +825,8 @@ class GluonConfig:
                 tile of the program), so one's epilogue runs beside the other's wgmmas; False: both take
                 one 128-row wave of a 256-row tile.
     wide:       each consumer warpgroup computes its 128-row wave as two [64, 128] halves, one m64n128
-                wgmma per half and K block (the default; the weight gradients too since 2026-11-26's
-                sixth session, 1.08-1.12x their quarters on an H100); False: as four [64, 64] quarters
+                wgmma per half and K block (the default; the weight gradients too since d3bff7c
+                (2026-11-26), 1.08-1.12x their quarters on an H100); False: as four [64, 64] quarters
                 through two raw accumulators (the engine before), which read A and B from shared
                 memory more often (why: _wide_wave).
     decode_mxfp4: fprop/dgrad with an MXFP4 A: decode it inside the kernel (a decoder partition

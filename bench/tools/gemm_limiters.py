@@ -230,7 +230,7 @@ def main() -> None:
     if a.json:
         import torch
         sys.path.insert(0, os.path.join(HERE, ".."))
-        from moe_fp4.compare.runner import commit
+        from moe_fp4.compare.origin import commit
         with open(a.json, "w") as fh:
             json.dump({"commit": commit(), "device": torch.cuda.get_device_name(), "metrics": metrics,
                        "rows": rows}, fh, indent=1)

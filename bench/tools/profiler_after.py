@@ -6,7 +6,7 @@ runs after it? bench/moe_layer.py's isolated step, in rounds, with or without a 
 
 Kineto leaves CUPTI attached after a profiling session unless TEARDOWN_CUPTI=1 (pytorch issue
 144455), and every later kernel launch may pay for it; the step also drifted with no profiler at all
-(bench/RESULTS.md, ninth session). Either way a benchmark that times one variant after another charges
+(bench/RESULTS.md, 2026-11-26, 65beb0b). Either way a benchmark that times one variant after another charges
 the drift to the later one (bench/moe_layer.py interleaves its precisions for that reason). Per round: --iters steps timed with CUDA events
 (median ms, the host's median ms to issue a step, NVML's SM clock and temperature after the
 round), then (from --profile-after on) one step under torch.profiler (CUDA activity only). Needs

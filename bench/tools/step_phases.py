@@ -1,6 +1,6 @@
 """Where a training step of the compare model spends its GPU time, by phase, per mode and policy.
 
-Runs ``moe-fp4 compare``'s model and trainer (moe_fp4.compare.runner.build / Trainer) at a given batch, split and
+Runs ``moe-fp4 compare``'s model and trainer (moe_fp4.compare.train.build / Trainer) at a given batch, split and
 recomputation policy, profiles ``--steps`` steps after ``--warmup`` with torch.profiler and sums the CUDA
 kernels' time per step into phases by kernel name: expert GEMMs (moe_fp4's grouped FP8 engines, torch's
 grouped BF16), dense GEMMs (cuBLAS: attention projections, dense MLP, head), conversions+SwiGLU (moe_fp4's
@@ -43,18 +43,19 @@ def phase_of(name: str) -> str:
 
 
 def measure(cfg, mode: str, env, batch: int, micro: int, warmup: int, steps: int) -> dict:
-    from moe_fp4.compare import runner as C
+    from moe_fp4.compare.quiet import quiet_kineto
+    from moe_fp4.compare.train import Trainer, _batches, _free, build
     from torch.profiler import ProfilerActivity, profile
 
-    model, loss_fn, sharded, handle = C.build(cfg, mode, env)
-    trainer = C.Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
-    data = C._batches(cfg, env, None)
+    model, loss_fn, sharded, handle = build(cfg, mode, env)
+    trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
+    data = _batches(cfg, env, None)
     for _ in range(warmup):
         trainer.step(*data.next(batch))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    with C._quiet_kineto(), profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+    with quiet_kineto(), profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for i in range(steps):
             events[i].record()
             trainer.step(*data.next(batch))
@@ -68,7 +69,7 @@ def measure(cfg, mode: str, env, batch: int, micro: int, warmup: int, steps: int
             phases[phase_of(e.key)] = phases.get(phase_of(e.key), 0.0) + t / 1e3 / steps
     peak = torch.cuda.max_memory_allocated()
     del model, trainer
-    C._free(env)
+    _free(env)
     return {"mode": mode, "policy": cfg.recompute, "batch": batch, "micro": micro, "step_ms": step_ms,
             "kernel_ms": sum(phases.values()), "phases": phases, "peak_gib": peak / 2**30,
             "tokens_per_s": batch * cfg.model.seq / step_ms * 1e3}
@@ -88,22 +89,24 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("step_phases.py profiles CUDA kernels: it needs a GPU", file=sys.stderr)
         return 2
-    from moe_fp4.compare import runner as C
+    from moe_fp4.compare.config import CompareConfig, Env
+    from moe_fp4.compare.train import _free
+    from moe_fp4.compare.origin import describe, provenance
 
-    env = C.Env(torch.device("cuda"))
-    meta = C.describe(env)
-    print(f"{meta['device']} | torch {meta['torch']} | {C.provenance(meta)} | {meta['date']}")
+    env = Env(torch.device("cuda"))
+    meta = describe(env)
+    print(f"{meta['device']} | torch {meta['torch']} | {provenance(meta)} | {meta['date']}")
     rows = []
     for policy in a.policies:
         for mode in a.modes:
-            cfg = C.CompareConfig(preset=a.preset, modes=(mode,), data="random", recompute=policy, progress=False)
+            cfg = CompareConfig(preset=a.preset, modes=(mode,), data="random", recompute=policy, progress=False)
             oom = False
             try:
                 rows.append(measure(cfg, mode, env, a.batch, a.micro or a.batch, a.warmup, a.steps))
             except torch.OutOfMemoryError:
                 oom = True
             if oom:   # outside the except block: its traceback no longer holds the model
-                C._free(env)
+                _free(env)
                 print(f"{mode} {policy}: out of memory at batch {a.batch} in micro-batches of {a.micro or a.batch} "
                       f"({torch.cuda.get_device_name()})", flush=True)
     names = [ph for ph, _ in PHASES] + ["other"]

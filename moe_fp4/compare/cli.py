@@ -38,19 +38,21 @@ examples:
                                       each mode with its fastest recomputation
                                       and micro-batch that fit 40 GiB
   moe-fp4 compare --hook              a Hugging Face MoE model with and
-                                      without the compression hook
+                                      without the compression hook (needs
+                                      transformers: pip install transformers)
   torchrun --nproc-per-node 2 -m moe_fp4 compare
                                       expert parallelism over 2 GPUs"""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's and examples' line breaks and appends "(default: X)" to an option's help
-    when it has a default worth showing (not None or False) and the help does not state one itself."""
+    when it has a default worth showing (not None, False or "") and the help does not state one itself
+    ("default" in any case)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if (action.option_strings and action.default is not None and action.default is not False
-                and action.default != argparse.SUPPRESS and "default" not in text):
+                and action.default != "" and action.default != argparse.SUPPRESS and "default" not in text.lower()):
             text += " (default: %(default)s)"
         return text
 
@@ -111,15 +113,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
                         "scale per tensor, 4.5 bits an element)")
     c.add_argument("--optimizer", choices=["adamw-fp8", "adamw"], default="adamw-fp8",
-                   help="adamw-fp8 (default): moe_fp4.model.optim.AdamWFP8Weights, whose step also writes the FP8 copies "
-                        "of the expert weights the FP8 GEMMs read (every other parameter, and every parameter of "
-                        "the bf16 and hf modes, takes torch's AdamW step); adamw: torch.optim.AdamW for all, the "
+                   help="adamw-fp8 (default): moe_fp4.model.optim.AdamWFP8Weights, whose step also writes the FP8 "
+                        "copies of the expert weights the FP8 GEMMs read (every other parameter, and every parameter "
+                        "of the bf16 and hf modes, takes torch's AdamW step); adamw: torch.optim.AdamW for all, the "
                         "FP8 copies made in the next forward")
     c.add_argument("--hook", action="store_true",
-                   help="a Hugging Face MoE model with and without activation compression")
+                   help="a Hugging Face MoE model with and without activation compression (needs transformers: "
+                        "pip install transformers)")
     c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where compare.json and the plots go")
     c.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    c.add_argument("--no-progress", action="store_true", help="print no progress during training")
+    c.add_argument("--no-progress", action="store_true",
+                   help="print no progress during training (default: a bar with tqdm, else a line per tenth of "
+                        "the steps)")
     c.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="steps profiled per mode for the all-to-all share (EP)")
     c.add_argument("--profile", action="store_true",
@@ -247,7 +252,8 @@ def parse_wire(text: str) -> dict[str, str]:
 def _check(a: argparse.Namespace, cuda: bool):
     """Every argument and environment check, before any model is built or process group started ->
     the CompareConfig. Raises ValueError with one line for the first problem."""
-    from moe_fp4.compare.runner import CompareConfig, check_ep
+    from moe_fp4.compare.config import CompareConfig, check_ep, per_rank_batch
+    from moe_fp4.compare.preflight import require_packages
 
     preset = a.preset or ("small" if cuda else "tiny")
     steps = a.steps if a.steps is not None else (200 if cuda else 8)
@@ -260,10 +266,9 @@ def _check(a: argparse.Namespace, cuda: bool):
                         global_batch=a.global_batch, recompute=a.recompute, plan=a.plan == "auto",
                         profile_steps=a.profile_steps, profile=a.profile, hook=a.hook, progress=not a.no_progress,
                         storage=a.storage, optimizer=a.optimizer)
+    require_packages(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.global_batch is not None:
-        from moe_fp4.compare.runner import per_rank_batch
-
         per_rank_batch(cfg.global_batch, world)
     wire = parse_wire(a.wire)
     if a.simulate_wire and world > 1:
@@ -296,7 +301,9 @@ def _check(a: argparse.Namespace, cuda: bool):
 def compare(a: argparse.Namespace, err) -> int:
     import torch
 
-    from moe_fp4.compare.runner import Env, run
+    from moe_fp4.compare.config import Env
+    from moe_fp4.compare.preflight import optional_notes
+    from moe_fp4.compare.runner import run   # looked up here: tests replace runner.run
     from moe_fp4.exchange.ep import EPConfig
 
     try:
@@ -307,6 +314,9 @@ def compare(a: argparse.Namespace, err) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.slow_link and world == 1:
         print("note: --slow-link changes only NCCL between processes; it has no effect on one process", flush=True)
+    if _rank_from_env() == 0:
+        for note in optional_notes(plots=not a.no_plots, progress=not a.no_progress):
+            print("note: " + note, flush=True)
     device, rank, world = _distributed(a.slow_link)
     ep = None
     if world > 1 or a.simulate_wire:
@@ -329,7 +339,7 @@ def compare(a: argparse.Namespace, err) -> int:
 def finish(report: dict, out: str, plots: bool = True) -> int:
     """Print the table, then write the files -> the exit code: 0, or 1 when something could not go to
     ``out`` (the report then went to a temporary file, see :func:`write_results`)."""
-    from moe_fp4.compare.runner import table
+    from moe_fp4.compare.report import table
 
     # The table first: whatever happens to the files, the run's numbers are on the screen.
     print(table(report), flush=True)

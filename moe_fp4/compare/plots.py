@@ -25,9 +25,50 @@ def _save(plt, fig, ax, title: str, path: str) -> str:
     return path
 
 
+def _batch_label(row: dict) -> str:
+    """"batch 52", or "batch 64 (2 x 32)" when the step ran in micro-batches."""
+    passes, micro = row.get("accumulate") or 1, row.get("micro_batch")
+    return f"batch {row['batch']}" + (f" ({passes} x {micro})" if passes > 1 and micro else "")
+
+
+def held_equal(report: dict) -> str:
+    """What the modes had in common, for the plots' titles: the same memory budget (each mode at its own
+    largest batch, or planned), or the same batch."""
+    cfg, rows = report["config"], report["modes"]
+    seq = next(iter(rows.values()))["seq"] if rows else cfg.get("seq")
+    dev = _device(report)
+    if cfg.get("max_batch_gib") is not None:
+        return f"same memory budget: each mode at its largest batch in {cfg['max_batch_gib']:g} GiB per {dev}"
+    if cfg.get("plan"):
+        return (f"same memory budget: {cfg['budget_gib']:g} GiB per {dev}, global batch {cfg['global_batch']}, "
+                f"each mode's fastest plan")
+    batches = {_batch_label(r) for r in rows.values()}
+    if len(batches) == 1:
+        return f"same {batches.pop()} x {seq} tokens per {dev}"
+    return "batches differ per mode (labelled on the bars)"
+
+
+def _device(report: dict) -> str:
+    return "GPU" if report["meta"].get("gpus", 1) else "device"
+
+
+def _differ(rows: dict) -> bool:
+    return len({_batch_label(r) for r in rows.values()}) > 1
+
+
+def _label_groups(ax, centers, tops, labels) -> None:
+    """Each mode's batch above its highest bar, with room kept under the top of the axes."""
+    for x, top, text in zip(centers, tops, labels):
+        ax.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_ylim(top=max(tops) * 1.12)
+
+
 def write_plots(report: dict, out_dir: str) -> list[str]:
     """report: what :func:`moe_fp4.compare.runner.run` returns -> paths of throughput.png, memory.png and
-    loss.png in ``out_dir``. Raises ImportError without matplotlib."""
+    loss.png in ``out_dir``. Each title says what the modes had in common (:func:`held_equal`); when
+    they ran at different batches each bar group is labelled with its batch. Raises ImportError
+    without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,28 +78,40 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     modes = list(rows)
     m = report["meta"]
     build = " ".join(x for x in (m.get("version"), m.get("commit")) if x)   # absent in older reports
-    title = f"{report['config']['preset']} on {m['device']} x {m['world']}" + (f" (moe_fp4 {build})" if build else "")
+    title = (f"{report['config']['preset']} on {m['device']} x {m['world']}" + (f" (moe_fp4 {build})" if build else "")
+             + "\n" + held_equal(report))
+    labels = [_batch_label(rows[k]) for k in modes] if _differ(rows) else None
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(modes, [rows[k]["tokens_per_s_per_gpu"] for k in modes], color="C0")
-    ax.set_ylabel("tokens / s per GPU")
+    tps = [rows[k]["tokens_per_s_per_gpu"] for k in modes]
+    ax.bar(modes, tps, color="C0")
+    if labels:
+        _label_groups(ax, range(len(modes)), tps, labels)
+    ax.set_ylabel(f"tokens / s per {_device(report)}")
     paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "throughput.png")))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.4))
     series = [("activation", "activation_bytes")] + ([("peak", "peak_bytes")] if rows[modes[0]]["peak_bytes"] else [])
     width = 0.8 / len(series)
+    top = max(rows[k][key] or 0 for k in modes for _, key in series)
+    unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
     for i, (name, key) in enumerate(series):
-        ax.bar([j + i * width for j in range(len(modes))], [rows[k][key] / GiB for k in modes], width, label=name)
-    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(modes))], modes)
-    ax.set_ylabel("GiB per GPU")
-    ax.legend()
+        ax.bar([j + i * width for j in range(len(modes))], [rows[k][key] / scale for k in modes], width, label=name)
+    centers = [j + width * (len(series) - 1) / 2 for j in range(len(modes))]
+    ax.set_xticks(centers, modes)
+    ax.set_ylabel(f"{unit} per {_device(report)}")
+    if labels:
+        _label_groups(ax, centers, [max(rows[k][key] or 0 for _, key in series) / scale for k in modes], labels)
+    # Below the axes, where no bar can be: inside, the legend covered the last mode's peak bar.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(series), frameon=False, fontsize=8)
     paths.append(_save(plt, fig, ax, title, os.path.join(out_dir, "memory.png")))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in modes:
         curve = rows[k]["loss_curve"]
-        ax.plot(range(1, len(curve) + 1), _smooth(curve, max(1, len(curve) // 50)), label=k, linewidth=1)
+        ax.plot(range(1, len(curve) + 1), _smooth(curve, max(1, len(curve) // 50)),
+                label=k + (f" ({_batch_label(rows[k])})" if labels else ""), linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (moving average)")
     ax.legend()
@@ -90,4 +143,4 @@ def budget_curve_plot(rows: list[dict], path: str, title: str) -> str:
     return _save(plt, fig, ax, title, path)
 
 
-__all__ = ["budget_curve_plot", "write_plots"]
+__all__ = ["budget_curve_plot", "held_equal", "write_plots"]

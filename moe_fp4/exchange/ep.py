@@ -375,56 +375,6 @@ class _Dispatch(torch.autograd.Function):
         return dx.to(ctx.dtype), dw, None, None, None, None, None, None
 
 
-class _Simulated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat, rule: GradWireRule | None):
-        ctx.grad_fmt, ctx.rule = grad_fmt, rule
-        return unpack(pack(x.contiguous(), fmt), fmt, x.shape[1], OutputFormat.BF16, x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        fmt = ctx.grad_fmt
-        g = g.contiguous()
-        arrived = unpack(pack(g, fmt), fmt, g.shape[1], OutputFormat.BF16, g.dtype)
-        if ctx.rule is not None:
-            ctx.rule.record(g, arrived)
-        return arrived, None, None, None
-
-
-def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat | str,
-                      rule: GradWireRule | None = None) -> torch.Tensor:
-    """x: [N, H] -> x as it arrives through the ``fmt`` wire, its gradient as it arrives through
-    ``grad_fmt`` (EPConfig.simulate: an exchange's numerics without a second process); ``grad_fmt``
-    "auto" takes its format from ``rule``, which measures the gradient's norm over its noise."""
-    fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
-    check_value_formats("simulate_exchange", fmt=fmt)
-    _check_hidden(x.shape[1], (fmt, grad_fmt), "simulate_exchange")
-    return _Simulated.apply(x, fmt, grad_fmt, rule if rule is not None and grad_fmt is rule.fmt else None)
-
-
-def simulate_dispatch_rows(x: torch.Tensor, fmt: WireFormat, src_row: torch.Tensor):
-    """x: [T, H] local rows, src_row: int64 [Rp] the token of each expert row (T for a padding row) ->
-    the expert input a receiver's experts get from a ``fmt`` dispatch (EPConfig.simulate): MXFP4 rows as
-    received, FP8 rows as received, NVFP4 rows converted to FP8 1x128 on arrival, expanded to the expert
-    rows with zero padding rows, as :func:`dispatch` builds them; None for an unquantized format (its
-    rows are :func:`simulate_exchange`'s). No gradient: the experts take it as ``x_q``."""
-    fmt = WireFormat(fmt)
-    if fmt in UNQUANTIZED:
-        return None
-    t, hidden = x.shape
-    got = unpack(pack(x.detach().contiguous(), fmt), fmt, hidden,
-                 OutputFormat.MXFP4 if fmt is WireFormat.MXFP4 else OutputFormat.FP8, x.dtype)
-    rows = src_row.shape[0]
-    data = torch.cat([got.data, got.data.new_zeros(1, got.data.shape[1])]).index_select(0, src_row)
-    if isinstance(got, MXFP4Tensor):
-        scale = torch.cat([got.scale, got.scale.new_zeros(1, got.scale.shape[1])]).index_select(0, src_row)
-        return MXFP4Tensor(data, scale, (rows, hidden), x.dtype)
-    # The padding row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
-    pad = got.scale.new_full((1, got.scale.shape[1]), 2.0 ** FP8_EXP_MIN)
-    scale = m_major(torch.cat([got.scale, pad]).index_select(0, src_row))
-    return FP8BlockTensor(data, scale, (rows, hidden), x.dtype)
-
-
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
@@ -531,4 +481,4 @@ def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireForm
 
 
 __all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradWireRule", "ReceivedRoute", "SQRT3", "combine",
-           "counts_to_host", "dispatch", "grad_format", "plan_dispatch", "simulate_dispatch_rows", "simulate_exchange"]
+           "counts_to_host", "dispatch", "grad_format", "plan_dispatch"]

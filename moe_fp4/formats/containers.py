@@ -1,7 +1,8 @@
 """The quantized formats: MXFP4 (storage and transport), FP8 1x128 (GEMM operands) and NVFP4 (issue 27:
-a reference format so far, no Triton kernel).
+storage and transport like MXFP4, with an E4M3 scale per 16 elements and a float32 scale per tensor;
+its Triton kernels, quantize, dequantize and NVFP4 <-> FP8 1x128, are in kernels/nvfp4.py).
 
-Both are frozen dataclasses whose ``__post_init__`` checks every structural invariant (dtypes,
+All three are frozen dataclasses whose ``__post_init__`` checks every structural invariant (dtypes,
 shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
 *values* (scales are powers of two, no NaN scale where NaN is not allowed) read the data, so they
 live in :func:`check_fp8_scale_values`, which the public conversion functions call on CPU tensors

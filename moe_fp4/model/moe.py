@@ -25,8 +25,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.exchange.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch, \
-    simulate_dispatch_rows, simulate_exchange
+from moe_fp4.exchange.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch
+from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     prefetch_fp8_weights, quantize_expert_tokens
 from moe_fp4.gemm.engines import WEIGHT_BLOCK

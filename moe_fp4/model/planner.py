@@ -39,6 +39,20 @@ PLAN_WARMUP_STEPS = 2
 PLAN_TIMED_STEPS = 6
 
 
+def gib_digits(v: float) -> str:
+    """Bytes -> GiB with four significant digits ("0.01502", "11.89", "77.70"): a budget of 0.015 GiB
+    and a probe of 0.0149 GiB must not both read "0.01"."""
+    return f"{v / GiB:#.4g}".rstrip(".")
+
+
+def probe_verdict(used: float, budget: float) -> str:
+    """A probe's outcome: "0.04623 GiB, fits in the 0.05 GiB budget" / "does not fit ..." / "out of
+    memory, does not fit"."""
+    if not math.isfinite(used):
+        return "out of memory, does not fit"
+    return f"{gib_digits(used)} GiB, {'fits' if used <= budget else 'does not fit'} in the {budget / GiB:g} GiB budget"
+
+
 def micro_batch(per_rank: int, cap: int) -> int:
     """The micro-batch for ``per_rank`` sequences a step when at most ``cap`` fit in one pass (the mode's
     batch, or its largest that fits): the fewest passes, ceil(per_rank / cap), of near-equal size, so
@@ -73,8 +87,7 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
             return False                                # above the cap: never measured
         if b not in probe:
             probe[b] = float(measure(b))
-            log(f"  batch {b} -> {probe[b] / GiB:.2f} GiB (budget {budget / GiB:.2f})"
-                if math.isfinite(probe[b]) else f"  batch {b} -> does not fit (out of memory)", flush=True)
+            log(f"  batch {b}: {probe_verdict(probe[b], budget)}", flush=True)
         return probe[b] <= budget
 
     first = max(1, int(first))
@@ -124,9 +137,7 @@ def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None
     "B in one pass" for the one-pass measurement, and "one_pass": whether the whole batch fit."""
     log = log or (lambda *a, **k: None)
     whole = float(measure(batch, 1))
-    log(f"  the whole batch of {batch} in one pass -> "
-        + (f"{whole / GiB:.2f} GiB (budget {budget / GiB:.2f})" if math.isfinite(whole) else
-           "does not fit (out of memory)"), flush=True)
+    log(f"  the whole batch of {batch} in one pass: {probe_verdict(whole, budget)}", flush=True)
     key = f"{batch} in one pass"
     if whole <= budget or batch == 1:
         fits = whole <= budget
@@ -170,13 +181,15 @@ class Plan:
 
     def table(self) -> str:
         """The candidates as text, the chosen one marked."""
-        rows = [f"{'policy':<8} {'largest':>7} {'micro x passes':>15} {'peak':>10} {'tokens/s':>12}  note"]
+        rows = [f"{'policy':<8} {'largest':>9} {'micro x passes':>15} {'peak':>11} {'tokens/s':>12}  note"]
         for c in self.candidates:
             split = f"{c.micro_batch} x {c.passes}" if c.passes else "-"
-            peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / GiB:.2f} GiB"
+            peak = "-" if c.peak_bytes is None else f"{gib_digits(c.peak_bytes)} GiB"
             tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
             mark = "  <- chosen" if c.policy == self.policy else ""
-            rows.append(f"{c.policy:<8} {c.largest:>7} {split:>15} {peak:>10} {tps:>12}  {c.why}{mark}")
+            # an untried policy has no largest micro-batch (its 0 would read as "nothing fits")
+            largest = "not tried" if c.why.startswith("not tried") else str(c.largest)
+            rows.append(f"{c.policy:<8} {largest:>9} {split:>15} {peak:>11} {tps:>12}  {c.why}{mark}")
         return "\n".join(rows)
 
 

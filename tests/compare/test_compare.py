@@ -1,5 +1,5 @@
-"""``moe-fp4 compare`` (moe_fp4.compare.runner, moe_fp4.compare.cli, moe_fp4.compare.plots) and the model and data behind it
-(moe_fp4.model.decoder, moe_fp4.compare.data), on CPU.
+"""``moe-fp4 compare`` (moe_fp4.compare: runner, config, train, memory, report, cli, plots) and the model and
+data behind it (moe_fp4.model.decoder, moe_fp4.compare.data), on CPU.
 
 Anything that trains runs as a subprocess (the CLI, or gloo ranks through tests/distributed.py) with
 TRITON_INTERPRET=0 and OMP_NUM_THREADS=1: the pure-torch reference conversions instead of the Triton
@@ -12,18 +12,16 @@ before tests/distributed.py sets their TRITON_INTERPRET=0.
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+from cli_run import CLI_TIMEOUT_S, cli_env as _env, run_cli as _cli, assert_ok as _ok  # noqa: F401
 from distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CLI_TIMEOUT_S = 240
 MODES = ("bf16", "fp8", "fp4")
 ROW_KEYS = {"mode", "batch", "seq", "tokens_per_step_per_rank", "step_ms", "step_ms_all", "tokens_per_s_per_gpu",
             "peak_bytes", "activation_bytes", "saved_bytes", "a2a_ms", "a2a_share", "loss_final", "loss_eval",
@@ -44,30 +42,6 @@ FIRST_STEP_LOSS_RTOL = 3e-3
 # a missing division of the expert gradients by the world size) would be off by 0.5 to 1.
 EP_GRAD_RTOL = 1e-2
 EP_SEED = 3
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1", **extra)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def _cli(args, nproc: int = 1, **env) -> subprocess.CompletedProcess:
-    """Run ``python -m moe_fp4 <args>`` (under torchrun with ``nproc`` > 1) from the repository root."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else \
-        [sys.executable]
-    cmd = launch + ["-m", "moe_fp4", *map(str, args)]
-    try:
-        return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=ROOT,
-                              check=False)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} timed out after {CLI_TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
-
-
-def _ok(run: subprocess.CompletedProcess) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
-    assert "Traceback" not in run.stderr, run.stderr
 
 
 def _finite_losses(row: dict) -> None:
@@ -174,6 +148,9 @@ def test_cli_ep_torchrun(tmp_path, nproc):
                 "--no-progress", "--no-plots", "--profile", "--wire", "combine=mxfp4,dispatch_grad=fp8"],
                nproc=nproc, MOE_FP4_COMMIT="test-commit")
     _ok(run)
+    # the formats in use, before each mode trains
+    assert "[fp4] training 3 steps at batch 4 x 64 per rank; activations saved in mxfp4; all-to-all dispatch mxfp4, " \
+           "combine mxfp4, dispatch_grad fp8, combine_grad bf16" in run.stdout, run.stdout
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
     assert report["meta"]["wire"] == {"dispatch": {"fp8": "fp8", "fp4": "mxfp4"}, "combine": "mxfp4",
@@ -221,11 +198,14 @@ def test_cli_simulate_wire(tmp_path):
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["wire"]["dispatch"] == {"fp4": "nvfp4"}
     assert report["modes"]["fp4"]["storage"] == "nvfp4" and "activations stored in nvfp4" in run.stdout
-    from moe_fp4.compare.runner import CompareConfig
+    assert "[fp4] training 2 steps at batch 4 x 64 per rank; activations saved in nvfp4; all-to-all dispatch " \
+           "nvfp4, combine nvfp4, dispatch_grad mxfp4-sr, combine_grad nvfp4-sr (simulated on one process)" \
+           in run.stdout, run.stdout
+    from moe_fp4.compare.config import CompareConfig
 
     with pytest.raises(ValueError, match="fp4 in --modes"):
         CompareConfig(preset="tiny", modes=("fp8",), storage="nvfp4")
-    with pytest.raises(ValueError, match="storage must be one of mxfp4, nvfp4"):
+    with pytest.raises(ValueError, match="--storage must be one of mxfp4, nvfp4"):
         CompareConfig(preset="tiny", storage="fp8")
     assert report["meta"]["wire"] == {"dispatch": {"fp4": "nvfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
                                       "combine_grad": "nvfp4-sr", "simulated": True}
@@ -245,6 +225,9 @@ def test_cli_hook(tmp_path):
     modes = report["modes"]
     assert list(modes) == ["hf", "hf+hook"]
     assert "ratios vs hf:" in run.stdout
+    # torchao's failed extension loads and pytree's Enum notice (transformers imports torchao): silenced
+    assert "Failed to load" not in run.stderr and "Enum subclass" not in run.stderr, run.stderr
+    assert "[hf+hook] training 2 steps at batch 4 x 64 per rank; activations saved in mxfp4" in run.stdout
     for row in modes.values():
         _finite_losses(row)
     assert 0 < modes["hf+hook"]["activation_bytes"] < modes["hf"]["activation_bytes"]
@@ -257,7 +240,7 @@ def test_cli_hook(tmp_path):
 # The largest-batch search on known memory functions: the exact answer, every candidate measured.
 
 def _search(fn, budget, first, **kw):
-    from moe_fp4.compare.runner import search_largest_batch
+    from moe_fp4.model.planner import search_largest_batch
 
     calls = []
 
@@ -321,23 +304,27 @@ def test_largest_batch_search_on_random_monotone_memory():
 def test_out_of_memory_anywhere_in_a_probe_means_it_does_not_fit(monkeypatch):
     """An out-of-memory while building the model or in the probe's first step is "does not fit" (inf),
     never a traceback; the search then reports that nothing fits."""
-    from moe_fp4.compare import runner as C
+    from moe_fp4.compare import memory
+    from moe_fp4.compare.config import CompareConfig, Env
+    from moe_fp4.compare.train import Trainer
 
-    cfg = C.CompareConfig(preset="tiny", modes=("bf16",), steps=2, warmup=0, batch=2, data="random")
-    env = C.Env(torch.device("cpu"))
+    cfg = CompareConfig(preset="tiny", modes=("bf16",), steps=2, warmup=0, batch=2, data="random")
+    env = Env(torch.device("cpu"))
 
     def oom(*_a, **_k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     for target in ("build", "Trainer.step"):
+        lines = []
         with monkeypatch.context() as mp:
             if target == "build":
-                mp.setattr(C, "build", oom)
+                mp.setattr(memory, "build", oom)      # step_bytes builds through the name memory imported
             else:
-                mp.setattr(C.Trainer, "step", oom)
-            assert C.step_bytes(cfg, "bf16", env, None, [1, 2]) == {1: math.inf, 2: math.inf}, target
-            found = C.largest_batch(cfg, "bf16", env, None, 2**40, log=lambda *a, **k: None)
+                mp.setattr(Trainer, "step", oom)
+            assert memory.step_bytes(cfg, "bf16", env, None, [1, 2]) == {1: math.inf, 2: math.inf}, target
+            found = memory.largest_batch(cfg, "bf16", env, None, 2**40, log=lambda *a, **k: lines.append(a[0]))
             assert found["batch_max"] == 0 and found["exact"], (target, found)
+            assert lines == ["  bf16: batch 1: out of memory, does not fit"], lines
 
 
 def test_largest_batch_search_says_when_it_ran_out_of_probes():
@@ -394,7 +381,7 @@ def test_cli_unknown_preset(no_training, capsys, tmp_path):
 
 
 def test_compare_config_unknown_preset():
-    from moe_fp4.compare.runner import CompareConfig
+    from moe_fp4.compare.config import CompareConfig
 
     with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny, small"):
         CompareConfig(preset="huge")
@@ -413,15 +400,18 @@ def test_cli_ep_size_must_divide_experts(no_training, capsys, monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "3", "--warmup", "3"], "warmup = 3 must be in [0, steps = 3)"),
-    (["--steps", "3", "--warmup", "5"], "warmup = 5 must be in [0, steps = 3)"),
-    (["--batch", "-1"], "batch must be positive, got -1"),
-    (["--steps", "-2"], "steps must be positive, got -2"),
-    (["--max-batch", "0"], "max_batch_gib must be positive, got 0.0"),
-    (["--budget-gib", "-1"], "budget_gib must be positive, got -1.0"),
-    (["--modes", "fp8", "fp16"], "unknown mode(s) ['fp16']; choose from bf16, fp8, fp4"),
-    (["--hook", "--modes", "fp8"], "unknown mode(s) ['fp8']; choose from hf, hf+hook"),
-    (["--seq", "0"], "seq must be positive, got 0"),
+    (["--steps", "3", "--warmup", "3"], "--warmup 3 must be at least 0 and less than --steps (3)"),
+    (["--steps", "3", "--warmup", "5"], "--warmup 5 must be at least 0 and less than --steps (3)"),
+    (["--batch", "-1"], "--batch must be positive, got -1"),
+    (["--steps", "-2"], "--steps must be positive, got -2"),
+    (["--max-batch", "0"], "--max-batch must be positive, got 0.0"),
+    (["--budget-gib", "-1"], "--budget-gib must be positive, got -1.0"),
+    (["--modes", "fp8", "fp16"], "--modes: unknown mode fp16; choose from bf16, fp8, fp4"),
+    (["--hook", "--modes", "fp8"], "--modes: unknown mode fp8; choose from hf, hf+hook"),
+    (["--seq", "0"], "--seq must be positive, got 0"),
+    (["--experts", "1"], "--experts 1: preset tiny routes each token to 2 experts (top-2), so it needs --experts 2 "
+                         "or more"),
+    (["--profile-steps", "-1"], "--profile-steps must be 0 or more, got -1"),
 ])
 def test_cli_bad_arguments(no_training, capsys, tmp_path, args, message):
     assert no_training(["compare", "--preset", "tiny", "--out", str(tmp_path), *args]) == 2
@@ -448,7 +438,8 @@ def test_cli_batch_does_not_fit(tmp_path):
     assert run.returncode == 2, run.stdout + run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     assert "moe-fp4 compare: error: batch 64 x 64 does not fit in 0.01 GiB per device in mode bf16" in run.stderr
-    assert "one step needs" in run.stderr and "--max-batch" in run.stderr
+    # the advice runs where it is given: on CPU --max-batch needs --allow-cpu-budget
+    assert "one step needs" in run.stderr and "--max-batch 0.01 --allow-cpu-budget" in run.stderr
     assert "[bf16] training" not in run.stdout            # checked before any mode trains
     assert not (tmp_path / "compare.json").exists()
 
@@ -577,8 +568,9 @@ def _ep_decoder_ranks(rank, world):
     gathered from every rank."""
     import torch.distributed as dist
 
-    from moe_fp4.compare.runner import Env, Trainer, _lm_loss
+    from moe_fp4.compare.config import Env
     from moe_fp4.compare.data import RandomTokens
+    from moe_fp4.compare.train import Trainer, _lm_loss
     from moe_fp4.exchange.ep import EPConfig
     from moe_fp4.model.decoder import PRESETS, DecoderLM
 
@@ -666,10 +658,11 @@ ACCUMULATION_GRAD_SQNR_FLOOR_DB = 50.8
 
 
 def test_micro_batch_and_per_rank_batch():
-    from moe_fp4.compare.runner import micro_batch, per_rank_batch
+    from moe_fp4.compare.config import per_rank_batch
+    from moe_fp4.model.planner import micro_batch
 
     assert per_rank_batch(12, 2) == 6 and per_rank_batch(5, 1) == 5
-    with pytest.raises(ValueError, match="global batch 5 does not divide over 2 ranks"):
+    with pytest.raises(ValueError, match="--global-batch 5 does not divide over 2 ranks"):
         per_rank_batch(5, 2)
     # the fewest passes of at most cap, near-equal: their largest
     assert [micro_batch(12, cap) for cap in (1, 2, 3, 4, 5, 6, 7, 100)] == [1, 2, 3, 4, 4, 6, 6, 12]
@@ -687,7 +680,8 @@ def test_micro_batch_and_per_rank_batch():
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp4"])
 def test_accumulated_step_equals_one_pass(mode):
     from helpers import torch_references
-    from moe_fp4.compare.runner import Env, Trainer, _lm_loss
+    from moe_fp4.compare.config import Env
+    from moe_fp4.compare.train import Trainer, _lm_loss
     from moe_fp4.gemm.engines import FP8_WEIGHTS
     from moe_fp4.formats.metrics import sqnr_db
     from moe_fp4.model.decoder import PRESETS, DecoderLM
@@ -732,4 +726,4 @@ def test_cli_global_batch(tmp_path):
     assert row["tokens_per_step_per_rank"] == 6 * row["seq"]
     assert "2 micro-batches of up to 3, gradients accumulated" in run.stdout
     bad = _cli(["compare", "--preset", "tiny", "--steps", 2, "--global-batch", 0, "--no-progress", "--out", tmp_path])
-    assert bad.returncode == 2 and "global_batch must be positive" in bad.stderr
+    assert bad.returncode == 2 and "--global-batch must be positive" in bad.stderr

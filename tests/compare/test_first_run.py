@@ -136,13 +136,13 @@ def test_plot_failure_loses_nothing(first_run, tmp_path, capsys, monkeypatch):
 # `--lr -1` failed only once training had started; `--layers 1` compared three identical models.
 
 @pytest.mark.parametrize("args, message", [
-    (["--lr", "-1"], "lr must be positive, got -1.0"),
-    (["--lr", "nan"], "lr must be positive, got nan"),
-    (["--layers", "1"], "layers = 1 leaves no MoE layer (preset tiny starts with 1 dense)"),
-    (["--experts", "0"], "experts must be positive, got 0"),
-    (["--layers", "0"], "layers must be positive, got 0"),
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),
+    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--layers", "1"], "--layers 1 leaves no MoE layer (preset tiny starts with 1 dense)"),
+    (["--experts", "0"], "--experts must be positive, got 0"),
+    (["--layers", "0"], "--layers must be positive, got 0"),
     (["--max-batch", "1", "--budget-gib", "1"], "give one of them"),
-    (["--profile", "--profile-steps", "0"], "needs profile_steps > 0"),
+    (["--profile", "--profile-steps", "0"], "needs --profile-steps > 0"),
 ])
 def test_bad_arguments_refused_before_training(tmp_path, args, message, capsys, monkeypatch):
     # In process (moe_fp4.compare.cli.main, what `python -m moe_fp4` exits with), starting a process group or
@@ -169,11 +169,11 @@ def test_bad_arguments_refused_before_training(tmp_path, args, message, capsys, 
 
 
 def test_moe_layer_count_comes_from_the_model_config():
-    from moe_fp4.compare.runner import CompareConfig
+    from moe_fp4.compare.config import CompareConfig
     from moe_fp4.model.decoder import PRESETS
 
     dense = PRESETS["small"].dense_layers
-    with pytest.raises(ValueError, match=f"use layers >= {dense + 1}"):
+    with pytest.raises(ValueError, match=f"use --layers {dense + 1} or more"):
         CompareConfig(preset="small", layers=dense)
     assert CompareConfig(preset="small", layers=dense + 1).model.moe_layers == 1
 
@@ -252,6 +252,8 @@ def test_help_is_written_for_a_terminal(capsys, monkeypatch):
     assert options["--batch"].endswith("(default: tiny 4, small 64, dsv3-layers 2)"), options["--batch"]
     assert "GiB" in options["--max-batch"] and "tokens" in options["--seq"]
     assert "(default: None)" not in wide and "(default: False)" not in wide
+    assert "(default: )" not in wide and "Default: the dispatch" in wide     # --wire states its own
+    assert "pip install transformers" in options["--hook"]                  # --hook needs transformers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,44 +305,45 @@ def _git(cwd, *args):
 
 def _repo(path, name: str | None):
     """A git repository at ``path`` with one commit (and a pyproject.toml of project ``name``) and a
-    copy of moe_fp4/compare/runner.py under moe_fp4/ -> that file's path."""
+    copy of moe_fp4/compare/origin.py (where commit() lives) under moe_fp4/ -> that file's path."""
     (path / "moe_fp4" / "compare").mkdir(parents=True)
-    shutil.copy(os.path.join(ROOT, "moe_fp4", "compare", "runner.py"), path / "moe_fp4" / "compare" / "runner.py")
+    shutil.copy(os.path.join(ROOT, "moe_fp4", "compare", "origin.py"),
+                path / "moe_fp4" / "compare" / "origin.py")
     if name:
         (path / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "9"\n')
     _git(path, "init", "-q")
     _git(path, "add", "-A")
     _git(path, "commit", "-q", "-m", "x")
-    return str(path / "moe_fp4" / "compare" / "runner.py")
+    return str(path / "moe_fp4" / "compare" / "origin.py")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_commit_only_from_moe_fp4s_own_repository(tmp_path, monkeypatch):
-    from moe_fp4.compare import runner as compare
+    from moe_fp4.compare import origin
 
     monkeypatch.delenv("MOE_FP4_COMMIT", raising=False)
     # moe_fp4's own checkout (source tree or editable install): its HEAD
-    monkeypatch.setattr(compare, "__file__", _repo(tmp_path / "own", "moe_fp4"))
+    monkeypatch.setattr(origin, "__file__", _repo(tmp_path / "own", "moe_fp4"))
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path / "own", capture_output=True,
                           text=True, check=True).stdout.strip()
-    assert compare.commit() == head
+    assert origin.commit() == head
     # another project's repository holding a copy of the package: not its commit
-    monkeypatch.setattr(compare, "__file__", _repo(tmp_path / "other", "other-project"))
-    assert compare.commit() is None
+    monkeypatch.setattr(origin, "__file__", _repo(tmp_path / "other", "other-project"))
+    assert origin.commit() is None
     # a non-editable install in a virtual environment inside another repository (with a HEAD)
     app = tmp_path / "app"
     _repo(app, "app")
     site = app / ".venv" / "lib" / "site-packages"
     shutil.copytree(app / "moe_fp4", site / "moe_fp4")
-    monkeypatch.setattr(compare, "__file__", str(site / "moe_fp4" / "compare" / "runner.py"))
-    assert compare.commit() is None
+    monkeypatch.setattr(origin, "__file__", str(site / "moe_fp4" / "compare" / "origin.py"))
+    assert origin.commit() is None
     # recorded when built or copied without git history
     monkeypatch.setenv("MOE_FP4_COMMIT", "abc1234")
-    assert compare.commit() == "abc1234"
+    assert origin.commit() == "abc1234"
 
 
 def test_provenance_without_a_commit():
-    from moe_fp4.compare.runner import provenance
+    from moe_fp4.compare.origin import provenance
 
     assert provenance({"version": "0.1.0", "commit": None}) == "moe_fp4 0.1.0"
     assert provenance({"version": "0.1.0", "commit": "abc1234"}) == "moe_fp4 0.1.0, commit abc1234"

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from test_compare import _cli, _ok
+from cli_run import assert_ok as _ok, run_cli as _cli
 
 GIB = 2**30
 POLICIES = ("none", "swiglu", "moe", "layer")
@@ -56,7 +56,7 @@ def _brute_cap(policy, budget, batch):
 @pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7),
                                                (72, 64), (74.5, 64), (20.5, 12)])
 def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batch):
-    from moe_fp4.compare.runner import micro_batch
+    from moe_fp4.model.planner import micro_batch
     from moe_fp4.model.planner import choose
 
     budget = budget_gib * GIB
@@ -120,7 +120,7 @@ def test_choose_nothing_fits():
 
 
 def test_search_never_probes_above_most():
-    from moe_fp4.compare.runner import search_largest_batch
+    from moe_fp4.model.planner import search_largest_batch
 
     probed = []
 
@@ -254,7 +254,7 @@ def test_cli_max_batch_takes_the_whole_rank_batch_in_one_pass(tmp_path):
 def test_table_shows_no_ratios_without_the_baseline():
     """A run of one mode (here fp4 alone, as when modes are planned in separate calls) prints its row and
     plan, and no "ratios vs fp8" line of NaNs."""
-    from moe_fp4.compare.runner import ratios, table
+    from moe_fp4.compare.report import ratios, table
 
     row = {"mode": "fp4", "tokens_per_s_per_gpu": 1000.0, "step_ms": 10.0, "peak_bytes": 2 * GIB,
            "activation_bytes": GIB, "a2a_share": None, "loss_final": 1.0, "loss_eval": 1.1}
