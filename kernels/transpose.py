@@ -69,7 +69,7 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor, rows: torc
     decoded values gives S = clamp(floor(log2(amax)) - 8, -126, 127); each element is re-encoded as
     RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens,
     except for values of 2^128 and more (byte 254 with |value| >= 2, byte 253 with |value| >= 4): the
-    definition sees Inf there (NaN byte, left out of the amax), this rule a finite value (README).
+    definition sees Inf there (NaN byte, left out of the amax), this rule a finite value (docs/formats.md).
     Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
     With rows (int [M'] indices into data's rows) the input is data[rows] (out [K, M']): a gathered
     view converted without a gathered copy (the launcher reads the rows in place).

@@ -10,10 +10,67 @@ import torch
 
 import moe_fp4
 import moe_fp4.formats.reference
-from moe_fp4.formats.metrics import sqnr_db  # noqa: F401  (re-exported for the tests)
+from moe_fp4.formats import metrics as _metrics
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 INPUT_KINDS = ("gaussian", "outlier_channels", "tiny", "subnormal", "zero_rows", "mixed_magnitudes")
+
+
+# ---------------------------------------------------------------------------------------------
+# SQNR for tests (docs/testing.md, "Floors, ceilings and the NaN rule"). The library's metrics.sqnr_db
+# returns nan for a result holding NaN, and ``nan < floor`` is False: a floor written that way lets a
+# NaN gradient through. Every SQNR a test bounds comes from sqnr_db below, and every bound is written
+# so that a NaN fails it (``floor <= v <= ceiling``, or in_band / lowest).
+
+def _non_finite(t: torch.Tensor) -> str | None:
+    bad = ~torch.isfinite(t.detach())
+    n = int(bad.sum())
+    if not n:
+        return None
+    first = tuple(int(i) for i in bad.nonzero()[0]) if t.dim() else ()
+    return f"{n} of {t.numel()} values are NaN or Inf (first at {first}: {t.detach()[first].item()})"
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor, what: str = "") -> float:
+    """moe_fp4.formats.metrics.sqnr_db (dB, float64 sums, inf when equal) that fails with an
+    AssertionError when either tensor holds NaN or Inf, instead of returning nan (which every
+    ``v < floor`` comparison lets through)."""
+    for name, t in (("reference", ref), ("result", test)):
+        problem = _non_finite(t)
+        assert problem is None, f"SQNR of {what or 'a result'}: the {name} is not finite: {problem}"
+    return _metrics.sqnr_db(ref, test)
+
+
+def in_band(value: float, floor: float, ceiling: float = math.inf, what: str = "") -> float:
+    """Assert floor <= value <= ceiling (NaN fails) -> value. The ceiling is how a quantized result
+    shows it was quantized at all: the unquantized (or wrongly formatted) path measures far above it."""
+    assert floor <= value <= ceiling, (f"{what}: {value!r} dB outside [{floor}, {ceiling}]" if what
+                                       else f"{value!r} outside [{floor}, {ceiling}]")
+    return value
+
+
+def sqnr_in_band(ref: torch.Tensor, test: torch.Tensor, floor: float, ceiling: float = math.inf,
+                 what: str = "") -> float:
+    """sqnr_db(ref, test) (non-finite inputs fail), asserted within [floor, ceiling] -> the dB value."""
+    return in_band(sqnr_db(ref, test, what), floor, ceiling, what)
+
+
+def lowest(values, what: str = "") -> float:
+    """min over measured values that fails on NaN (``min`` drops a nan unless it comes first) and on
+    an empty sequence (nothing measured is not a pass)."""
+    values = list(values)
+    assert values, f"{what}: nothing was measured"
+    bad = [v for v in values if v != v]
+    assert not bad, f"{what}: {len(bad)} of {len(values)} measured values are NaN"
+    return min(values)
+
+
+def highest(values, what: str = "") -> float:
+    """max over measured values, failing on NaN and on an empty sequence, like :func:`lowest`."""
+    values = list(values)
+    assert values, f"{what}: nothing was measured"
+    assert all(v == v for v in values), f"{what}: a measured value is NaN: {values}"
+    return max(values)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,10 @@ EP_LOOP_SPLITS = {2: [[0, 3], [2, 1]], 4: [[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0,
 # and every exchange (bf16/fp32/fp16 inputs, all split patterns, world 2 and 4): mxfp4 18.48 dB
 # (world 4), fp8 31.15 dB (world 2); each floor is about 1 dB under. World 8: mxfp4 18.70, fp8 31.20 dB.
 GRAD_SQNR_FLOOR_DB = {"mxfp4": 17.4, "fp8": 30.1}
+# Ceilings, about 1 dB over the highest value measured (2026-12, CPU, every rank and exchange at worlds 2,
+# 4 and 8: mxfp4 18.48-19.16 dB, fp8 31.15-31.88 dB): a backward that sent another format (bf16: inf; fp8
+# for mxfp4) measures far above. Each gradient is also checked bit for bit against its round trip.
+GRAD_SQNR_CEILING_DB = {"mxfp4": 20.2, "fp8": 32.9}
 # The error cases _error_cases runs, in order (each raises on every rank, then a normal exchange runs).
 ERROR_CASES = ("splits do not sum to N", "splits disagree across ranks", "splits disagree through the drop-in",
                "H % 32 for mxfp4", "H % 128 for fp8 forward", "H % 128 for fp8 backward", "H % 128 for an fp8 output",
@@ -216,7 +220,7 @@ def _exchange_cases(rank: int, world: int):
                 if bwd in ("bf16", "native"):
                     _assert_same(x.grad, _rt(x_ref.grad, bwd), f"unquantized gradient: the exact one (rounded), {case}")
                 elif x.grad.numel():
-                    sqnr[bwd].append(sqnr_db(x_ref.grad, x.grad))
+                    sqnr[bwd].append(sqnr_db(x_ref.grad, x.grad, f"gradient, {case}"))   # fails on NaN / Inf
                 ran.add((fwd, bwd, out))
 
     # Containers travel as they are (their own format) or are converted directly; no gradient.
@@ -282,10 +286,15 @@ def test_all_to_all_routing_values_and_gradients(comm_results):
     results = [res["exchange"] for res in results]
     for rank, res in enumerate(results):
         assert res["ran"] == sorted(set(COMBOS) | set(FEW)), f"rank {rank} did not run every forward/backward/output combination"
+    from helpers import highest, in_band, lowest
+
     for fmt, floor in GRAD_SQNR_FLOOR_DB.items():
         measured = [v for res in results for v in res["sqnr"][fmt]]   # ranks with no rows measure nothing
-        assert measured, fmt
-        assert min(measured) >= floor, (fmt, min(measured))
+        # lowest/highest fail on a NaN (min() would drop it) and on nothing measured
+        low, high = lowest(measured, fmt), highest(measured, fmt)
+        print(f"world {world} {fmt} gradient SQNR {low:.2f}-{high:.2f} dB over {len(measured)} exchanges")
+        in_band(low, floor, GRAD_SQNR_CEILING_DB[fmt], f"{fmt} gradient, lowest")
+        in_band(high, floor, GRAD_SQNR_CEILING_DB[fmt], f"{fmt} gradient, highest")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -574,8 +583,7 @@ def _dropin_cases(rank: int, world: int):
                                ("combine", "forward", "bf16"): sum(recvs) * row_bytes("bf16", H),
                                ("combine", "gradient", "bf16"): sum(sends) * row_bytes("bf16", H),
                                ("dispatch", "gradient", "bf16"): sum(recvs) * row_bytes("bf16", H)}
-    _role_cases(rank, world)
-    return True
+    return {"ok": True, "spmd_types": _role_cases(rank, world)}
 
 
 _ROLE_DISPATCHER_SOURCE = """
@@ -695,7 +703,7 @@ def _role_cases(rank: int, world: int):
     del sys.modules[mod.__name__]
 
     if importlib.util.find_spec("spmd_types") is None:
-        return
+        return "not installed"   # reported as a skip by test_spmd_types_all_to_all_dropin
     # spmd_types.all_to_all (torchtitan's default backend): rows (V -> V, uneven splits) in the role's
     # formats and, differentiable, the gradient in the role's gradient format. Arguments it does not
     # take (an op_dtype) go to spmd_types' own, whose list all-to-all the list drop-in takes.
@@ -726,11 +734,23 @@ def _role_cases(rank: int, world: int):
                            ("spmd_types.all_to_all", "dispatch", "to spmd_types' own"): 1,
                            ("all_to_all", "dispatch", "compressed"): 1}, cfg_s.calls
     assert cfg_s.wire[("dispatch", "gradient", "fp8")] == m * row_bytes("fp8", H)
+    return "ran"
 
 
 def test_dropins_and_swap(comm_results):
     world, results = comm_results
-    assert [res["dropins"] for res in results] == [True] * world
+    assert [res["dropins"]["ok"] for res in results] == [True] * world
+
+
+def test_spmd_types_all_to_all_dropin(comm_results):
+    """spmd_types.all_to_all (torchtitan's default backend) is checked inside _role_cases where spmd_types
+    is installed: this test reports whether it ran, as a skip with the reason where it could not."""
+    world, results = comm_results
+    ran = {res["dropins"]["spmd_types"] for res in results}
+    if ran == {"not installed"}:
+        pytest.skip("spmd_types is not installed (the torchtitan extra installs only on Python >= 3.11): "
+                    "the drop-in for torchtitan's default all-to-all backend went untested")
+    assert ran == {"ran"}, ran
 
 
 # ------------------------------------------------------------------------------------------------

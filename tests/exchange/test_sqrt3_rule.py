@@ -55,7 +55,7 @@ def test_auto_configuration_is_checked():
         EPConfig(dispatch_grad="auto", auto_format="bf16")
     with pytest.raises(ValueError, match="auto_patience"):
         EPConfig(dispatch_grad="auto", auto_patience=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'auto' is not a valid WireFormat"):
         EPConfig(combine="auto")                  # values have no rule
     with pytest.raises(ValueError, match="needs its GradWireRule"):
         grad_format(AUTO, None)

@@ -9,15 +9,18 @@ import torch
 
 import moe_fp4
 from moe_fp4.formats import reference as REF
-from helpers import (INPUT_KINDS, dequant_transpose_quantize, make_input, pow2_ceil_exponent, same_bits,
-                     same_values, sqnr_db)
+from helpers import (INPUT_KINDS, dequant_transpose_quantize, highest, in_band, lowest, make_input,
+                     pow2_ceil_exponent, same_bits, same_values, sqnr_db)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 # Round-trip SQNR floors for N(0, 1) data, set 1.5 dB under what this suite's inputs measure
 # (256 x 1024, bf16/fp16/fp32, three seeds): MXFP4 (E2M1, 32-blocks, RCEIL) 18.75-18.79 dB;
-# FP8 E4M3 1x128 with power-of-two scales 31.48-31.54 dB.
+# FP8 E4M3 1x128 with power-of-two scales 31.48-31.54 dB. Ceilings 1 dB over: a quantizer that kept
+# more precision than its format (or none) measures above them.
 MXFP4_GAUSSIAN_SQNR_DB = 17.25
 FP8_GAUSSIAN_SQNR_DB = 30.0
+MXFP4_GAUSSIAN_SQNR_CEILING_DB = 19.8
+FP8_GAUSSIAN_SQNR_CEILING_DB = 32.5
 
 SHAPES_32 = [(1, 32), (3, 64), (17, 96), (2, 5, 128), (64, 256), (33, 384)]
 SHAPES_128 = [(1, 128), (3, 256), (17, 384), (2, 3, 128), (130, 256)]
@@ -123,8 +126,38 @@ def test_round_trip_sqnr_gaussian(dtype):
     x = make_input((256, 1024), "gaussian", dtype, seed=11)
     mx = moe_fp4.dequantize_mxfp4(moe_fp4.quantize_mxfp4(x), torch.float32)
     f8 = moe_fp4.dequantize_fp8(moe_fp4.quantize_fp8(x), torch.float32)
-    assert sqnr_db(x, mx) > MXFP4_GAUSSIAN_SQNR_DB
-    assert sqnr_db(x, f8) > FP8_GAUSSIAN_SQNR_DB
+    in_band(sqnr_db(x, mx), MXFP4_GAUSSIAN_SQNR_DB, MXFP4_GAUSSIAN_SQNR_CEILING_DB, "mxfp4")
+    in_band(sqnr_db(x, f8), FP8_GAUSSIAN_SQNR_DB, FP8_GAUSSIAN_SQNR_CEILING_DB, "fp8")
+
+
+def test_the_tests_sqnr_fails_on_nan_and_inf():
+    """helpers.sqnr_db, in_band and lowest (docs/testing.md): a NaN or Inf result fails, where the
+    library's metrics.sqnr_db returns nan, ``nan < floor`` is False and min() drops a nan."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[1, 3] = math.nan
+    assert math.isnan(moe_fp4.formats.metrics.sqnr_db(x, y)) and not math.nan < 10.0   # what the helper prevents
+    with pytest.raises(AssertionError, match=r"the result is not finite: 1 of 128 values are NaN or Inf \(first at \(1, 3\)"):
+        sqnr_db(x, y, "dW2")
+    with pytest.raises(AssertionError, match="the reference is not finite"):
+        sqnr_db(y, x)
+    z = x.clone()
+    z[0, 0] = -math.inf
+    with pytest.raises(AssertionError, match="the result is not finite"):
+        sqnr_db(x, z)
+    assert sqnr_db(x, x) == math.inf                # equal finite tensors: inf, as before
+    with pytest.raises(AssertionError, match="outside"):
+        in_band(math.nan, 10.0)
+    with pytest.raises(AssertionError, match="outside"):
+        in_band(25.0, 17.0, 19.0)                    # over the ceiling: not quantized as promised
+    assert in_band(18.0, 17.0, 19.0) == 18.0
+    assert min([20.0, math.nan]) == 20.0             # what lowest prevents
+    for fn in (lowest, highest):
+        with pytest.raises(AssertionError, match="NaN"):
+            fn([20.0, math.nan])
+        with pytest.raises(AssertionError, match="nothing was measured"):
+            fn([])
+    assert lowest([20.0, 18.0]) == 18.0 and highest([20.0, 18.0]) == 20.0
 
 
 def test_round_trips_for_every_transform_pair():

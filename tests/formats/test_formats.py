@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def test_containers_are_frozen_and_restore_leading_shape():
     q = moe_fp4.quantize_mxfp4(x)
     assert (q.m, q.k) == (6, 64) and q.shape == x.shape and q.dtype == torch.float32
     assert q.to("cpu").shape == q.shape and q.device.type == "cpu"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'data'"):
         q.data = None
     f = moe_fp4.quantize_fp8(torch.randn(2, 3, 128))
     assert f.to("cpu").scale.t().is_contiguous()
@@ -80,6 +82,68 @@ def test_dequantize_rejects_bad_output_dtype_and_wrong_container():
         moe_fp4.dequantize_fp8(q)
     with pytest.raises(TypeError, match="expected MXFP4Tensor"):
         moe_fp4.mxfp4_to_fp8_colwise(moe_fp4.quantize_fp8(torch.ones(1, 128)))
+
+
+def test_fused_fp8_and_mxfp4_quantization_rejects_bad_input():
+    fn = moe_fp4.quantize_fp8_and_mxfp4
+    # K = 96: whole MXFP4 blocks, but not whole FP8 tiles
+    with pytest.raises(ValueError, match="quantize_fp8_and_mxfp4: the last dimension K = 96 must be a multiple of 128"):
+        fn(torch.ones(2, 96))
+    for dtype in (torch.float64, torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=f"quantize_fp8_and_mxfp4: expected a bfloat16/float16/float32 tensor, "
+                                            f"got {dtype}"):
+            fn(torch.ones(2, 128).to(dtype))
+    with pytest.raises(ValueError, match=r"quantize_fp8_and_mxfp4: the input must be contiguous \(got strides \(1, 4\)\)"):
+        fn(torch.ones(128, 4).t())
+    with pytest.raises(TypeError, match="quantize_fp8_and_mxfp4: expected a torch.Tensor, got list"):
+        fn([1.0] * 128)
+    with pytest.raises(ValueError, match="quantize_fp8_and_mxfp4: expected a tensor of shape \\[..., K\\], got a 0-d"):
+        fn(torch.tensor(1.0))
+
+
+def test_fp8_to_fp8_colwise_rejects_bad_input_and_takes_a_short_last_tile(references):
+    # On the reference conversion behind the public function's checks (``references``): the kernel equals
+    # it bit for bit, short tiles included, in test_kernels.py / test_fp8_colwise.py.
+    from helpers import same_bits
+    from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
+
+    fn = moe_fp4.fp8_to_fp8_colwise
+    # K must be whole 1x128 tiles: K = 64, and a column-wise tensor whose last tile is short (K = 100)
+    with pytest.raises(ValueError, match=r"fp8_to_fp8_colwise: K = 64 must be a multiple of 128 \(whole 1x128 tiles\)"):
+        fn(_f8(k=64))
+    short = moe_fp4.mxfp4_to_fp8_colwise(moe_fp4.quantize_mxfp4(torch.randn(100, 32)))    # [32, 100]
+    with pytest.raises(ValueError, match="fp8_to_fp8_colwise: K = 100 must be a multiple of 128"):
+        fn(short)
+    with pytest.raises(TypeError, match="fp8_to_fp8_colwise: expected FP8BlockTensor, got MXFP4Tensor"):
+        fn(moe_fp4.quantize_mxfp4(torch.ones(2, 128)))
+    with pytest.raises(TypeError, match="fp8_to_fp8_colwise: expected FP8BlockTensor, got Tensor"):
+        fn(torch.ones(2, 128))
+    f = _f8()
+    f.scale[0, 0] = 3.0
+    with pytest.raises(ValueError, match="fp8_to_fp8_colwise: FP8BlockTensor.scale: every scale must be a positive "
+                                         "power of two"):
+        fn(f)
+    # M = 130 rows: the output's last 1x128 tile along M holds 2 columns. The oracle: dequantize,
+    # transpose, quantize along tokens in pure torch (short tile allowed).
+    g = moe_fp4.formats.reference.quantize_fp8(torch.randn(130, 128, generator=torch.Generator().manual_seed(3)))
+    col = fn(g)
+    data, scale = quantize_fp8_rowwise_ref(g.dequantize(torch.float32).t().contiguous())
+    assert col.shape == (128, 130) and col.scale.shape == (128, 2)
+    assert same_bits(col.data, data) and torch.equal(col.scale, scale)
+
+
+def test_dequantize_nvfp4_checks_its_dtype_and_container():
+    q = moe_fp4.quantize_nvfp4(torch.randn(2, 128, generator=torch.Generator().manual_seed(4)))
+    for dtype in (torch.float64, torch.int8, torch.float8_e4m3fn, "bfloat16"):
+        with pytest.raises(TypeError, match=f"dequantize_nvfp4: output dtype must be bfloat16, float16 or float32, "
+                                            f"got {dtype}"):
+            moe_fp4.dequantize_nvfp4(q, dtype)
+    with pytest.raises(TypeError, match="dequantize_nvfp4: expected NVFP4Tensor, got MXFP4Tensor"):
+        moe_fp4.dequantize_nvfp4(moe_fp4.quantize_mxfp4(torch.ones(2, 128)))
+    exact = moe_fp4.dequantize_nvfp4(q, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):     # each dtype: the float32 values rounded once
+        got = moe_fp4.dequantize_nvfp4(q, dtype)
+        assert got.dtype == dtype and torch.equal(got, exact.to(dtype))
 
 
 def test_mxfp4_container_validation():

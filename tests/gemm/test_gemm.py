@@ -87,7 +87,7 @@ def test_weight_transposed_equals_transpose_of_weight():
 def test_weight_validation():
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize_fp8_weight(torch.randn(100, 128))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="expected a bf16/fp16/fp32 tensor, got torch.float8_e4m3fn"):
         quantize_fp8_weight(torch.randn(128, 128).to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="scale shape"):
         FP8WeightTensor(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
@@ -118,7 +118,8 @@ def test_fp8_mm_nt_emulation_and_validation():
     assert fp8_mm_nt(a.rows(0, 0), w).shape == (0, 128)
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         fp8_mm_nt(a, quantize_fp8_weight(torch.randn(128, 128)))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="expected FP8BlockTensor and FP8BlockTensor/FP8WeightTensor, got "
+                                        "FP8BlockTensor and Tensor"):
         fp8_mm_nt(a, torch.zeros(4, 256))
 
 

@@ -98,6 +98,13 @@ SQNR_FLOOR_DB = {
     "mixtral": {"logits": 37.4, "grads": 35.8, "local_experts": 13.7},
     "deepseek_v3": {"logits": 24.0, "grads": 22.0, "local_experts": 11.6},
 }
+# Gradient ceilings (dB), about 1 dB over the highest value remeasured (2026-12, CPU, both ranks):
+# mixtral all gradients 36.76, local expert shards 14.67-16.76; deepseek_v3 23.02, 12.59-15.66. An
+# unquantized dispatch measures far above (the native control is bit-identical to the reference).
+SQNR_CEILING_DB = {
+    "mixtral": {"grads": 37.8, "local_experts": 17.8},
+    "deepseek_v3": {"grads": 24.0, "local_experts": 16.7},
+}
 # Relative loss error of "moe_fp4". Measured 4.9e-5 / 8.7e-5 (mixtral), 2.3e-4 / 3.6e-4 (deepseek_v3).
 QUANTIZED_LOSS_RTOL = 1e-3
 # Proof that the dispatch was quantized: the unquantized control's logits are bit-identical to the
@@ -230,7 +237,8 @@ def test_mxfp4_dispatch_gradients(ranks, family):
         r = res[family]["impl"]["moe_fp4"]
         _backward_ok(r, f"{family} moe_fp4", rank)
         assert "missing_grads" not in r, (family, rank, r.get("missing_grads"))
-        assert r["grads_sqnr"] > floor["grads"], (family, rank, r["grads_sqnr"])
+        ceiling = SQNR_CEILING_DB[family]
+        assert floor["grads"] < r["grads_sqnr"] < ceiling["grads"], (family, rank, r["grads_sqnr"])
         assert len(r["local_experts"]) == 2 * LAYERS, (family, rank, sorted(r["local_experts"]))
         for n, (_, db, _) in r["local_experts"].items():
-            assert db > floor["local_experts"], (family, rank, n, db)
+            assert floor["local_experts"] < db < ceiling["local_experts"], (family, rank, n, db)

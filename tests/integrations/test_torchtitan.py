@@ -32,7 +32,12 @@ MXFP4_ROW, BF16_ROW = HIDDEN // 2 + HIDDEN // 32, 2 * HIDDEN
 # Expert weight gradients of the MXFP4-dispatch step against the native one: lowest SQNR measured
 # 15.7 dB (both ranks, every backend; mxfp4 dispatch, bf16 combine), 15.5 dB with the combine in
 # mxfp4 too (rank 0); the floors are 1 dB under. The loss moved by 1.9e-5 and 1.0e-5 (relative).
+# Remeasured 2026-12: 15.7 dB (every backend and rank), 15.5 / 15.7 dB (mxfp4 combine, ranks 0 / 1). The
+# ceiling, 1 dB over: a dispatch that did not quantize would lift the lowest expert far above it. (The
+# parser takes digits only, so a printed "nan" fails; but the example's min() over the experts drops a
+# nan unless it comes first: examples/torchtitan_ep_mxfp4.py should print nan if any SQNR is nan.)
 GRAD_SQNR_FLOOR_DB = {"bf16": 14.7, "mxfp4": 14.5}
+GRAD_SQNR_CEILING_DB = 16.7
 LOSS_RTOL = 2e-4
 
 
@@ -74,7 +79,7 @@ def _check(rows: dict, backends, combine: str):
         assert sent["dispatch gradient bf16"] == received * BF16_ROW, (backend, rank, sent)
         ref, got = row["loss"]
         assert abs(got - ref) <= LOSS_RTOL * abs(ref), (backend, rank, row["loss"])
-        assert row["sqnr"] >= GRAD_SQNR_FLOOR_DB[combine], (backend, rank, row["sqnr"])
+        assert GRAD_SQNR_FLOOR_DB[combine] <= row["sqnr"] <= GRAD_SQNR_CEILING_DB, (backend, rank, row["sqnr"])
         want_own = "not run" if backend == "spmd_types" else "identical to native"
         assert row["own"].startswith(want_own), (backend, rank, row["own"])
     # Both ranks' experts together received every row the two ranks sent.

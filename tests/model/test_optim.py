@@ -91,7 +91,7 @@ def test_scalars_and_inputs_are_checked_before_any_work():
     with pytest.raises(ValueError, match="grad must have"):
         adamw_step_fp8_weight_pair(p[0], g[0, :, :64], m[0], v[0], c)
     before = p.clone()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"exp_avg_sq must have p's shape \(1, 128, 128\), got \(1, 64, 128\)"):
         adamw_step_fp8_weight_pair(p, g, m, v[:, :64], c)
     assert torch.equal(p, before)                                          # nothing written
 
@@ -177,7 +177,8 @@ def test_optimizer_without_a_cached_pair_is_torch_adamw_and_drops_stale_pairs():
 
 
 def test_optimizer_rejects_what_it_does_not_fuse():
-    with pytest.raises(TypeError):
+    # Python's own message (no amsgrad parameter): the optimizer takes AdamW's fused arguments only
+    with pytest.raises(TypeError, match="unexpected keyword argument 'amsgrad'"):
         AdamWFP8Weights([torch.nn.Parameter(torch.randn(128, 128))], amsgrad=True)
     with pytest.raises(TypeError, match="FP8WeightCache"):
         AdamWFP8Weights([torch.nn.Parameter(torch.randn(128, 128))], cache={})

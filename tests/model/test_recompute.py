@@ -133,7 +133,7 @@ def test_hook_around_a_checkpoint_compresses_its_input_only(references):
 
 def test_policy_names_and_misuse():
     assert Recompute("moe") is Recompute.MOE
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'everything' is not a valid Recompute"):
         Recompute("everything")
     with pytest.raises(ValueError, match="layer"):
         MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1), "fp8", recompute="layer")

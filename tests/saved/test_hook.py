@@ -17,7 +17,7 @@ from moe_fp4.saved import hook as H
 from moe_fp4.saved import packing as P
 from moe_fp4.saved import policy as Pol
 from moe_fp4.saved.hook import CompressionConfig, SkipReason, compress_saved_activations, register_activation_compression
-from helpers import same_bits
+from helpers import in_band, lowest, same_bits, sqnr_db
 
 
 def mx_roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def act(shape, dtype=torch.float32, seed=0):
 def test_config_validation():
     c = CompressionConfig()
     assert c.modules is None and c.min_numel == 4096 and c.compress_fp8 and not c.check_finite
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'min_numel'"):
         c.min_numel = 1
     assert CompressionConfig(modules=["*.experts"]).modules == ("*.experts",)
     with pytest.raises(TypeError, match="tuple of fnmatch patterns"):
@@ -458,7 +458,9 @@ def test_module_grads_with_hook_close_and_dtype_kept(dtype):
     (gw,) = torch.autograd.grad(out.float().pow(2).sum(), lin.weight)
     ref = torch.autograd.grad(torch.nn.functional.silu(lin(x)).float().pow(2).sum(), lin.weight)[0]
     assert gw.dtype == dtype
-    assert moe_fp4.formats.metrics.sqnr_db(ref.float(), gw.float()) > 12
+    # measured 19.18-19.21 dB over the three dtypes (CPU); ceiling 1.1 dB over: a finer format than MXFP4
+    # (or none) measures above it
+    in_band(sqnr_db(ref.float(), gw.float(), "weight gradient"), 12, 20.3, str(dtype))
 
 
 # ---------------------------------------------------------------- module selection
@@ -566,9 +568,13 @@ def test_register_stats_remove_and_restore(references):
     assert tot.seen == sum(s.seen for s in st.modules.values())
     assert tot.bytes_after == sum(s.bytes_after for s in st.modules.values())
     assert tot.bytes_after / tot.bytes_before == pytest.approx(17 / 128)
-    for n in ref:
-        assert moe_fp4.formats.metrics.sqnr_db(ref[n], got[n]) > 10, n
+    measured = {n: sqnr_db(ref[n], got[n], n) for n in ref}        # fails on NaN / Inf
+    for n, v in measured.items():
+        in_band(v, 10, what=n)                   # parameters the compressed activations do not reach: inf
     assert any(not torch.equal(ref[n], got[n]) for n in ref)
+    # The most affected gradient carries MXFP4's error: measured 12.04 dB (CPU, seed 0; the others 15.2 to
+    # inf); a hook that stored a finer format would lift it far over the ceiling.
+    in_band(lowest(measured.values(), "parameter gradients"), 10, 13.1, "most affected parameter gradient")
     h.remove()
     h.remove()
     again, _ = toy_step(m, x)
@@ -777,8 +783,10 @@ class WrappedWeight(torch.Tensor):
 
 
 # Gradient SQNR floor of the Experts3D model with compressed activations against the same model without
-# the hook: measured 15.9 dB (gate_up_proj) and 17.2 dB (down_proj), CPU, seed 0; the floor is about 4 dB under.
+# the hook: measured 15.9 dB (gate_up_proj) and 17.2 dB (down_proj), CPU, seed 0; the floor is about 4 dB under,
+# the ceiling about 1 dB over the higher (activations left uncompressed would measure inf).
 WRAPPED_GRAD_SQNR_FLOOR_DB = 12.0
+WRAPPED_GRAD_SQNR_CEILING_DB = 18.3
 
 
 def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(references):
@@ -803,7 +811,8 @@ def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(r
     assert stats.skipped.get(SkipReason.SUBCLASS.value, 0) + stats.skipped.get(SkipReason.PARAMETER.value, 0) > 0
     for r, g in zip(ref, got):
         g = g._inner if isinstance(g, WrappedWeight) else g
-        assert moe_fp4.formats.metrics.sqnr_db(r.float(), g.float()) > WRAPPED_GRAD_SQNR_FLOOR_DB
+        in_band(sqnr_db(r.float(), g.float(), "wrapped weight gradient"), WRAPPED_GRAD_SQNR_FLOOR_DB,
+                WRAPPED_GRAD_SQNR_CEILING_DB)
     # A parameter's storages are those of what it wraps; a plain parameter's, its own.
     assert Pol._storage_ptrs(wrapped.down_proj) == {wrapped.down_proj._inner.untyped_storage().data_ptr()}
     assert Pol._storage_ptrs(plain.down_proj) == {plain.down_proj.untyped_storage().data_ptr()}

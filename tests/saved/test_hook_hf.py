@@ -15,13 +15,17 @@ transformers = pytest.importorskip("transformers")
 from helpers import torch_references  # noqa: E402
 from moe_fp4.saved import packing as H  # noqa: E402
 from moe_fp4.saved.hook import CompressionConfig, register_activation_compression  # noqa: E402
-from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
+from helpers import in_band, sqnr_db  # noqa: E402  (sqnr_db fails on NaN / Inf: docs/testing.md)
 
 # Measured on this configuration (torch 2.13 CPU, transformers 5.x, seed 0, the four cases): all parameter
 # gradients together 32.2-36.8 dB; the worst single parameter 15.1-15.8 dB (an expert weight or the router:
 # their gradients come straight from MXFP4 activations, near the round-trip SQNR of E2M1 blocks).
+# Ceilings about 1 dB over the highest (remeasured 2026-12: 32.24-36.76 and 15.11-15.76 dB): a hook that
+# kept the activations in a finer format than MXFP4 (or not at all) measures above them.
 GRAD_SQNR_DB = 27.0
 PARAM_GRAD_SQNR_DB = 11.0
+GRAD_SQNR_CEILING_DB = 37.8
+PARAM_GRAD_SQNR_CEILING_DB = 16.8
 # Bytes stored for the expert modules' saved float activations over their bf16 bytes (compressed at
 # 17/64 = 0.266, plus the few small tensors passed through). Measured 0.280-0.284.
 STORED_RATIO_MAX = 0.30
@@ -89,11 +93,12 @@ def test_training_step_with_hook(arch, impl, monkeypatch):
     assert torch.equal(loss, ref_loss), "the forward pass must not change"
     names = sorted(ref)
     assert sorted(got) == names
-    total_db = sqnr_db(flat(ref, names), flat(got, names))
-    worst_db, worst = min((sqnr_db(ref[n].float(), got[n].float()), n) for n in names)
+    total_db = sqnr_db(flat(ref, names), flat(got, names), "all gradients")
+    # helpers.sqnr_db fails on a NaN gradient, so min() sees no nan
+    worst_db, worst = min((sqnr_db(ref[n].float(), got[n].float(), n), n) for n in names)
     print(f"\n{arch} {impl}: grads {total_db:.1f} dB, worst {worst_db:.1f} dB ({worst})")
-    assert total_db > GRAD_SQNR_DB
-    assert worst_db > PARAM_GRAD_SQNR_DB, worst
+    in_band(total_db, GRAD_SQNR_DB, GRAD_SQNR_CEILING_DB, "all gradients")
+    in_band(worst_db, PARAM_GRAD_SQNR_DB, PARAM_GRAD_SQNR_CEILING_DB, f"worst parameter gradient ({worst})")
 
     st = handle.stats.total
     assert st.compressed == len(packed) > 0
