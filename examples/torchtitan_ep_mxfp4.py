@@ -26,6 +26,7 @@ direction and format. On GPUs (NCCL) the same code applies; only CPU is tested.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from types import SimpleNamespace
 
@@ -128,7 +129,8 @@ def main() -> None:
             own_loss, own_grads = step(backend, rank, world)
             same = own_loss == ref_loss and all(torch.equal(own_grads[n], ref[n]) for n in ref)
             own = "identical to native" if same else "DIFFERS from native"
-        worst = min(sqnr_db(ref[n].float(), got[n].float()) for n in ref)
+        db = [sqnr_db(ref[n].float(), got[n].float()) for n in ref]
+        worst = math.nan if any(math.isnan(v) for v in db) else min(db)   # min() would drop a nan
         sent = ", ".join(f"{role} {direction} {fmt} {n} B" for (role, direction, fmt), n in sorted(cfg.wire.items()))
         lines = [f"[{backend}] rank {rank}: loss native {ref_loss:.6f}, {a.dispatch}/{a.combine} {loss:.6f}; "
                  f"expert grads SQNR >= {worst:.1f} dB over {len(ref)}; torch's own exchange: {own}",

@@ -1,7 +1,7 @@
 """The benchmarks time their variants in rotated rounds (bench/moe_layer.py the precisions,
 bench/experts.py the experts, bench/gemm.py the picked engines beside cuBLAS): each variant must take
 every position in the order equally often, get all of its timed runs, and an untimed run after every
-switch (bench/RESULTS.md, ninth session: timed one after the other, the later variant paid for the
+switch (bench/RESULTS.md, 2026-11-26, 65beb0b: timed one after the other, the later variant paid for the
 process's drift). Checked on the scheduling alone, with the steps and timers replaced by recorders."""
 
 import importlib.util

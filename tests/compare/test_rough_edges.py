@@ -11,6 +11,7 @@ moe_fp4 is imported inside the tests, as in test_compare.py.
 import importlib.util
 import io
 import logging
+import re
 import sys
 import warnings
 
@@ -302,3 +303,38 @@ def test_memory_plot_keeps_the_legend_off_the_bars(tmp_path, monkeypatch):
     assert "same memory budget" in ax.get_title()
     for f in figures:
         real_close(f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# An out of memory in the training run itself (not in a batch-search probe) ends in the one-line error
+# and exit 2, naming the batch, the device and the mode, with no traceback.
+
+def test_out_of_memory_in_training_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    import torch
+
+    import moe_fp4.compare.cli
+    import moe_fp4.compare.runner
+    from helpers import torch_references
+
+    trained = []
+
+    def runs_out(cfg, mode, *a, **k):
+        if mode == "fp8":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        trained.append(mode)
+        return real(cfg, mode, *a, **k)
+
+    real = moe_fp4.compare.runner.train_mode
+    monkeypatch.setattr(moe_fp4.compare.runner, "train_mode", runs_out)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with torch_references():   # the bf16 mode trains for real: the references, not the interpreter
+        code = moe_fp4.compare.cli.main(["compare", "--preset", "tiny", "--steps", "1", "--batch", "1",
+                                         "--modes", "bf16", "fp8", "--data", "random", "--no-progress",
+                                         "--no-plots", "--out", str(tmp_path)])
+    assert code == 2
+    assert trained == ["bf16"]      # the run went as far as the mode that ran out
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert re.fullmatch(r"moe-fp4 compare: error: batch \d+ x 64 does not fit on .+ in mode fp8 \(out of memory\)\. "
+                        r"Lower --batch, or find the largest with --max-batch GIB", err[0]), err[0]

@@ -57,7 +57,7 @@ EP_LOOP_SPLITS = {2: [[0, 3], [2, 1]], 4: [[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0,
 # and every exchange (bf16/fp32/fp16 inputs, all split patterns, world 2 and 4): mxfp4 18.48 dB
 # (world 4), fp8 31.15 dB (world 2); each floor is about 1 dB under. World 8: mxfp4 18.70, fp8 31.20 dB.
 GRAD_SQNR_FLOOR_DB = {"mxfp4": 17.4, "fp8": 30.1}
-# Ceilings, about 1 dB over the highest value measured (2026-12, CPU, every rank and exchange at worlds 2,
+# Ceilings, about 1 dB over the highest value measured (2026-11-27, CPU, every rank and exchange at worlds 2,
 # 4 and 8: mxfp4 18.48-19.16 dB, fp8 31.15-31.88 dB): a backward that sent another format (bf16: inf; fp8
 # for mxfp4) measures far above. Each gradient is also checked bit for bit against its round trip.
 GRAD_SQNR_CEILING_DB = {"mxfp4": 20.2, "fp8": 32.9}

@@ -1,5 +1,5 @@
 """The all-to-all and the EP MoE layer over NCCL, one process per GPU, at the widest of 2, 4 and 8
-ranks the machine has (``nvidia-h200-x2``, ``-x4``, ``-x8``; ``MOE_FP4_TEST_WORLD`` picks a narrower one).
+ranks the machine has (2, 4 or 8 GPUs of one host; ``MOE_FP4_TEST_WORLD`` picks a narrower one).
 
 Marked ``gpu``; skipped without two CUDA devices. The same checks as the gloo tests, on the GPU
 paths: Triton kernels for packing and unpacking, grouped FP8 GEMMs in the layer. The all-to-all's

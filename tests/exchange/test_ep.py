@@ -47,7 +47,7 @@ def config(world: int) -> dict:
 # SQNR floors (dB) of the EP layer against the same layer without EP, 1 dB under the lowest value
 # measured on any rank at world 2 and 4: bf16 out 49.42, dx 44.38, w13 45.38, w2 45.73, router 44.39;
 # fp8 out 49.30, dx 33.26, w13 32.47, w2 36.78, router 44.97; fp4 out 49.45, dx 33.44, w13 29.47,
-# w2 34.77, router 43.78. (Remeasured 2026-12 on CPU: out, dx, w13 and w2 bit-identical at every world,
+# w2 34.77, router 43.78. (Remeasured 2026-11-27 on CPU: out, dx, w13 and w2 bit-identical at every world,
 # the router 48.2-49.9 dB.) No ceiling: both sides run the same precision and formats, so equal is the
 # ideal; what travels is checked by the rows' bytes per role (check_wire).
 EP_MATCH_FLOOR_DB = {
@@ -62,7 +62,7 @@ EP_MATCH_FLOOR_DB = {
 # format than the configured one (fp8, bf16: SQNR 30 dB to inf) fails, besides the per-role row bytes.
 # mixed (combine mxfp4, dispatch_grad fp8, combine_grad mxfp4): measured out 18.54, dx 23.04 dB at the
 # lowest at world 2 and 4, floors 1 dB under; at world 8 the lowest are out 18.30, dx 23.15 (every rank).
-# Over worlds 2, 4 and 8 (CPU, 2026-12): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
+# Over worlds 2, 4 and 8 (CPU, 2026-11-27): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
 # nvfp4 (all three nvfp4), same runs: out 20.17-20.65, dx 20.15-21.84; floor and ceiling 1 dB around.
 QUANTIZED_WIRES = {
     "mixed": dict(combine="mxfp4", dispatch_grad="fp8", combine_grad="mxfp4"),
@@ -431,6 +431,6 @@ def test_ep_nvfp4_dispatch_feeds_the_expert_gemms(ep_results):
 # NVFP4 dispatch against the fp8 dispatch, fp8 layer (CPU, 2026-11-26): measured out 15.87-17.07 dB, dx
 # 13.87-19.46 dB over every rank with tokens at worlds 2, 4 and 8. Floors 1 dB under the lowest. A row
 # decoded with another sender's tensor scale would be off by at least 10x (SQNR below 0 dB). Ceilings 1 dB
-# over the highest (remeasured 2026-12, the same range): a dispatch that sent fp8 instead measures inf.
+# over the highest (remeasured 2026-11-27, the same range): a dispatch that sent fp8 instead measures inf.
 NVFP4_DISPATCH_FLOOR_DB = {"out": 14.8, "dx": 12.8}
 NVFP4_DISPATCH_CEILING_DB = {"out": 18.1, "dx": 20.5}

@@ -693,7 +693,7 @@ def _colwise_definition(data, scale):
 
 
 def test_colwise_differs_from_the_definition_only_where_values_overflow_to_inf():
-    # The documented exception (README numerics): row 0 quantizes to code 6 (4.0) at scale byte 254,
+    # The documented exception (docs/formats.md): row 0 quantizes to code 6 (4.0) at scale byte 254,
     # 2^128, Inf once dequantized. The definition leaves it out of the column amax (scale 2^119 from
     # row 1's 2^127) and writes the NaN byte; the conversion encodes it as the finite 2^128 (scale
     # 2^120, bytes 0x78 0x70). Every other column is identical.

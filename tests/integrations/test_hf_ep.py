@@ -80,7 +80,7 @@ SQNR_FLOOR_DB = {
     "moe_fp4": {"logits": 42.8, "grads": 40.0, "worst_param": 14.2, "local_experts": 14.1},
     "moe_fp4_fp8": {"logits": 54.8, "grads": 52.0, "worst_param": 25.5, "local_experts": 26.5},
 }
-# Gradient ceilings (dB), about 1 dB over the highest value remeasured (2026-12, CPU, both ranks):
+# Gradient ceilings (dB), about 1 dB over the highest value remeasured (2026-11-27, CPU, both ranks):
 #   moe_fp4:     all gradients 40.99, worst parameter 15.23, local expert shards 15.17-16.27;
 #   moe_fp4_fp8: all gradients 53.02, worst parameter 26.32, local expert shards 27.60-28.68.
 # A dispatch that did not quantize (or in a finer format) measures far above; MXFP4's ceilings sit
@@ -103,7 +103,7 @@ FP8_OVER_FP4_LOGITS_DB = 10.0
 # test_activation_compression_passes_expert_weights_through); with them passed through: 43.56 / 16.85.
 COMPRESSED_GRAD_SQNR_FLOOR_DB = 38.3
 COMPRESSED_WORST_PARAM_SQNR_FLOOR_DB = 12.4
-# Ceilings 1 dB over the values remeasured 2026-12 (both ranks: 43.56 / 16.85 dB, the expert weights passed
+# Ceilings 1 dB over the values remeasured 2026-11-27 (both ranks: 43.56 / 16.85 dB, the expert weights passed
 # through): activations left uncompressed would give identical gradients (inf).
 COMPRESSED_GRAD_SQNR_CEILING_DB = 44.6
 COMPRESSED_WORST_PARAM_SQNR_CEILING_DB = 17.9

@@ -98,7 +98,7 @@ SQNR_FLOOR_DB = {
     "mixtral": {"logits": 37.4, "grads": 35.8, "local_experts": 13.7},
     "deepseek_v3": {"logits": 24.0, "grads": 22.0, "local_experts": 11.6},
 }
-# Gradient ceilings (dB), about 1 dB over the highest value remeasured (2026-12, CPU, both ranks):
+# Gradient ceilings (dB), about 1 dB over the highest value remeasured (2026-11-27, CPU, both ranks):
 # mixtral all gradients 36.76, local expert shards 14.67-16.76; deepseek_v3 23.02, 12.59-15.66. An
 # unquantized dispatch measures far above (the native control is bit-identical to the reference).
 SQNR_CEILING_DB = {

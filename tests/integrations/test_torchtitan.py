@@ -32,10 +32,10 @@ MXFP4_ROW, BF16_ROW = HIDDEN // 2 + HIDDEN // 32, 2 * HIDDEN
 # Expert weight gradients of the MXFP4-dispatch step against the native one: lowest SQNR measured
 # 15.7 dB (both ranks, every backend; mxfp4 dispatch, bf16 combine), 15.5 dB with the combine in
 # mxfp4 too (rank 0); the floors are 1 dB under. The loss moved by 1.9e-5 and 1.0e-5 (relative).
-# Remeasured 2026-12: 15.7 dB (every backend and rank), 15.5 / 15.7 dB (mxfp4 combine, ranks 0 / 1). The
-# ceiling, 1 dB over: a dispatch that did not quantize would lift the lowest expert far above it. (The
-# parser takes digits only, so a printed "nan" fails; but the example's min() over the experts drops a
-# nan unless it comes first: examples/torchtitan_ep_mxfp4.py should print nan if any SQNR is nan.)
+# Remeasured 2026-11-27: 15.7 dB (every backend and rank), 15.5 / 15.7 dB (mxfp4 combine, ranks 0 / 1).
+# The ceiling, 1 dB over: a dispatch that did not quantize would lift the lowest expert far above it.
+# The example prints nan when any expert's SQNR is nan, and the parser takes digits only, so a NaN
+# gradient fails the match.
 GRAD_SQNR_FLOOR_DB = {"bf16": 14.7, "mxfp4": 14.5}
 GRAD_SQNR_CEILING_DB = 16.7
 LOSS_RTOL = 2e-4

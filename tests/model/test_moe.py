@@ -40,7 +40,7 @@ SQNR_FLOOR_DB = {
     "fp4-nvfp4": {"out": 22.4, "dx": 18.4, "w13": 15.1, "w2": 16.6, "router": 15.9, "shared_w13": 15.5,
                   "shared_w2": 17.3},
 }
-# SQNR ceilings (dB), about 1 dB over the highest value measured over seeds 0-3 (CPU, 2026-12; fp8: out
+# SQNR ceilings (dB), about 1 dB over the highest value measured over seeds 0-3 (CPU, 2026-11-27; fp8: out
 # 23.44-23.71, dx 22.59-23.70, w13 21.47-22.05, w2 20.49-20.76, router 22.49-24.83, shared_w13 22.20-23.35,
 # shared_w2 21.31-21.81; fp4: dx 17.48-18.16, w13 14.61-14.85, w2 14.96-15.14, router 14.91-17.55,
 # shared_w13 14.91-15.49, shared_w2 15.86-16.41; fp4-nvfp4 as above). A precision that stopped quantizing

@@ -20,7 +20,7 @@ from helpers import in_band, sqnr_db  # noqa: E402  (sqnr_db fails on NaN / Inf:
 # Measured on this configuration (torch 2.13 CPU, transformers 5.x, seed 0, the four cases): all parameter
 # gradients together 32.2-36.8 dB; the worst single parameter 15.1-15.8 dB (an expert weight or the router:
 # their gradients come straight from MXFP4 activations, near the round-trip SQNR of E2M1 blocks).
-# Ceilings about 1 dB over the highest (remeasured 2026-12: 32.24-36.76 and 15.11-15.76 dB): a hook that
+# Ceilings about 1 dB over the highest (remeasured 2026-11-27: 32.24-36.76 and 15.11-15.76 dB): a hook that
 # kept the activations in a finer format than MXFP4 (or not at all) measures above them.
 GRAD_SQNR_DB = 27.0
 PARAM_GRAD_SQNR_DB = 11.0
