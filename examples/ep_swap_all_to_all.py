@@ -9,9 +9,9 @@ back, exactly as a hand-written EP dispatcher does it with
 are marked with ``moe_fp4.exchange_role`` (a no-op outside the swap), so inside
 ``moe_fp4.swap_all_to_all()`` the same code sends the tokens as MXFP4 rows, the expert outputs back
 in bf16 and both gradients in bf16 (the defaults; each is a keyword of the swap). The example prints
-the bytes each exchange put on the wire and how far the output and the gradients move. Without
-torchrun it runs as one process (world size 1): every token stays on its rank, but it still crosses
-the all-to-all in the wire format.
+the bytes each exchange put on the wire and how far the output and the gradients move (rank 0 prints
+every rank's lines, in rank order). Without torchrun it runs as one process (world size 1): every token
+stays on its rank, but it still crosses the all-to-all in the wire format.
 """
 
 from __future__ import annotations
@@ -74,13 +74,18 @@ def main() -> None:
         y.float().square().sum().backward()           # the gradients' exchanges run here, in their role's format
         results[name] = (y.detach(), xi.grad, expert.weight.grad.clone())
     ref, got = results["bf16 (torch)"], results["mxfp4 (swapped)"]
+    sent = ", ".join(f"{role} {direction} {fmt} {n} B" for (role, direction, fmt), n in sorted(cfg.wire.items()))
+    lines = [f"  rank {rank} sent: {sent}"]
+    for name, a, b in zip(("output", "input grad", "expert grad"), ref, got):
+        lines.append(f"  rank {rank} {name:>11}: SQNR {sqnr_db(a.float(), b.float()):5.1f} dB")
+    # Every rank's lines go to rank 0, which prints them after the header in rank order: ranks printing
+    # for themselves interleave under torchrun.
+    every = [None] * world if rank == 0 else None
+    dist.gather_object(lines, every, dst=0, group=group)
     if rank == 0:
         print(f"{world} rank{'s' if world > 1 else ''} on {device.type}: "
               "MXFP4 dispatch, bf16 combine vs torch's bf16 all-to-all")
-    sent = ", ".join(f"{role} {direction} {fmt} {n} B" for (role, direction, fmt), n in sorted(cfg.wire.items()))
-    print(f"  rank {rank} sent: {sent}")
-    for name, a, b in zip(("output", "input grad", "expert grad"), ref, got):
-        print(f"  rank {rank} {name:>11}: SQNR {sqnr_db(a.float(), b.float()):5.1f} dB")
+        print("\n".join(line for rank_lines in every for line in rank_lines), flush=True)
     dist.destroy_process_group()
 
 

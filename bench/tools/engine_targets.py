@@ -1,4 +1,4 @@
-"""The grouped-GEMM engine's targets (issue 29), judged from one call that runs the three benchmarks behind them.
+"""The grouped-GEMM engine's targets (issue 29), judged from one command that runs the three benchmarks behind them.
 
     python bench/tools/engine_targets.py --out /tmp/targets                 # GPU (sm90): runs, then judges
     python bench/tools/engine_targets.py --out /tmp/targets --judge-only    # judge the JSON files already there
@@ -22,8 +22,12 @@ then prints the targets with their verdicts (also written to --out as targets.md
 
 With ``--repeat N`` the whole set runs N times (files ``<name>_r<k>.json``) and each target is judged by
 the median of its N values, every value listed: the ratios that sit on their lines (the dsv3 weight
-gradients, fp4 / fp8 at dsv3; bench/RESULTS.md, tenth session of 2026-11-26) fall either side of them
+gradients, fp4 / fp8 at dsv3; bench/RESULTS.md, 2026-11-26, fe4ec38 .. 64046ed) fall either side of them
 from one run to the next.
+
+An expected JSON that is absent or unreadable is named (table row and a "missing" line) and gives no
+verdict. With none of them there (a wrong --out, or every benchmark failed) it says "nothing judged" and
+exits 2, writing no table; with files but no target holding a value it exits 1; otherwise 0.
 
 Reference lines (no verdict) show what each target's neighbours read: the MXFP4 A converted first, fp4 in
 the experts, the weights quantized every pass, torchao's FP8 experts. The header names each JSON's
@@ -193,13 +197,16 @@ def main() -> None:
                    help="run the whole set this many times, each benchmark in a fresh process each time, and "
                         "judge each target by the median over the repeats (default 1: single runs of the "
                         "ratios that sit on their lines fall either side of them)")
-    p.add_argument("--judge-only", action="store_true", help="run nothing; judge the JSON files in --out")
+    p.add_argument("--judge-only", action="store_true", help="run nothing; judge the JSON files in --out "
+                   "(exit 2 if none of them is there)")
     args = p.parse_args()
     if args.iters < 20:
         p.error(f"--iters must be >= 20: the benchmarks time in 5 rounds, and rounds of fewer than 4 runs read "
-                f"low (bench/RESULTS.md, ninth session); got {args.iters}")
+                f"low (bench/RESULTS.md, 2026-11-26, d7c9f90 at --iters 10); got {args.iters}")
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.judge_only and not os.path.isdir(args.out):
+        p.error(f"--judge-only: no folder {args.out}: nothing to judge")
     os.makedirs(args.out, exist_ok=True)
     it = ["--iters", str(args.iters)]
     jobs = [(f"gemm_{r}", "gemm.py", ["--shape", "dsv3", "small", "--wgrad-out", "bfloat16"] + ROUTINGS[r] + it)
@@ -211,16 +218,19 @@ def main() -> None:
         for suffix in suffixes:           # a whole set per repeat, so a slow spell of the GPU hits every target
             for name, script, a in jobs:
                 run(args.out, name + suffix, script, a)
-    runs, heads = [], {}
+    runs, heads, missing = [], {}, []
     for suffix in suffixes:
         lines = []
         for name, _, _ in jobs:
             path = os.path.join(args.out, f"{name}{suffix}.json")
-            if not os.path.exists(path):
-                lines.append(_line(f"{name}: no results", None, source=path, detail="see its .log"))
+            try:
+                with open(path) as fh:
+                    doc = json.load(fh)
+            except (OSError, ValueError) as e:       # absent, or cut short (a benchmark killed mid-write)
+                why = "absent" if isinstance(e, FileNotFoundError) else f"unreadable: {e}"
+                missing.append(f"{name}{suffix}.json ({why})")
+                lines.append(_line(f"{name}: no results", None, source=path, detail=f"{why}; see its .log"))
                 continue
-            with open(path) as fh:
-                doc = json.load(fh)
             heads[f"{name}{suffix}.json"] = header_of(doc)
             if name.startswith("gemm_"):
                 lines += gemm_targets(doc["results"], name[len("gemm_"):])
@@ -229,6 +239,12 @@ def main() -> None:
             else:
                 lines += experts_targets(doc["results"])
         runs.append(lines)
+    expected = len(jobs) * len(suffixes)
+    if not heads:
+        # Nothing to judge: say so and fail, rather than a table of n/a and "0 missed".
+        print(f"no results found in {args.out}: nothing judged (expected {expected} JSON files: "
+              + ", ".join(missing) + ")", file=sys.stderr)
+        sys.exit(2)
     lines = combine(runs)
     text = render(lines, heads)
     print(text)
@@ -236,6 +252,12 @@ def main() -> None:
         fh.write(text + "\n")
     with open(os.path.join(args.out, "targets.json"), "w") as fh:
         json.dump({"headers": heads, "targets": lines}, fh, indent=1)
+    if missing:
+        print(f"\nmissing {len(missing)} of {expected} inputs in {args.out} (no verdict from them): "
+              + ", ".join(missing))
+    if not any(r["met"] is not None for r in lines):
+        print(f"\nnothing judged: no target in {args.out} has a value", file=sys.stderr)
+        sys.exit(1)
     missed = [r["name"] for r in lines if r["met"] is False]
     print(f"\n{len(missed)} missed" + (": " + "; ".join(missed) if missed else ""))
 

@@ -138,3 +138,49 @@ def test_judge_only_with_repeats(tmp_path):
     # the benchmarks that left no file are said to be missing in every repeat, not dropped
     assert saved["gemm_balanced: no results"]["detail"].startswith("median of 0 of 3 runs")
     assert "NOT ONE RUN" not in out.stdout
+    assert "missing 6 of 9 inputs" in out.stdout
+    assert all(f"{n}_r{k}.json (absent)" in out.stdout for n in ("gemm_balanced", "experts") for k in (1, 2, 3))
+
+
+def _judge(folder, *extra):
+    return subprocess.run([sys.executable, str(BENCH / "tools" / "engine_targets.py"), "--out", str(folder),
+                           "--judge-only", *extra], capture_output=True, text=True, timeout=120)
+
+
+def test_judge_only_with_nothing_to_judge_fails(tmp_path):
+    """An empty folder (a wrong --out, or every benchmark failed) is no "0 missed": it says so, exits non-zero
+    and writes no table; a folder that is not there is an error too."""
+    out = _judge(tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"no results found in {tmp_path}: nothing judged" in out.stderr
+    for name in ("gemm_balanced.json", "gemm_skew.json", "moe_layer.json", "experts.json"):
+        assert name in out.stderr
+    assert "missed" not in out.stdout and not (tmp_path / "targets.md").exists()
+    out = _judge(tmp_path / "not_there")
+    assert out.returncode == 2 and "nothing to judge" in out.stderr and not (tmp_path / "not_there").exists()
+
+
+def test_judge_only_names_missing_and_unreadable_inputs(tmp_path):
+    head = {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "date": "2026-11-26"}
+    (tmp_path / "moe_layer.json").write_text(json.dumps({**head, "configs": [_layer_doc("dsv3", 0.77, 0.99)]}))
+    (tmp_path / "experts.json").write_text('{"header": {"device": "NVID')       # killed mid-write
+    out = _judge(tmp_path, "--routing", "balanced")
+    assert out.returncode == 0, out.stderr
+    missing = next(ln for ln in out.stdout.splitlines() if ln.startswith("missing "))
+    assert missing.startswith("missing 2 of 3 inputs") and "gemm_balanced.json (absent)" in missing
+    assert "experts.json (unreadable" in missing
+    assert out.stdout.rstrip().endswith("0 missed")
+    saved = {r["name"]: r for r in json.loads((tmp_path / "targets.json").read_text())["targets"]}
+    assert saved["experts: no results"]["detail"].startswith("unreadable")
+
+
+def test_judge_only_with_no_value_fails(tmp_path):
+    """Every input there but no target with a value (each benchmark failed inside): nothing judged either."""
+    (tmp_path / "gemm_balanced.json").write_text(json.dumps(
+        {"results": [{"gemm": "fc1 fprop", "shape": "dsv3", "error": "no config compiled"}]}))
+    (tmp_path / "moe_layer.json").write_text(json.dumps({"configs": []}))
+    (tmp_path / "experts.json").write_text(json.dumps(
+        {"results": [{"shape": "dsv3", "variant": targets.EXPERTS_FP8, "error": "CUDA out of memory"}]}))
+    out = _judge(tmp_path, "--routing", "balanced")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "nothing judged" in out.stderr and "missing" not in out.stdout
