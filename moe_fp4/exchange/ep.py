@@ -35,8 +35,8 @@ from moe_fp4.exchange.a2a import check_value_formats, exchange_rows, grad_carrie
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
-from moe_fp4.exchange.wire import DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack, row_bytes, \
-    unpack, views
+from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack,
+                                   row_bytes, unpack, views)
 
 TOKEN_ALIGN = 128
 

@@ -466,4 +466,6 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
                       RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["FLOAT_PASS_REASONS", "KNOWN_ROLES", "PASS_REASONS", "Role", "SWAPPED", "SwapConfig", "UNMARKED", "c10d_all_to_all", "c10d_all_to_all_single", "exchange_role", "functional_all_to_all_single", "functional_all_to_all_single_autograd", "nn_all_to_all_single", "spmd_all_to_all", "swap_all_to_all"]
+__all__ = ["FLOAT_PASS_REASONS", "KNOWN_ROLES", "PASS_REASONS", "Role", "SWAPPED", "SwapConfig", "UNMARKED",
+           "c10d_all_to_all", "c10d_all_to_all_single", "exchange_role", "functional_all_to_all_single",
+           "functional_all_to_all_single_autograd", "nn_all_to_all_single", "spmd_all_to_all", "swap_all_to_all"]

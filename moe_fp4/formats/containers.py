@@ -288,4 +288,5 @@ def check_mxfp4_finite(scale: torch.Tensor, what: str = "MXFP4Tensor.scale") -> 
         _fail(ValueError, f"{what}: holds the E8M0 NaN byte 0xFF, which is not allowed here")
 
 
-__all__ = ["HIGH_PRECISION_DTYPES", "FP8BlockTensor", "MXFP4Tensor", "NVFP4Tensor", "check_fp8_scale_values", "check_mxfp4_finite", "check_values_enabled"]
+__all__ = ["HIGH_PRECISION_DTYPES", "FP8BlockTensor", "MXFP4Tensor", "NVFP4Tensor", "check_fp8_scale_values",
+           "check_mxfp4_finite", "check_values_enabled"]

@@ -251,4 +251,6 @@ def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
     return _ops.nvfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))
 
 
-__all__ = ["conversion_path", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8", "quantize_fp8_and_mxfp4", "quantize_mxfp4", "quantize_nvfp4"]
+__all__ = ["conversion_path", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise",
+           "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8",
+           "quantize_fp8_and_mxfp4", "quantize_mxfp4", "quantize_nvfp4"]

@@ -476,4 +476,5 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                 x_saved, x_saved_rows)
 
 
-__all__ = ["TOKEN_ALIGN", "Precision", "gather_expert_tokens", "grouped_swiglu_experts", "prefetch_fp8_weights", "quantize_expert_tokens"]
+__all__ = ["TOKEN_ALIGN", "Precision", "gather_expert_tokens", "grouped_swiglu_experts", "prefetch_fp8_weights",
+           "quantize_expert_tokens"]

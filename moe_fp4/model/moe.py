@@ -76,8 +76,9 @@ class _Replay:
             self.results.append(out)
             return out
         if self.pos >= len(self.results):
-            raise RuntimeError("moe_fp4.model.moe.checkpoint: the recomputation ran more MoE exchanges than the forward "
-                               f"({len(self.results)}); the checkpointed function must run the same layers each time")
+            raise RuntimeError("moe_fp4.model.moe.checkpoint: the recomputation ran more MoE exchanges than the "
+                               f"forward ({len(self.results)}); the checkpointed function must run the same layers "
+                               "each time")
         out = self.results[self.pos]
         self.pos += 1
         return out
@@ -507,4 +508,5 @@ def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
     return out
 
 
-__all__ = ["DISPATCH_FORMAT", "MoE", "MoEConfig", "Recompute", "Routing", "ScoreFunction", "checkpoint", "end_grad_wire_step", "make_routing", "once", "permute", "row_weights", "unpermute"]
+__all__ = ["DISPATCH_FORMAT", "MoE", "MoEConfig", "Recompute", "Routing", "ScoreFunction", "checkpoint",
+           "end_grad_wire_step", "make_routing", "once", "permute", "row_weights", "unpermute"]

@@ -263,8 +263,8 @@ def _policies_for(model: torch.nn.Module) -> tuple[str, ...]:
     if hasattr(model, "recompute"):
         return tuple(p.value for p in Recompute)
     if not any(isinstance(m, MoE) for m in model.modules()):
-        raise ValueError("moe_fp4.plan: the model has no moe_fp4.model.moe.MoE layer and no `recompute` attribute; pass "
-                         "policies and apply")
+        raise ValueError("moe_fp4.plan: the model has no moe_fp4.model.MoE layer and no `recompute` attribute; "
+                         "pass policies and apply")
     return (Recompute.NONE.value, Recompute.SWIGLU.value, Recompute.MOE.value)
 
 

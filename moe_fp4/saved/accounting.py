@@ -283,4 +283,5 @@ class HookStats:
             s.reset()
 
 
-__all__ = ["CompressionStats", "HookStats", "Kept", "SavedRecord", "SavedReport", "keep", "kept_tag", "label_saved", "note_packed", "rebuild", "report_saved", "saved_bytes"]
+__all__ = ["CompressionStats", "HookStats", "Kept", "SavedRecord", "SavedReport", "keep", "kept_tag", "label_saved",
+           "note_packed", "rebuild", "report_saved", "saved_bytes"]
