@@ -98,13 +98,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow --max-batch and --plan on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
-    c.add_argument("--wire", default="", metavar="ROLE=FMT[,ROLE=FMT]",
-                   help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange, "
-                        "ROLE one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, "
-                        "nvfp4, native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto "
-                        "(the sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
+    c.add_argument("--wire", default="", metavar="[RECIPE,]ROLE=FMT[,ROLE=FMT]",
+                   help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange. "
+                        "RECIPE: a named set of the four (bf16, fp8-dispatch, fp8, paper, fp4, fp4-sr, fp4-fp8sums, "
+                        "fp4-all; docs/expert-parallel.md) for every mode; ROLE=FMT then overrides one exchange, ROLE "
+                        "one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, "
+                        "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "
+                        "sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
                         "quantization noise, bf16 after 10 steps below; the ratio is reported per layer). Default: "
-                        "the dispatch in each mode's format (bf16, fp8, mxfp4), the others bf16")
+                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: paper)")
     c.add_argument("--simulate-wire", action="store_true",
                    help="on one process: apply the round trip of each exchange's wire format (--wire's, the dispatch "
                         "by default in the mode's format) where expert parallelism would send it, to study the "
@@ -223,9 +225,11 @@ WIRE_ROLES = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 
 
 def parse_wire(text: str) -> dict[str, str]:
-    """``--wire combine=mxfp4,dispatch_grad=fp8`` -> {"combine": "mxfp4", "dispatch_grad": "fp8"};
-    ValueError (one line) for an unknown role or format, a stochastic format for values, or a repeated
-    role."""
+    """``--wire fp4,combine=mxfp4,dispatch_grad=fp8`` -> {"recipe": "fp4", "combine": "mxfp4", "dispatch_grad":
+    "fp8"}: at most one recipe name (:data:`moe_fp4.exchange.recipes.RECIPES`), then ROLE=FMT items that
+    override its roles; ValueError (one line) for an unknown recipe, role or format, a stochastic format for
+    values, or a repeated role or recipe."""
+    from moe_fp4.exchange.recipes import RECIPES
     from moe_fp4.exchange.wire import WireFormat
 
     formats = [f.value for f in WireFormat]
@@ -233,7 +237,15 @@ def parse_wire(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         role, eq, fmt = item.partition("=")
         role, fmt = role.strip(), fmt.strip()
-        if not eq or role not in WIRE_ROLES:
+        if not eq:
+            if item not in RECIPES:
+                raise ValueError(f"--wire: {item!r} is neither a recipe ({', '.join(RECIPES)}) nor ROLE=FMT with "
+                                 f"ROLE one of {', '.join(WIRE_ROLES)}")
+            if "recipe" in out:
+                raise ValueError(f"--wire: two recipes ({out['recipe']}, {item}); give one, then ROLE=FMT overrides")
+            out["recipe"] = item
+            continue
+        if role not in WIRE_ROLES:
             raise ValueError(f"--wire: {item!r} is not ROLE=FMT with ROLE one of {', '.join(WIRE_ROLES)}")
         if fmt == "auto" and role.endswith("_grad"):
             pass   # the sqrt(3) rule (EPConfig "auto")

@@ -90,6 +90,22 @@ def row_line(r: dict) -> str:
             f"{_gib(r['activation_bytes']):>10} {share:>7} {r['loss_final']:>8.4f} {r['loss_eval']:>8.4f}")
 
 
+def wire_bytes_lines(rows: dict[str, dict], base: str = "fp8") -> list[str]:
+    """Per mode, the bytes each exchange sent to other ranks per optimizer step (the mean over ranks), and
+    their total against ``base``'s; nothing without expert parallelism."""
+    have = {m: r["wire_bytes_per_step"] for m, r in rows.items() if r.get("wire_bytes_per_step")}
+    if not have:
+        return []
+    out = ["all-to-all bytes sent per step and rank (to other ranks):"]
+    for m, b in have.items():
+        total = sum(b.values())
+        vs = f" ({total / sum(have[base].values()):.3f}x {base})" if base in have and m != base and \
+            sum(have[base].values()) else ""
+        out.append(f"  {m:<8} " + ", ".join(f"{role} {_gib(v)}" for role, v in b.items() if role != "count")
+                   + f", total {_gib(total)}{vs}")
+    return out
+
+
 def table(report: dict) -> str:
     """The comparison as text: the header, one row per mode, then the ratios against the baseline, the
     largest batches and the notes."""
@@ -111,6 +127,7 @@ def table(report: dict) -> str:
         parts.append(f"activation memory {d.get(f'activation_bytes_vs_{base}', math.nan):.3f}x")
         parts += [f"eval loss {d[k]:+.2f}% vs {k.rsplit('_', 1)[1]}" for k in d if k.startswith("loss_eval_delta")]
         lines.append(f"  {mode:<8} " + ", ".join(parts))
+    lines += wire_bytes_lines(report["modes"], base)
     if report["max_batch"]:
         mb = report["max_batch"]
         lines.append(f"largest batch per device in {report['config']['max_batch_gib']:g} GiB: "
@@ -138,17 +155,24 @@ def saved_format(mode: str, storage: str = "mxfp4") -> str:
 
 
 def wire_text(wire: dict, mode: str) -> str:
-    """meta["wire"] -> the formats of ``mode``'s four exchanges: "dispatch fp8, combine bf16, dispatch_grad
-    bf16, combine_grad auto (nvfp4-sr, bf16 after 10 steps below sqrt(3))", and "(simulated on one
-    process)" under --simulate-wire."""
+    """meta["wire"] -> the formats of ``mode``'s four exchanges: "recipe fp8: dispatch fp8, combine bf16,
+    dispatch_grad bf16, combine_grad fp8", an "auto" gradient as "auto (nvfp4-sr, bf16 after 10 steps
+    below sqrt(3))", and "(simulated on one process)" under --simulate-wire."""
+    from moe_fp4.exchange.recipes import PRECISION_RECIPE, RECIPES
+
     auto = wire.get("auto") or {}
-    parts = [f"dispatch {wire['dispatch'][mode]}"]
-    for role in ("combine", "dispatch_grad", "combine_grad"):
-        fmt = wire[role]
+    roles = wire["per_mode"][mode]
+    parts = []
+    for role, fmt in roles.items():
         if fmt == "auto" and auto:
             fmt = f"auto ({auto['format']}, bf16 after {auto['patience']} steps below sqrt(3))"
         parts.append(f"{role} {fmt}")
-    return ", ".join(parts) + (" (simulated on one process)" if wire.get("simulated") else "")
+    # The recipe's name when the four formats are a named recipe's.
+    named = [n for n, r in RECIPES.items() if r.as_dict() == roles]
+    base = wire.get("recipe") or PRECISION_RECIPE.get(mode)
+    name = base if base in named else (named[0] if named else None)
+    head = f"recipe {name}: " if name else ""
+    return head + ", ".join(parts) + (" (simulated on one process)" if wire.get("simulated") else "")
 
 
 def banner_lines(cfg, mc, meta: dict, counts: dict | None, world: int) -> list[str]:
@@ -174,7 +198,7 @@ def mode_line(mode: str, steps: int, batch: int, seq: int, micro: int | None, po
     again = "" if policy == "none" else f", recompute {policy}"
     line = f"[{mode}] training {steps} steps at batch {batch} x {seq} per rank{split}{again}; " \
            f"activations saved in {saved_format(mode, storage)}"
-    if wire is not None and mode in wire["dispatch"]:
+    if wire is not None and mode in wire["per_mode"]:
         line += f"; all-to-all {wire_text(wire, mode)}"
     return line
 
@@ -196,4 +220,4 @@ def plan_table(plan: dict) -> str:
 
 
 __all__ = ["CPU_NOTE", "banner_lines", "done_line", "grad_wire_line", "mode_line", "plan_table", "ranks_legend",
-           "ratios", "row_line", "saved_format", "table", "wire_text"]
+           "ratios", "row_line", "saved_format", "table", "wire_bytes_lines", "wire_text"]

@@ -80,8 +80,6 @@ from moe_fp4.compare.train import (
 )
 from moe_fp4.formats.conversions import conversion_path
 from moe_fp4.model.decoder import DecoderLM, parameter_count
-from moe_fp4.model.experts import Precision
-from moe_fp4.model.moe import DISPATCH_FORMAT
 from moe_fp4.model.planner import (
     micro_batch,
     search_largest_batch,
@@ -89,13 +87,12 @@ from moe_fp4.model.planner import (
 
 
 def wire_meta(env: Env, modes) -> dict | None:
-    """What each exchange sends under expert parallelism (None without): the dispatch in each mode's
-    format unless EPConfig sets it, the rest as EPConfig says; "auto" with the sqrt(3) rule's settings."""
+    """What each exchange sends under expert parallelism (None without): per mode, the format of each
+    role (EPConfig.wire: the recipe, or the mode's default one, with the roles set in its place); "auto"
+    with the sqrt(3) rule's settings."""
     if env.ep is None:
         return None
-    wire = {"dispatch": {m: (env.ep.dispatch or DISPATCH_FORMAT[Precision(m)]).value for m in modes if m in MODES},
-            **{k: getattr(getattr(env.ep, k), "value", getattr(env.ep, k))
-               for k in ("combine", "dispatch_grad", "combine_grad")},
+    wire = {"recipe": env.ep.recipe, "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES},
             "simulated": env.ep.simulate}
     if env.ep.grad_rules():
         wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience}

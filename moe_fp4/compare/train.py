@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_fp4.compare.config import HF_MODES, CompareConfig, Env
 from moe_fp4.compare.data import RandomTokens, TokenBatches
 from moe_fp4.compare.quiet import quiet_kineto
+from moe_fp4.exchange.a2a import WIRE_BYTES
 from moe_fp4.model.decoder import DecoderLM
 from moe_fp4.model.moe import MoE, end_grad_wire_step
 from moe_fp4.model.optim import AdamWFP8Weights
@@ -225,6 +226,20 @@ def _progress(cfg: CompareConfig, env: Env, desc: str):
     return tqdm(total=cfg.steps, desc=desc, unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
 
 
+def _wire_bytes_per_step(steps: int, env: Env) -> dict[str, float] | None:
+    """The bytes each exchange sent to other ranks during the training steps, per step and rank (the mean
+    over ranks) -> {role: bytes}, None without expert parallelism. Read after the timed steps: the
+    reduction is a collective."""
+    if env.world == 1:
+        WIRE_BYTES.take()
+        return None
+    sent = WIRE_BYTES.take()
+    roles = ("count", "dispatch", "combine", "dispatch_grad", "combine_grad")
+    v = _all_reduce(torch.tensor([float(sent.get(r, 0)) for r in roles], dtype=torch.float64, device=env.device),
+                    env)
+    return {r: x / env.world / steps for r, x in zip(roles, v.tolist())}
+
+
 def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=print,
                micro_batch: int | None = None) -> dict:
     """Train one mode for cfg.steps steps at ``batch`` sequences per rank per optimizer step, in
@@ -242,6 +257,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     # This rank's loss: averaging it over ranks here would add a collective inside the timed steps.
     loss_label = "loss" if env.world == 1 else "rank 0 loss"
     losses, events, t_cpu = [], [], []
+    WIRE_BYTES.take()                         # the counts of what ran before this mode are not its own
     t0 = time.perf_counter()
     for s in range(cfg.steps):
         ids, targets = data.next(batch)
@@ -271,6 +287,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     wall = time.perf_counter() - t0
     step_ms = _max_over_ranks(statistics.median(times), env)
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
+    wire_bytes = _wire_bytes_per_step(cfg.steps, env)
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
         ev = torch.stack([loss_fn(model, *held.next(micro)).float() for _ in range(cfg.eval_batches)]).mean()
@@ -286,6 +303,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
            "peak_bytes": peak, **act, "a2a_ms": a2a,
            "a2a_share": None if a2a is None else a2a / step_ms,
            "loss_final": statistics.fmean(tail), "loss_eval": ev, "loss_curve": curve, "wall_s": wall}
+    if wire_bytes is not None:
+        row["wire_bytes_per_step"] = wire_bytes
     if prof:
         row["profile_table"] = prof
     rules = {name: {g: r.summary() for g, r in m.grad_rules.items()} for name, m in model.named_modules()

@@ -82,14 +82,39 @@ def _device_problem(device: torch.device, group) -> str | None:
     return None
 
 
-def exchange_rows(send: torch.Tensor, input_splits, output_splits, group, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+class WireBytes:
+    """Bytes this process sent to other ranks, per role (``exchange_rows(..., role=...)``): host ints from
+    the shapes and splits, so counting costs no sync. The EP layer counts "count", "dispatch",
+    "combine", "dispatch_grad" and "combine_grad"; rows a rank keeps for itself are not counted (they
+    cross no link). :meth:`take` reads and resets."""
+
+    def __init__(self):
+        self.sent: dict[str, int] = {}
+
+    def add(self, role: str, send: torch.Tensor, input_splits, group) -> None:
+        rows = sum(input_splits) - input_splits[dist.get_rank(group)]
+        row = send[0].numel() * send.element_size() if send.shape[0] else 0
+        self.sent[role] = self.sent.get(role, 0) + rows * row
+
+    def take(self) -> dict[str, int]:
+        out, self.sent = self.sent, {}
+        return out
+
+
+WIRE_BYTES = WireBytes()
+
+
+def exchange_rows(send: torch.Tensor, input_splits, output_splits, group, out: torch.Tensor | None = None,
+                  role: str | None = None) -> torch.Tensor:
     """send: uint8 (or any dtype the backend takes) [S, B], rows grouped by destination rank
     -> [R, B] rows grouped by source rank (R = sum(output_splits)), written into ``out`` when given.
     One collective, no checks. It calls torch's own ``all_to_all_single`` even inside
-    :func:`swap_all_to_all` (whose drop-in would only pass the bytes on, and count them)."""
+    :func:`swap_all_to_all` (whose drop-in would only pass the bytes on, and count them). ``role``:
+    the bytes sent to other ranks are added to :data:`WIRE_BYTES` under that name."""
     if out is None:
         out = send.new_empty((sum(output_splits), *send.shape[1:]))
+    if role is not None:
+        WIRE_BYTES.add(role, send, input_splits, group)
     _original(_TORCH_C10D, "all_to_all_single")(out, send.contiguous(), list(output_splits), list(input_splits),
                                                 group=group)
     return out
@@ -322,4 +347,5 @@ def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None, *
     return Received(out[1], out[0])
 
 
-__all__ = ["ExchangePlan", "Received", "all_to_all", "exchange_rows", "plan_exchange", "resolve_group"]
+__all__ = ["ExchangePlan", "Received", "WIRE_BYTES", "WireBytes", "all_to_all", "exchange_rows", "plan_exchange",
+           "resolve_group"]

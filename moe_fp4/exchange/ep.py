@@ -25,7 +25,6 @@ zero-row (correct, empty) gradients.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +34,10 @@ from moe_fp4.exchange.a2a import check_value_formats, exchange_rows, grad_carrie
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
-from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat, pack,
-                                   row_bytes, unpack, views)
+from moe_fp4.exchange.grad_rule import SQRT3, GradWireRule, grad_format
+from moe_fp4.exchange.recipes import AUTO, PRECISION_RECIPE, ROLES, WireRecipe, default_recipe, recipe
+from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat,
+                                   base_format, pack, row_bytes, unpack, views)
 
 TOKEN_ALIGN = 128
 
@@ -46,6 +47,9 @@ class EPConfig:
     """Expert parallelism for the MoE layer.
 
     group: the EP process group (None: the default group); its size must divide the expert count.
+    recipe: a named wire recipe (:data:`moe_fp4.exchange.recipes.RECIPES`: "fp8", "fp4", "fp4-all", ...)
+    for every layer precision; None (default): each precision's own (:data:`PRECISION_RECIPE`: bf16 ->
+    "bf16", fp8 -> "fp8", fp4 -> "paper"). The four role fields below, when set, override the recipe's.
     combine: wire format of the combine (expert outputs back to their tokens): bf16, fp8, mxfp4, nvfp4
     or native.
     dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks); those of
@@ -62,40 +66,53 @@ class EPConfig:
     gradient in dispatch_grad; the combine on the layer's routed output, its gradient in combine_grad):
     the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows and the combine gradient are
     those EP sends; the combine and dispatch-gradient rows are sums over all of a token's experts, where
-    EP sends one partial sum per rank.
-    dispatch: wire format of the dispatch (the expert input): None (default) for the layer precision's
-    format, mxfp4 (fp4), fp8 (fp8), bf16 (bf16); or one of mxfp4, fp8, nvfp4, bf16, native for every
-    precision (nvfp4 rows become FP8 1x128 on arrival, each with its sender's tensor scale).
+    EP sends one partial sum per rank. Under ``torch.no_grad()`` (evaluation) no round trip is applied:
+    a held-out loss is the model's own, the same for every recipe.
+    dispatch: wire format of the dispatch (the expert input): mxfp4, fp8, nvfp4, bf16 or native (nvfp4
+    rows become FP8 1x128 on arrival, each with its sender's tensor scale).
     """
 
     group: object = None
-    combine: WireFormat = WireFormat.BF16
-    dispatch_grad: WireFormat | str = WireFormat.BF16
-    combine_grad: WireFormat | str = WireFormat.BF16
+    combine: WireFormat | None = None
+    dispatch_grad: WireFormat | str | None = None
+    combine_grad: WireFormat | str | None = None
     simulate: bool = False
     # New fields go last: a positional EPConfig(...) of an earlier release keeps its meaning.
     dispatch: WireFormat | None = None
     auto_format: WireFormat = WireFormat.NVFP4_SR
     auto_patience: int = 10
+    recipe: str | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "combine", WireFormat(self.combine))
+        if self.recipe is not None:
+            recipe(self.recipe)                       # an unknown name fails here, naming the known ones
+        if self.combine is not None:
+            object.__setattr__(self, "combine", WireFormat(self.combine))
+            check_value_formats("EPConfig", combine=self.combine)
         if self.dispatch is not None:
             object.__setattr__(self, "dispatch", WireFormat(self.dispatch))
             check_value_formats("EPConfig", dispatch=self.dispatch)
-            if self.dispatch not in DISPATCH_FORMATS:
-                raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
-                                 f"got {self.dispatch.value}")
         for name in ("dispatch_grad", "combine_grad"):
             v = getattr(self, name)
-            object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
+            if v is not None:
+                object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
         object.__setattr__(self, "auto_format", WireFormat(self.auto_format))
         if self.auto_format in UNQUANTIZED:
             raise ValueError(f"EPConfig.auto_format: the sqrt(3) rule chooses between a quantized format and bf16, "
                              f"got {self.auto_format.value}")
         if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
             raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
-        check_value_formats("EPConfig", combine=self.combine)
+        for precision in PRECISION_RECIPE:
+            d = self.wire(precision).dispatch
+            if d not in DISPATCH_FORMATS:
+                raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
+                                 f"got {d.value}")
+
+    def wire(self, precision) -> WireRecipe:
+        """The formats a layer of ``precision`` ("bf16" | "fp8" | "fp4") sends: the recipe (or the
+        precision's default recipe), with the roles set here in its place."""
+        base = recipe(self.recipe) if self.recipe is not None else default_recipe(precision)
+        return base.with_(**{r: getattr(self, r) for r in ROLES})
 
     def grad_rules(self) -> dict[str, "GradWireRule"]:
         """A fresh :class:`GradWireRule` for each gradient set to "auto" (one set per MoE layer)."""
@@ -105,77 +122,6 @@ class EPConfig:
     @property
     def process_group(self):
         return resolve_group(self.group)
-
-
-# A gradient wire chosen by the sqrt(3) rule (EPConfig.dispatch_grad / combine_grad = "auto").
-AUTO = "auto"
-# "FP4 All the Way" (Chmiel et al., 2025): quantized gradients stop helping once the gradient's norm
-# falls below sqrt(3) times the quantization noise; the backward then goes to higher precision.
-SQRT3 = math.sqrt(3.0)
-
-
-class GradWireRule:
-    """The sqrt(3) rule for one gradient exchange of one layer (issue 27).
-
-    While on ``fmt`` each backward exchange adds the squared norm of the rows it sends and of their
-    quantization noise (what arrives minus what was sent: the receivers' exact decode of the same bytes)
-    to this step's sums; :meth:`end_step`, once per optimizer step, sums them over the EP group (so every
-    rank decides alike), appends the ratio sqrt(signal / noise) to ``ratios``, and after ``patience``
-    consecutive steps with the ratio below sqrt(3) switches the exchange to bf16 for the rest of the run
-    (``fell_back_at``: the number of steps measured by then). Measuring costs a decode of the sent rows
-    and two reductions per exchange, and one host sync per optimizer step."""
-
-    def __init__(self, fmt: WireFormat = WireFormat.NVFP4_SR, patience: int = 10):
-        self.fmt, self.patience = WireFormat(fmt), patience
-        self.sums: torch.Tensor | None = None        # float32 [2] on the device: sum x^2, sum noise^2
-        self.ratios: list[float] = []
-        self.below = 0
-        self.fell_back_at: int | None = None
-
-    @property
-    def format(self) -> WireFormat:
-        """The format the next exchange sends: ``fmt``, or bf16 once the rule has fallen back."""
-        return self.fmt if self.fell_back_at is None else WireFormat.BF16
-
-    def record(self, sent: torch.Tensor, arrived: torch.Tensor) -> None:
-        """sent, arrived: [N, H] the rows before packing and as they decode on arrival."""
-        if self.fell_back_at is not None:
-            return
-        x = sent.float()
-        s = torch.stack([x.square().sum(), (arrived.float() - x).square().sum()])
-        self.sums = s if self.sums is None else self.sums + s
-
-    def end_step(self, group=None) -> float | None:
-        """Close one optimizer step's measurement -> its ratio (None if nothing was sent on ``fmt``)."""
-        if self.sums is None:
-            return None
-        s, self.sums = self.sums, None
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(s, group=group)
-        signal, noise = s.tolist()
-        ratio = math.sqrt(signal / noise) if noise > 0 else math.inf
-        self.ratios.append(ratio)
-        self.below = self.below + 1 if ratio < SQRT3 else 0
-        if self.below >= self.patience:
-            self.fell_back_at = len(self.ratios)
-        return ratio
-
-    def summary(self) -> dict:
-        """-> {format, steps measured, ratio first / min / median / last, fell_back_at} for reports."""
-        r = sorted(self.ratios)
-        return {"format": self.fmt.value, "steps": len(self.ratios),
-                "ratio_first": self.ratios[0] if r else None, "ratio_min": r[0] if r else None,
-                "ratio_median": r[len(r) // 2] if r else None, "ratio_last": self.ratios[-1] if r else None,
-                "fell_back_at": self.fell_back_at}
-
-
-def grad_format(fmt: WireFormat | str, rule: GradWireRule | None) -> WireFormat:
-    """The format a gradient exchange sends now: its rule's for "auto", else ``fmt``."""
-    if fmt == AUTO:
-        if rule is None:
-            raise ValueError('a gradient wire "auto" needs its GradWireRule (EPConfig.grad_rules)')
-        return rule.format
-    return WireFormat(fmt)
 
 
 @dataclass(frozen=True)
@@ -250,7 +196,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group, while_waiting=
         0, experts.flatten(), torch.ones(t * k, dtype=torch.int64, device=dev))
     msg = torch.cat([send_counts[:, None], pairs.view(world, num_local)], dim=1)
     ones = [1] * world
-    got = exchange_rows(msg, ones, ones, group)                                   # [world, 1 + El] by source
+    got = exchange_rows(msg, ones, ones, group, role="count")                 # [world, 1 + El] by source
     host = counts_to_host(torch.cat([send_counts, got.flatten()]), while_waiting)
     send_splits = tuple(host[:world])
     table = [host[world + s * (1 + num_local): world + (s + 1) * (1 + num_local)] for s in range(world)]
@@ -318,7 +264,7 @@ class _Dispatch(torch.autograd.Function):
         r = plan.received
         recv = torch.empty(r + 1, wire.shape[1], dtype=torch.uint8, device=x.device)
         recv[r].zero_()
-        exchange_rows(send, plan.send_splits, plan.recv_splits, plan.group, out=recv[:r])
+        exchange_rows(send, plan.send_splits, plan.recv_splits, plan.group, out=recv[:r], role="dispatch")
         rmeta = recv[:r, off:]
         recv_w = rmeta.view(torch.float32)[:, :k].clone()
         ids = rmeta.view(torch.int32)[:, k:]
@@ -367,7 +313,7 @@ class _Dispatch(torch.autograd.Function):
         if ctx.rule is not None:
             ctx.rule.record(sent, unpack(wire, fmt, hidden, OutputFormat.BF16, ctx.dtype))
         wire[:, off:].view(torch.float32)[:] = g_w
-        back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group)
+        back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group, role="dispatch_grad")
         dx_rows = unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype).float()
         dx = torch.zeros(t, hidden, dtype=torch.float32, device=g.device).index_add_(0, plan.src_token, dx_rows)
         dw = torch.zeros(t, k, dtype=torch.float32, device=g.device).index_add_(
@@ -375,10 +321,46 @@ class _Dispatch(torch.autograd.Function):
         return dx.to(ctx.dtype), dw, None, None, None, None, None, None
 
 
+class GradSlot:
+    """Where :func:`combine`'s backward leaves the combine's gradient for the experts, quantized as it arrived,
+    instead of decoding it to bf16 for the experts to quantize again (issue 47).
+
+    A quantized combine gradient feeds the experts' FC2 dgrad (FP8 rows) and wgrad (FP8 along tokens)
+    and nothing else: for MXFP4 (mxfp4, mxfp4-sr) and FP8 rows the backward gathers the received rows
+    into expert order in their own format (MXFP4Tensor or FP8BlockTensor [Rp, H], padding rows zero) and
+    ``put``s them here, returning a zero-stride gradient for y; the experts (``grouped_swiglu_experts(...,
+    grad_slot=)``) ``take`` them and convert them to their two GEMM operands directly, bit for bit what
+    they would make of the decoded rows. Other formats leave the slot empty (the bf16 gradient then
+    travels as usual). Valid only where the experts' output goes to :func:`combine` alone."""
+
+    FORMATS = (WireFormat.MXFP4, WireFormat.MXFP4_SR, WireFormat.FP8)
+
+    def __init__(self):
+        self.rows = None
+
+    def put(self, rows) -> None:
+        self.rows = rows
+
+    def take(self):
+        rows, self.rows = self.rows, None
+        return rows
+
+
+def _gathered(recv: torch.Tensor, fmt: WireFormat, hidden: int, src: torch.Tensor, dtype):
+    """recv: uint8 [R + 1, B] wire rows, the last one zero -> the rows ``src`` picks, in their wire format:
+    MXFP4Tensor or FP8BlockTensor [len(src), H] (expert order; the zero row for padding rows)."""
+    d, s = views(recv, fmt, hidden)
+    if base_format(fmt) is WireFormat.MXFP4:
+        return MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (src.numel(), hidden), dtype)
+    # The zero row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
+    views(recv[-1:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
+    return FP8BlockTensor(d.index_select(0, src), m_major(s.index_select(0, src)), (src.numel(), hidden), dtype)
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
-                rule: GradWireRule | None):
+                rule: GradWireRule | None, slot: GradSlot | None):
         r, hidden = plan.received, y.shape[1]
         if route is None:
             z = y
@@ -386,26 +368,35 @@ class _Combine(torch.autograd.Function):
             # Sum each received row's expert rows (already weighted by the experts): nothing saved.
             z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
             z.index_add_(0, route.src_row, y.float())
-        back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group)
+        back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group,
+                             role="combine")
         out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
         out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
+        ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None
         return out.to(y.dtype)
 
     @staticmethod
     def backward(ctx, g):
         route, plan, fmt = ctx.route, ctx.plan, ctx.grad_fmt
-        hidden = g.shape[1]
+        hidden, r = g.shape[1], plan.received
         g_send = g.index_select(0, plan.src_token).contiguous()
         wire = pack(g_send, fmt, rank=plan.rank)
         if ctx.rule is not None:
             ctx.rule.record(g_send, unpack(wire, fmt, hidden, OutputFormat.BF16, g.dtype))
-        got = exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group)
+        none = (None,) * 6
+        if ctx.slot is not None:
+            got = torch.empty(r + 1, wire.shape[1], dtype=torch.uint8, device=g.device)
+            got[r].zero_()
+            exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group, out=got[:r], role="combine_grad")
+            ctx.slot.put(_gathered(got, fmt, hidden, route.src_row, g.dtype))
+            return (grad_carrier(plan.rows, hidden, g.dtype, g.device), *none)
+        got = exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group, role="combine_grad")
         recv = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
         if route is None:
-            return recv, None, None, None, None, None
+            return (recv, *none)
         recv = torch.cat([recv, recv.new_zeros(1, hidden)])
-        return recv.index_select(0, route.src_row), None, None, None, None, None
+        return (recv.index_select(0, route.src_row), *none)
 
 
 def _check_hidden(hidden: int, formats, fn: str) -> None:
@@ -466,19 +457,21 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, plan
 
 
 def combine(y: torch.Tensor, sent: Dispatched, plan: DispatchPlan, fmt: WireFormat = WireFormat.BF16,
-            grad_fmt: WireFormat | str = WireFormat.BF16, rule: GradWireRule | None = None) -> torch.Tensor:
+            grad_fmt: WireFormat | str = WireFormat.BF16, rule: GradWireRule | None = None,
+            slot: GradSlot | None = None) -> torch.Tensor:
     """y: bf16 [Rp, H] expert outputs in the dispatched row order, already multiplied by their router
     weights (``grouped_swiglu_experts(..., row_weights=sent.row_weights())``), or, for a dispatch
     with ``expand=False``, [R, H] rows already reduced over their local experts with the router
     weights -> bf16 [T, H]: for each token the sum of its k experts' weighted outputs (one
     collective; backward: one collective). Nothing is saved for backward. grad_fmt, rule: as for
-    :func:`dispatch`."""
+    :func:`dispatch`. slot: a :class:`GradSlot` the experts that made y were given, where y goes to
+    this combine alone: a quantized gradient (mxfp4, mxfp4-sr, fp8) then reaches them as it arrived."""
     fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
     rule = rule if rule is not None and grad_fmt is rule.fmt else None
     check_value_formats("combine", fmt=fmt)
     _check_hidden(y.shape[1], (fmt, grad_fmt), "combine")
-    return _Combine.apply(y, sent.route, plan, fmt, grad_fmt, rule)
+    return _Combine.apply(y, sent.route, plan, fmt, grad_fmt, rule, slot)
 
 
-__all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradWireRule", "ReceivedRoute", "SQRT3", "combine",
-           "counts_to_host", "dispatch", "grad_format", "plan_dispatch"]
+__all__ = ["AUTO", "DispatchPlan", "Dispatched", "EPConfig", "GradSlot", "GradWireRule", "ReceivedRoute", "SQRT3",
+           "combine", "counts_to_host", "dispatch", "grad_format", "plan_dispatch"]

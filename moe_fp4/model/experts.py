@@ -206,10 +206,11 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows):
+    def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows,
+                grad_slot):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
-        ctx.precision, ctx.counts = precision, counts
+        ctx.precision, ctx.counts, ctx.grad_slot = precision, counts, grad_slot
         kept = _Kept()
         kept.add("row_w", None if row_w is None else row_w.detach(), "row_weights")
 
@@ -289,7 +290,12 @@ class _GroupedSwiGLU(torch.autograd.Function):
         need_dx, need_dw13, need_dw2 = ctx.needs_input_grad[:3]
         (w13, w2), kept = _Kept.load(ctx)
         row_w = kept["row_w"]
-        dy = dy.contiguous()
+        # The combine's gradient as it arrived (moe_fp4.exchange.ep.GradSlot): MXFP4 or FP8 rows in expert order.
+        dy_q = None if ctx.grad_slot is None else ctx.grad_slot.take()
+        if dy_q is not None and precision is Precision.BF16:
+            dy = dy_q.dequantize(torch.bfloat16)
+        elif dy_q is None:
+            dy = dy.contiguous()   # (with dy_q, dy is the combine's zero-stride stand-in: never read)
         if precision is Precision.BF16:
             xin, h, a = kept["x"], kept["h"], kept["a"]
             if a is None:
@@ -302,7 +308,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None, None, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None
 
         h = kept["h"]   # bf16, or MXFP4 read as kept by the SwiGLU backward
         if isinstance(h, NVFP4Tensor):
@@ -310,8 +316,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         a_kept = kept["a"]
         if a_kept is None:   # recompute_swiglu (fp8): the same kernel on the same h gives the forward's bytes
             a_kept = _swiglu_quantize(h, row_w, False)[0]
-        dyq, dyt = _rows_and_cols(dy, rows=True)
-        da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, dy.dtype)
+        if dy_q is None:
+            dyq, dyt = _rows_and_cols(dy, rows=True)
+        else:   # converted directly: bit for bit the operands _rows_and_cols makes of the decoded rows
+            dyq, dyt = (mxfp4_to_fp8(dy_q) if isinstance(dy_q, MXFP4Tensor) else dy_q), _colwise(dy_q)
+        da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, torch.bfloat16)
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
         del dyt, a_kept
@@ -319,10 +328,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del h, da
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
-        dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, dy.dtype) if need_dx else None
+        dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, torch.bfloat16) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"], kept.get("x_rows")), counts, w13.dtype) \
             if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None, None, None, None, None
+        return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None
 
 
 def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFormat = "mxfp4"):
@@ -379,7 +388,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
                            row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,
                            storage: str | StorageFormat = "mxfp4", x_saved: MXFP4Tensor | None = None,
-                           x_saved_rows: torch.Tensor | None = None) -> torch.Tensor:
+                           x_saved_rows: torch.Tensor | None = None, grad_slot=None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -415,6 +424,9 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x_saved_rows: optional int64 [R], with x_saved only: x_saved then holds token rows [T', H] and row r
             of x is x_saved's row x_saved_rows[r] (each in [0, T'); not checked: a host sync). Each token
             is kept once rather than once per expert row; backward converts the rows in place.
+    grad_slot: optional :class:`moe_fp4.exchange.ep.GradSlot`, given to the EP combine that alone reads the
+            output: the output's gradient then arrives there as MXFP4 or FP8 rows, which backward converts
+            to its two FP8 operands directly (the gradient passed through autograd is a stand-in).
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
     :func:`moe_fp4.model.moe.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
@@ -473,7 +485,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                              f"{x_saved.data.device}, got {getattr(x_saved_rows, 'dtype', type(x_saved_rows))} "
                              f"{tuple(getattr(x_saved_rows, 'shape', ()))}")
     return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
-                                x_saved, x_saved_rows)
+                                x_saved, x_saved_rows, grad_slot)
 
 
 __all__ = ["TOKEN_ALIGN", "Precision", "gather_expert_tokens", "grouped_swiglu_experts", "prefetch_fp8_weights",

@@ -25,7 +25,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.exchange.ep import EPConfig, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch
+from moe_fp4.exchange.ep import EPConfig, GradSlot, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch
+from moe_fp4.exchange.recipes import WireRecipe, default_recipe
 from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     prefetch_fp8_weights, quantize_expert_tokens
@@ -33,9 +34,10 @@ from moe_fp4.gemm.engines import WEIGHT_BLOCK
 from moe_fp4.saved.hook import StorageFormat, as_current, current_compression
 from moe_fp4.exchange.wire import WireFormat
 
-# The dispatch all-to-all's wire format in each precision (DESIGN.md): the FP8 baseline sends what
-# its GEMM reads (FP8 1x128, power-of-two scales); fp4 sends MXFP4 and keeps it for backward.
-DISPATCH_FORMAT = {Precision.BF16: WireFormat.BF16, Precision.FP8: WireFormat.FP8, Precision.FP4: WireFormat.MXFP4}
+# The dispatch's wire format in each precision: its default recipe's (moe_fp4.exchange.recipes).
+DISPATCH_FORMAT = {p: default_recipe(p).dispatch for p in Precision}
+# EP: a quantized combine gradient reaches the experts as it arrived (GradSlot); False: decoded to bf16 first.
+FUSE_COMBINE_GRAD = True
 
 
 class ScoreFunction(str, enum.Enum):
@@ -329,10 +331,14 @@ class MoE(nn.Module):
         self._precision = Precision(value)
 
     @property
+    def wire(self) -> WireRecipe:
+        """The format of each exchange: EPConfig.wire(precision), or the precision's default recipe."""
+        return default_recipe(self.precision) if self.ep is None else self.ep.wire(self.precision)
+
+    @property
     def dispatch_format(self) -> WireFormat:
-        """The dispatch's wire format: EPConfig.dispatch, or the precision's (DISPATCH_FORMAT)."""
-        given = None if self.ep is None else self.ep.dispatch
-        return DISPATCH_FORMAT[self.precision] if given is None else given
+        """The dispatch's wire format (``wire.dispatch``)."""
+        return self.wire.dispatch
 
     @property
     def storage(self) -> StorageFormat:
@@ -397,14 +403,15 @@ class MoE(nn.Module):
         # ops of a recomputation may read it, its gradient flows through the first run's graph.
         plan = once(lambda: plan_dispatch(experts, self.config.num_experts, ep.process_group,
                                           while_waiting=self._prefetch_fp8_weights))
-        rules = self.grad_rules
-        sent = once(lambda: dispatch(x, weights, experts, plan, self.dispatch_format, ep.dispatch_grad,
+        rules, wire = self.grad_rules, self.wire
+        sent = once(lambda: dispatch(x, weights, experts, plan, wire.dispatch, wire.dispatch_grad,
                                      rule=rules.get("dispatch_grad")))
+        slot = GradSlot() if FUSE_COMBINE_GRAD else None    # y goes to the combine alone
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
                                    row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute,
-                                   storage=self.storage)
-        out = once(lambda: _Recorded(combine(y, sent, plan, ep.combine, ep.combine_grad,
-                                             rule=rules.get("combine_grad"))))
+                                   storage=self.storage, grad_slot=slot)
+        out = once(lambda: _Recorded(combine(y, sent, plan, wire.combine, wire.combine_grad,
+                                             rule=rules.get("combine_grad"), slot=slot)))
         return out.take()
 
     @property
@@ -419,8 +426,9 @@ class MoE(nn.Module):
                                       recompute_swiglu=self._swiglu_recompute, storage=self.storage)[:t]
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
-        sim = self.ep if self.ep is not None and self.ep.simulate else None
-        if self.ep is not None and sim is None:
+        # EPConfig.simulate applies the wire's round trips in training only (under no_grad, e.g. an eval, none).
+        sim = self.wire if self.ep is not None and self.ep.simulate and torch.is_grad_enabled() else None
+        if self.ep is not None and not self.ep.simulate:
             y = self._routed_ep(x2)
         else:
             # GPU work that needs no routing, queued where the GPU would wait for the host: the FC1

@@ -153,8 +153,17 @@ def test_cli_ep_torchrun(tmp_path, nproc):
            "combine mxfp4, dispatch_grad fp8, combine_grad bf16" in run.stdout, run.stdout
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
-    assert report["meta"]["wire"] == {"dispatch": {"fp8": "fp8", "fp4": "mxfp4"}, "combine": "mxfp4",
-                                      "dispatch_grad": "fp8", "combine_grad": "bf16", "simulated": False}
+    # --wire's roles over each mode's own recipe (fp8: the combine's gradient in fp8; fp4: paper's, bf16).
+    assert report["meta"]["wire"] == {
+        "recipe": None, "simulated": False,
+        "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "fp8"},
+                     "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "bf16"}}}
+    # The bytes each exchange sent to other ranks per step, recorded and printed (exact per row: test_ep.py).
+    assert "all-to-all bytes sent per step and rank (to other ranks):" in run.stdout, run.stdout
+    for mode, row in report["modes"].items():
+        sent = row["wire_bytes_per_step"]
+        assert list(sent) == ["count", "dispatch", "combine", "dispatch_grad", "combine_grad"], sent
+        assert all(v > 0 for v in sent.values()), (mode, sent)
     assert list(report["modes"]) == ["fp8", "fp4"]
     for mode, row in report["modes"].items():
         assert isinstance(row["a2a_ms"], float) and row["a2a_ms"] > 0, row
@@ -196,7 +205,8 @@ def test_cli_simulate_wire(tmp_path):
                 "--out", tmp_path, "--no-progress", "--no-plots"])
     _ok(run)
     report = json.loads((tmp_path / "compare.json").read_text())
-    assert report["meta"]["wire"]["dispatch"] == {"fp4": "nvfp4"}
+    assert report["meta"]["wire"]["per_mode"] == {"fp4": {"dispatch": "nvfp4", "combine": "nvfp4",
+                                                          "dispatch_grad": "mxfp4-sr", "combine_grad": "nvfp4-sr"}}
     assert report["modes"]["fp4"]["storage"] == "nvfp4" and "activations stored in nvfp4" in run.stdout
     assert "[fp4] training 2 steps at batch 4 x 64 per rank; activations saved in nvfp4; all-to-all dispatch " \
            "nvfp4, combine nvfp4, dispatch_grad mxfp4-sr, combine_grad nvfp4-sr (simulated on one process)" \
@@ -207,8 +217,9 @@ def test_cli_simulate_wire(tmp_path):
         CompareConfig(preset="tiny", modes=("fp8",), storage="nvfp4")
     with pytest.raises(ValueError, match="--storage must be one of mxfp4, nvfp4"):
         CompareConfig(preset="tiny", storage="fp8")
-    assert report["meta"]["wire"] == {"dispatch": {"fp4": "nvfp4"}, "combine": "nvfp4", "dispatch_grad": "mxfp4-sr",
-                                      "combine_grad": "nvfp4-sr", "simulated": True}
+    assert report["meta"]["wire"]["simulated"] is True and report["meta"]["wire"]["recipe"] is None
+    # One process sends nothing: no bytes recorded.
+    assert "wire_bytes_per_step" not in report["modes"]["fp4"]
     _finite_losses(report["modes"]["fp4"])
     run = _cli(["compare", "--preset", "tiny", "--steps", 1, "--simulate-wire", "--hook", "--no-progress"])
     assert run.returncode == 2 and "--simulate-wire applies to moe_fp4's model" in run.stderr

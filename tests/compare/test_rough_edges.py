@@ -211,10 +211,14 @@ def test_mode_lines_name_the_saved_format_and_the_wire():
         "[fp8] training 4 steps at batch 6 x 64 per rank (2 micro-batches of up to 3, gradients accumulated), " \
         "recompute moe; activations saved in fp8 (1x128 blocks)"
     assert mode_line("hf+hook", 2, 4, 64, None, "none", "mxfp4", None).endswith("activations saved in mxfp4")
-    wire = {"dispatch": {"fp8": "fp8", "fp4": "mxfp4"}, "combine": "bf16", "dispatch_grad": "auto",
-            "combine_grad": "nvfp4-sr", "simulated": False, "auto": {"format": "nvfp4-sr", "patience": 10}}
+    wire = {"recipe": None, "simulated": False, "auto": {"format": "nvfp4-sr", "patience": 10},
+            "per_mode": {"fp8": {"dispatch": "fp8", "combine": "bf16", "dispatch_grad": "bf16", "combine_grad": "fp8"},
+                         "fp4": {"dispatch": "mxfp4", "combine": "bf16", "dispatch_grad": "auto",
+                                 "combine_grad": "nvfp4-sr"}}}
     assert wire_text(wire, "fp4") == "dispatch mxfp4, combine bf16, dispatch_grad auto (nvfp4-sr, bf16 after 10 " \
                                      "steps below sqrt(3)), combine_grad nvfp4-sr"
+    # Four formats that are a named recipe's are called by its name.
+    assert wire_text(wire, "fp8") == "recipe fp8: dispatch fp8, combine bf16, dispatch_grad bf16, combine_grad fp8"
     assert mode_line("fp8", 4, 4, 64, None, "none", "mxfp4", wire).endswith("; all-to-all " + wire_text(wire, "fp8"))
 
 

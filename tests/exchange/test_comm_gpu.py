@@ -104,6 +104,7 @@ def _layer_case(rank, world):
     for p in out:
         del out[p]["y"]
     out["quantized_comm"] = test_ep._quantized_comm(rank, world, device="cuda")
+    out["fused"] = test_ep._fused_combine_grad(rank, world, device="cuda")
     return out
 
 
@@ -165,6 +166,7 @@ def test_ep_layer_nccl_matches_single_gpu_layer():
     accumulation order alone, remeasure on the GPU and widen with the numbers in the comment, as
     EP_MATCH_FLOOR_DB_GPU does."""
     from helpers import lowest
+    from moe_fp4.exchange.recipes import default_recipe
 
     results = run_ranks(_layer_case, WORLD, backend="nccl")
     precisions = ("bf16", "fp8", "fp4")
@@ -176,7 +178,10 @@ def test_ep_layer_nccl_matches_single_gpu_layer():
     bad = [(p, n, v) for p, row in measured.items() for n, v in row.items() if not v >= EP_MATCH_FLOOR_DB_GPU[p][n]]
     assert not bad, (bad, measured)
     for rank, r in enumerate(results):
-        for p, dispatch in zip(precisions, ("bf16", "fp8", "mxfp4")):
-            test_ep.check_wire(r[p]["wire"], test_ep.expected_wire(WORLD, dispatch), (rank, p))
+        for p in precisions:
+            want = test_ep.expected_wire(WORLD, **default_recipe(p).as_dict())
+            test_ep.check_wire(r[p]["wire"], want, (rank, p))
     for wire in test_ep.QUANTIZED_WIRES:
         test_ep.check_quantized_comm(WORLD, [r["quantized_comm"][wire] for r in results], wire)
+    # The combine's gradient converted from the wire by the CUDA kernels: bit for bit the decoded path.
+    test_ep.check_fused(results)

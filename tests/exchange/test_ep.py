@@ -111,17 +111,22 @@ def _step(layer, x):
 
 
 @contextlib.contextmanager
-def _wire_log():
+def _wire_log(rows=None):
     """Inside: every exchange the EP layer runs (moe_fp4.exchange.ep.exchange_rows) is logged as
     (dtype, bytes per row) of the rows it sends, in order: [count exchange, dispatch, combine, combine
-    gradient, dispatch gradient] for one layer step."""
+    gradient, dispatch gradient] for one layer step; ``rows``, a list, gets (role, rows sent to other
+    ranks) of each."""
+    import torch.distributed as dist
+
     from moe_fp4.exchange import ep as ep_mod
 
     log, real = [], ep_mod.exchange_rows
 
-    def logged(send, *args, **kwargs):
+    def logged(send, input_splits, output_splits, group, *args, **kwargs):
         log.append((str(send.dtype).removeprefix("torch."), int(send.shape[1]) * send.element_size()))
-        return real(send, *args, **kwargs)
+        if rows is not None:
+            rows.append((kwargs.get("role"), sum(input_splits) - input_splits[dist.get_rank(group)]))
+        return real(send, input_splits, output_splits, group, *args, **kwargs)
 
     ep_mod.exchange_rows = logged
     try:
@@ -192,18 +197,22 @@ def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
             "router": db(router_ref, router, "router"), "shape": tuple(y.shape), "wire": wire, "y": y.cpu()}
 
 
+# The wire the quantized exchanges are measured against: the fp8 dispatch, every other exchange bf16.
+UNQUANTIZED_REST = {"recipe": "fp8-dispatch"}
+
+
 def _against_default_wire(rank, world, formats, token_scale=1.0, default=None, device="cpu"):
-    """The fp8 layer with the wire ``formats`` against the same layer with the default wire (fp8
+    """The fp8 layer with the wire ``formats`` against the same layer with the wire UNQUANTIZED_REST (fp8
     dispatch, bf16 otherwise), on this rank's tokens times ``token_scale`` -> output and input-gradient
     SQNR in dB (None for a rank without tokens) and the wire log of the quantized step. ``default``: the
     default-wire step's (y, dx) on the same tokens, when already run."""
     from helpers import sqnr_db   # fails on NaN / Inf (docs/testing.md)
 
-    _, m_q, _ = _layers(rank, world, "fp8", formats, device)
+    _, m_q, _ = _layers(rank, world, "fp8", {**UNQUANTIZED_REST, **formats}, device)
     x = _tokens(world, "fp8", device)[rank] * token_scale
     with _wire_log() as wire:
         yq, dxq = _step(m_q, x)
-    yb, dxb = default if default is not None else _step(_layers(rank, world, "fp8", device=device)[1], x)
+    yb, dxb = default if default is not None else _step(_layers(rank, world, "fp8", UNQUANTIZED_REST, device)[1], x)
     if not x.shape[0]:
         return {"out": None, "dx": None, "wire": wire}
     return {"out": sqnr_db(yb.float(), yq.float(), f"{formats} out"),
@@ -214,7 +223,7 @@ def _quantized_comm(rank, world, device="cpu"):
     """Quantized combine / gradient exchanges (QUANTIZED_WIRES) against the bf16 defaults, on one
     default-wire step."""
     x = _tokens(world, "fp8", device)[rank]
-    default = _step(_layers(rank, world, "fp8", device=device)[1], x)
+    default = _step(_layers(rank, world, "fp8", UNQUANTIZED_REST, device)[1], x)
     return {name: _against_default_wire(rank, world, formats, default=default, device=device)
             for name, formats in QUANTIZED_WIRES.items()}
 
@@ -272,6 +281,62 @@ def _auto_rule(rank, world):
     return {"local": local, "ratio": ratios}
 
 
+def _recipes(rank, world):
+    """One fp4 layer step per named recipe (EPConfig(recipe=...)) -> {recipe: (wire log, rows sent to other
+    ranks per role, WIRE_BYTES per role)}."""
+    from moe_fp4.exchange.a2a import WIRE_BYTES
+    from moe_fp4.exchange.recipes import RECIPES
+
+    out = {}
+    x = _tokens(world, "fp8")[rank]
+    for name in RECIPES:
+        _, m, _ = _layers(rank, world, "fp4", {"recipe": name})
+        rows = []
+        WIRE_BYTES.take()
+        with _wire_log(rows) as wire:
+            _step(m, x)
+        out[name] = (wire, rows, WIRE_BYTES.take())
+    return out
+
+
+FUSED_CASES = (("fp8", "fp8"), ("fp4", "fp4"), ("fp4", "fp4-sr"), ("fp4", "fp4-all"), ("bf16", "fp8"))
+
+
+def _fused_combine_grad(rank, world, device="cpu"):
+    """Each (precision, recipe) of FUSED_CASES stepped with the combine's gradient handed to the experts as it
+    arrived (moe.FUSE_COMBINE_GRAD, the default) and decoded to bf16 first -> {case: (gradients and output
+    equal bit for bit, the experts' bf16-gradient quantizer calls fused, unfused)}."""
+    from moe_fp4.exchange.wire import seed_stochastic_rounding
+    from moe_fp4.model import experts as experts_mod
+    from moe_fp4.model import moe as moe_mod
+
+    real, calls = experts_mod._rows_and_cols, {"n": 0}
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    experts_mod._rows_and_cols = counted
+    out = {}
+    x = _tokens(world, "fp8", device)[rank]
+    try:
+        for precision, name in FUSED_CASES:
+            got = []
+            for fused in (True, False):
+                moe_mod.FUSE_COMBINE_GRAD = fused
+                seed_stochastic_rounding(0)
+                _, m, _ = _layers(rank, world, precision, {"recipe": name}, device)
+                calls["n"] = 0
+                y, dx = _step(m, x)
+                got.append(((y, dx, m.w13.grad, m.w2.grad, m.router.weight.grad), calls["n"]))
+            same = all(torch.equal(a, b) for a, b in zip(got[0][0], got[1][0]))
+            out[f"{precision} {name}"] = (same, got[0][1], got[1][1])
+    finally:
+        moe_mod.FUSE_COMBINE_GRAD = True
+        experts_mod._rows_and_cols = real
+    return out
+
+
 def _ep_case(rank, world):
     torch.set_num_threads(1)   # up to 8 ranks share the CI machine's 2 cores
     out = {p: _compare(rank, world, p) for p in ("bf16", "fp8", "fp4")}
@@ -282,6 +347,8 @@ def _ep_case(rank, world):
     out["auto"] = _auto_rule(rank, world)
     out["nvfp4_dispatch"] = _nvfp4_dispatch(rank, world)
     out["plan"] = _plan(rank, world)
+    out["recipes"] = _recipes(rank, world) if world <= 4 else None   # the tests that read these run at 2 and 4,
+    out["fused"] = _fused_combine_grad(rank, world) if world == 2 else None   # and at 2: world 8 adds minutes
     return out
 
 
@@ -294,24 +361,29 @@ def ep_results(request):
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
 def test_ep_layer_matches_layer_without_ep(ep_results, precision):
     world, results = ep_results
-    dispatch = {"bf16": "bf16", "fp8": "fp8", "fp4": "mxfp4"}[precision]
+    from moe_fp4.exchange.recipes import default_recipe
+
+    # Each precision sends its own recipe's formats: fp8 its dispatch and the combine's gradient in FP8.
+    want = expected_wire(world, **default_recipe(precision).as_dict())
     for rank, res in enumerate(results):
         got = res[precision]
         assert got["shape"] == (TOKENS[world][rank], CONFIG["hidden"])
         for name, floor in EP_MATCH_FLOOR_DB[precision].items():
             in_band(got[name], floor, what=f"rank {rank} {precision} {name}")   # the unquantized layer: no ceiling
-        check_wire(got["wire"], expected_wire(world, dispatch), (rank, precision))
+        check_wire(got["wire"], want, (rank, precision))
 
 
 def test_ep_fp4_dispatch_rounds_off_grid_tokens_to_mxfp4(ep_results):
     """On raw tokens (off the MXFP4 grid) the fp4 layer's output differs from the fp8 layer's by MXFP4's
     error on the expert input: a dispatch that sent bf16 or fp8 would measure far above the ceiling
     (the same FP8 forward as fp8's), and its rows on the wire are MXFP4's."""
+    from moe_fp4.exchange.recipes import default_recipe
+
     world, results = ep_results
     measured = 0
     for rank, res in enumerate(results):
         got = res["off_grid"]
-        check_wire(got["wire"], expected_wire(world, "mxfp4"), (rank, "fp4 off grid"))
+        check_wire(got["wire"], expected_wire(world, **default_recipe("fp4").as_dict()), (rank, "fp4 off grid"))
         if got["vs_fp8"] is None:
             assert TOKENS[world][rank] == 0
             continue
@@ -339,6 +411,49 @@ def test_ep_quantized_combine_and_gradients(ep_results, wire):
     and each role's rows on the wire in the configured format (bytes per row)."""
     world, results = ep_results
     check_quantized_comm(world, [res["quantized_comm"][wire] for res in results], wire)
+
+
+@pytest.mark.parametrize("ep_results", [2, 4], indirect=True, ids=lambda w: f"world{w}")
+def test_ep_recipes_send_their_formats_and_count_their_bytes(ep_results):
+    """Every named recipe at worlds 2 and 4: each role's rows on the wire in the recipe's format, and
+    WIRE_BYTES (what compare.json reports) = the rows sent to other ranks x the bytes per row, per role;
+    the combine returns what the dispatch brought and the gradients travel back the same rows."""
+    from moe_fp4.exchange.recipes import RECIPES
+
+    world, results = ep_results
+    roles = ("count", "dispatch", "combine", "combine_grad", "dispatch_grad")
+    for name, recipe in RECIPES.items():
+        total = dict.fromkeys(roles, 0)
+        for rank, res in enumerate(results):
+            wire, rows, counted = res["recipes"][name]
+            check_wire(wire, expected_wire(world, **recipe.as_dict()), (rank, name))
+            assert [r for r, _ in rows] == list(roles), rows
+            want = {role: n * row_b for (role, n), (_, row_b) in zip(rows, wire)}
+            assert counted == want, (rank, name, counted, want)
+            sent = dict(rows)
+            assert sent["combine_grad"] == sent["dispatch"] and sent["dispatch_grad"] == sent["combine"]
+            for role, n in sent.items():
+                total[role] += n
+        assert total["dispatch"] == total["combine"] > 0, (name, total)
+
+
+@pytest.mark.parametrize("ep_results", [2], indirect=True, ids=lambda w: f"world{w}")
+def test_ep_quantized_combine_grad_reaches_the_experts_as_it_arrived(ep_results):
+    """MXFP4 and FP8 combine gradients go from the wire straight to the experts' FP8 operands (GradSlot):
+    output and every gradient bit-identical to decoding them to bf16 first, with one quantization of a
+    bf16 gradient fewer in the fp8 and fp4 experts' backward (dh's remains); the bf16 layer decodes."""
+    check_fused(ep_results[1])
+
+
+def check_fused(results):
+    """Each rank's _fused_combine_grad() -> nothing; fails unless every case is bit-identical with one bf16
+    gradient quantization fewer in the fp8 and fp4 experts (none in bf16's)."""
+    for rank, res in enumerate(results):
+        assert set(res["fused"]) == {f"{p} {n}" for p, n in FUSED_CASES}
+        for case, (same, fused, unfused) in res["fused"].items():
+            assert same, (rank, case)
+            want = (0, 0) if case.startswith("bf16") else (1, 2)
+            assert (fused, unfused) == want, (rank, case, fused, unfused)
 
 
 def test_dispatch_plan_sends_each_token_once_per_rank(ep_results):

@@ -47,7 +47,10 @@ def test_one_step_above_resets_the_count():
 
 def test_auto_configuration_is_checked():
     ep = EPConfig(simulate=True, dispatch_grad="auto", auto_format="mxfp4-sr", auto_patience=3)
-    assert ep.dispatch_grad == AUTO and ep.combine_grad is WireFormat.BF16
+    # An unset role follows the precision's recipe; a set one overrides it for every precision.
+    assert ep.dispatch_grad == AUTO and ep.combine_grad is None
+    assert ep.wire("fp8").dispatch_grad == AUTO and ep.wire("fp8").combine_grad is WireFormat.FP8
+    assert ep.wire("bf16").dispatch_grad == AUTO and ep.wire("bf16").combine_grad is WireFormat.BF16
     rules = ep.grad_rules()
     assert set(rules) == {"dispatch_grad"} and rules["dispatch_grad"].fmt is WireFormat.MXFP4_SR
     assert rules["dispatch_grad"].patience == 3 and ep.grad_rules()["dispatch_grad"] is not rules["dispatch_grad"]
