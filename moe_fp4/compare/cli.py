@@ -98,10 +98,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow --max-batch and --plan on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
                    help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
-    c.add_argument("--wire", default="", metavar="[RECIPE,]ROLE=FMT[,ROLE=FMT]",
+    c.add_argument("--wire", default="", metavar="[RECIPE|MODE:RECIPE,...][ROLE=FMT,...]",
                    help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange. "
                         "RECIPE: a named set of the four (bf16, fp8-dispatch, fp8, paper, fp4, fp4-sr, fp4-fp8sums, "
-                        "fp4-all; docs/expert-parallel.md) for every mode; ROLE=FMT then overrides one exchange, ROLE "
+                        "fp4-all; docs/expert-parallel.md) for every mode, MODE:RECIPE for one mode (fp4:fp4-all); "
+                        "ROLE=FMT then overrides one exchange, ROLE "
                         "one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, "
                         "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "
                         "sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
@@ -224,19 +225,30 @@ def _rank_from_env() -> int:
 WIRE_ROLES = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 
 
-def parse_wire(text: str) -> dict[str, str]:
+def parse_wire(text: str) -> dict:
     """``--wire fp4,combine=mxfp4,dispatch_grad=fp8`` -> {"recipe": "fp4", "combine": "mxfp4", "dispatch_grad":
-    "fp8"}: at most one recipe name (:data:`moe_fp4.exchange.recipes.RECIPES`), then ROLE=FMT items that
-    override its roles; ValueError (one line) for an unknown recipe, role or format, a stochastic format for
-    values, or a repeated role or recipe."""
+    "fp8"}: at most one recipe name (:data:`moe_fp4.exchange.recipes.RECIPES`) for every mode, MODE:RECIPE
+    items for one mode each (``fp8:fp8-dispatch,fp4:fp4-all`` -> {"recipe": {"fp8": "fp8-dispatch", "fp4":
+    "fp4-all"}}), then ROLE=FMT items that override a role for every mode; ValueError (one line) for an
+    unknown mode, recipe, role or format, a stochastic format for values, or a repeated role or recipe."""
     from moe_fp4.exchange.recipes import RECIPES
     from moe_fp4.exchange.wire import WireFormat
 
     formats = [f.value for f in WireFormat]
-    out: dict[str, str] = {}
+    out: dict = {}
+    per_mode: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         role, eq, fmt = item.partition("=")
         role, fmt = role.strip(), fmt.strip()
+        mode, colon, name = item.partition(":")
+        if colon and not eq:
+            if mode not in ("bf16", "fp8", "fp4") or name not in RECIPES:
+                raise ValueError(f"--wire: {item!r} is not MODE:RECIPE with MODE one of bf16, fp8, fp4 and RECIPE one "
+                                 f"of {', '.join(RECIPES)}")
+            if mode in per_mode:
+                raise ValueError(f"--wire: two recipes for {mode}")
+            per_mode[mode] = name
+            continue
         if not eq:
             if item not in RECIPES:
                 raise ValueError(f"--wire: {item!r} is neither a recipe ({', '.join(RECIPES)}) nor ROLE=FMT with "
@@ -258,6 +270,9 @@ def parse_wire(text: str) -> dict[str, str]:
         if role in out:
             raise ValueError(f"--wire: {role} is given twice")
         out[role] = fmt
+    if per_mode:   # MODE:RECIPE over the recipe for every mode
+        every = out.get("recipe")
+        out["recipe"] = {**({m: every for m in ("bf16", "fp8", "fp4")} if every else {}), **per_mode}
     return out
 
 

@@ -169,7 +169,8 @@ def wire_text(wire: dict, mode: str) -> str:
         parts.append(f"{role} {fmt}")
     # The recipe's name when the four formats are a named recipe's.
     named = [n for n, r in RECIPES.items() if r.as_dict() == roles]
-    base = wire.get("recipe") or PRECISION_RECIPE.get(mode)
+    given = wire.get("recipe")
+    base = (given.get(mode) if isinstance(given, dict) else given) or PRECISION_RECIPE.get(mode)
     name = base if base in named else (named[0] if named else None)
     head = f"recipe {name}: " if name else ""
     return head + ", ".join(parts) + (" (simulated on one process)" if wire.get("simulated") else "")

@@ -92,7 +92,8 @@ def wire_meta(env: Env, modes) -> dict | None:
     with the sqrt(3) rule's settings."""
     if env.ep is None:
         return None
-    wire = {"recipe": env.ep.recipe, "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES},
+    given = env.ep.recipe
+    wire = {"recipe": dict(given) if isinstance(given, tuple) else given, "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES},
             "simulated": env.ep.simulate}
     if env.ep.grad_rules():
         wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience}

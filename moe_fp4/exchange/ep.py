@@ -48,8 +48,9 @@ class EPConfig:
 
     group: the EP process group (None: the default group); its size must divide the expert count.
     recipe: a named wire recipe (:data:`moe_fp4.exchange.recipes.RECIPES`: "fp8", "fp4", "fp4-all", ...)
-    for every layer precision; None (default): each precision's own (:data:`PRECISION_RECIPE`: bf16 ->
-    "bf16", fp8 -> "fp8", fp4 -> "paper"). The four role fields below, when set, override the recipe's.
+    for every layer precision, or a dict {precision: name} for some ({"fp4": "fp4-all"}); a precision
+    without one takes its own (:data:`PRECISION_RECIPE`: bf16 -> "bf16", fp8 -> "fp8", fp4 -> "paper").
+    The four role fields below, when set, override the recipe's for every precision.
     combine: wire format of the combine (expert outputs back to their tokens): bf16, fp8, mxfp4, nvfp4
     or native.
     dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks); those of
@@ -81,11 +82,18 @@ class EPConfig:
     dispatch: WireFormat | None = None
     auto_format: WireFormat = WireFormat.NVFP4_SR
     auto_patience: int = 10
-    recipe: str | None = None
+    recipe: str | dict | None = None
 
     def __post_init__(self):
-        if self.recipe is not None:
-            recipe(self.recipe)                       # an unknown name fails here, naming the known ones
+        if isinstance(self.recipe, dict):
+            # Kept as sorted (precision, name) pairs: the config stays hashable.
+            bad = [p for p in self.recipe if p not in PRECISION_RECIPE]
+            if bad:
+                raise ValueError(f"EPConfig.recipe: {bad[0]!r} is not a precision; one of "
+                                 f"{', '.join(PRECISION_RECIPE)}")
+            object.__setattr__(self, "recipe", tuple(sorted((str(p), n) for p, n in self.recipe.items())))
+        for name in ([self.recipe] if isinstance(self.recipe, str) else [n for _, n in self.recipe or ()]):
+            recipe(name)                              # an unknown name fails here, naming the known ones
         if self.combine is not None:
             object.__setattr__(self, "combine", WireFormat(self.combine))
             check_value_formats("EPConfig", combine=self.combine)
@@ -111,7 +119,9 @@ class EPConfig:
     def wire(self, precision) -> WireRecipe:
         """The formats a layer of ``precision`` ("bf16" | "fp8" | "fp4") sends: the recipe (or the
         precision's default recipe), with the roles set here in its place."""
-        base = recipe(self.recipe) if self.recipe is not None else default_recipe(precision)
+        name = self.recipe if isinstance(self.recipe, str) else dict(self.recipe or ()).get(
+            getattr(precision, "value", precision))
+        base = recipe(name) if name is not None else default_recipe(precision)
         return base.with_(**{r: getattr(self, r) for r in ROLES})
 
     def grad_rules(self) -> dict[str, "GradWireRule"]:

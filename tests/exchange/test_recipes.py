@@ -88,6 +88,28 @@ def test_epconfig_resolves_the_recipe_then_its_overrides():
         EPConfig(recipe="fp8", dispatch="mxfp4-sr")
 
 
+def test_recipe_per_precision():
+    ep = EPConfig(simulate=True, recipe={"fp4": "fp4-all", "fp8": "fp8-dispatch"}, combine_grad="fp8")
+    assert ep.recipe == (("fp4", "fp4-all"), ("fp8", "fp8-dispatch")) and hash(ep) is not None
+    assert ep.wire("fp4").as_dict() == {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "mxfp4-sr",
+                                        "combine_grad": "fp8"}
+    assert ep.wire("fp8").as_dict() == {"dispatch": "fp8", "combine": "bf16", "dispatch_grad": "bf16",
+                                        "combine_grad": "fp8"}
+    assert ep.wire("bf16").as_dict() == {"dispatch": "bf16", "combine": "bf16", "dispatch_grad": "bf16",
+                                         "combine_grad": "fp8"}
+    with pytest.raises(ValueError, match="EPConfig.recipe: 'fp16' is not a precision"):
+        EPConfig(recipe={"fp16": "fp8"})
+    with pytest.raises(ValueError, match="unknown wire recipe 'fp9'"):
+        EPConfig(recipe={"fp8": "fp9"})
+    assert parse_wire("fp8:fp8-dispatch,fp4:fp4-all") == {"recipe": {"fp8": "fp8-dispatch", "fp4": "fp4-all"}}
+    assert parse_wire("paper,fp4:fp4-all,combine=fp8") == {
+        "recipe": {"bf16": "paper", "fp8": "paper", "fp4": "fp4-all"}, "combine": "fp8"}
+    with pytest.raises(ValueError, match="'fp16:fp8' is not MODE:RECIPE"):
+        parse_wire("fp16:fp8")
+    with pytest.raises(ValueError, match="two recipes for fp4"):
+        parse_wire("fp4:fp4,fp4:paper")
+
+
 def test_parse_wire_takes_one_recipe_then_overrides():
     assert parse_wire("") == {}
     assert parse_wire("fp4-all") == {"recipe": "fp4-all"}

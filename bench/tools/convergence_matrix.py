@@ -1,0 +1,111 @@
+"""Issue 47's convergence matrix from the runs of bench/tools/convergence_matrix.sh: per (mode, wire recipe), the
+held-out and training losses over the seeds (mean, min, max), each candidate against the fp8 baseline, and a
+verdict. A recipe is lossless when its mean held-out loss is within the fp8 seeds' spread (max - min) or 0.5%
+of fp8's mean, whichever is larger, and its training loss (mean of the last 50 steps) likewise. With
+--plot PNG, the mean training-loss curve of each (smoothed over 25 steps) and its band over the seeds.
+
+Usage: python3 bench/tools/convergence_matrix.py RUNS_DIR [--plot docs/convergence_recipes.png] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+
+def load(runs: str) -> dict[str, list[dict]]:
+    """-> {"mode recipe": [row per seed, with "seed" added]} from every RUNS/*/compare.json."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(runs, "*", "compare.json"))):
+        r = json.load(open(path))
+        wire = r["meta"].get("wire") or {}
+        for mode, row in r["modes"].items():
+            roles = wire.get("per_mode", {}).get(mode, {})
+            key = f"{mode} " + "/".join(roles.get(k, "?") for k in ("dispatch", "combine", "dispatch_grad",
+                                                                     "combine_grad"))
+            out.setdefault(key, []).append({**row, "seed": r["config"]["seed"], "path": path})
+    return out
+
+
+def summary(rows: list[dict], key: str) -> dict:
+    v = [r[key] for r in rows]
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--baseline", default="fp8 fp8/bf16/bf16/fp8", help="the key of the baseline rows")
+    a = p.parse_args(argv)
+    groups = load(a.runs)
+    if a.baseline not in groups:
+        print(f"no baseline runs ({a.baseline!r}) under {a.runs}; found: {', '.join(groups) or 'nothing'}",
+              file=sys.stderr)
+        return 2
+    base = {k: summary(groups[a.baseline], k) for k in ("loss_eval", "loss_final")}
+    result = {}
+    print(f"{'mode dispatch/combine/dispatch_grad/combine_grad':<46} {'seeds':>5} {'held-out mean':>13} "
+          f"{'(min-max)':>17} {'vs fp8':>7} {'train mean':>10} {'vs fp8':>7} {'tokens/s':>9}  verdict")
+    for key, rows in groups.items():
+        s = {k: summary(rows, k) for k in ("loss_eval", "loss_final")}
+        verdict, deltas = [], {}
+        for k in ("loss_eval", "loss_final"):
+            b = base[k]
+            allowed = max(b["max"] - b["min"], 0.005 * b["mean"])
+            deltas[k] = 100 * (s[k]["mean"] - b["mean"]) / b["mean"]
+            verdict.append(abs(s[k]["mean"] - b["mean"]) <= allowed)
+        tps = statistics.fmean(r["tokens_per_s_per_gpu"] for r in rows)
+        word = "baseline" if key == a.baseline else ("lossless" if all(verdict) else
+                                                     "NOT lossless (" + ", ".join(
+                                                         n for n, ok in zip(("held-out", "training"), verdict)
+                                                         if not ok) + ")")
+        print(f"{key:<46} {len(rows):>5} {s['loss_eval']['mean']:>13.4f} "
+              f"({s['loss_eval']['min']:.4f}-{s['loss_eval']['max']:.4f}) {deltas['loss_eval']:>+6.2f}% "
+              f"{s['loss_final']['mean']:>10.4f} {deltas['loss_final']:>+6.2f}% {tps:>9,.0f}  {word}")
+        result[key] = {**s, "delta_pct": deltas, "verdict": word, "seeds": sorted(r["seed"] for r in rows),
+                       "tokens_per_s_mean": tps}
+    b = base["loss_eval"]
+    print(f"baseline spread: held-out {b['max'] - b['min']:.4f} ({100 * (b['max'] - b['min']) / b['mean']:.2f}%), "
+          f"training {base['loss_final']['max'] - base['loss_final']['min']:.4f}; the bound is that or 0.5%")
+    if a.json:
+        json.dump(result, open(a.json, "w"), indent=1)
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5))
+        w = 25
+        for key, rows in groups.items():
+            curves = [r["loss_curve"] for r in rows]
+            n = min(len(c) for c in curves)
+            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+            lo = [min(c[i] for c in curves) for i in range(n)]
+            hi = [max(c[i] for c in curves) for i in range(n)]
+
+            def smooth(v):
+                return [statistics.fmean(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
+
+            xs = range(1, n + 1)
+            line, = ax.plot(xs, smooth(mean), lw=1.2, label=f"{key} ({len(rows)} seeds)")
+            ax.fill_between(xs, smooth(lo), smooth(hi), color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss ({w}-step mean; band: min-max over seeds)")
+        ax.set_yscale("log")
+        ax.set_title("Wire recipes, small preset, exchanges simulated on one GPU (same data and seeds per recipe)")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
