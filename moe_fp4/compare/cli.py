@@ -107,11 +107,11 @@ def _parser() -> argparse.ArgumentParser:
                         "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "
                         "sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
                         "quantization noise, bf16 after 10 steps below; the ratio is reported per layer). Default: "
-                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: paper)")
+                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-sr)")
     c.add_argument("--simulate-wire", action="store_true",
-                   help="on one process: apply the round trip of each exchange's wire format (--wire's, the dispatch "
-                        "by default in the mode's format) where expert parallelism would send it, to study the "
-                        "wire's numerics without a second GPU")
+                   help="on one process: apply the round trip of each exchange's wire format (--wire's, by default "
+                        "each mode's own recipe) where expert parallelism would send it, to study the wire's numerics "
+                        "without a second GPU; in training only (the held-out loss is computed without any wire)")
     c.add_argument("--storage", choices=["mxfp4", "nvfp4"], default="mxfp4",
                    help="the format the fp4 mode keeps its activations in (nvfp4: E4M3 scales per 16 and a float32 "
                         "scale per tensor, 4.5 bits an element)")

@@ -49,7 +49,7 @@ class EPConfig:
     group: the EP process group (None: the default group); its size must divide the expert count.
     recipe: a named wire recipe (:data:`moe_fp4.exchange.recipes.RECIPES`: "fp8", "fp4", "fp4-all", ...)
     for every layer precision, or a dict {precision: name} for some ({"fp4": "fp4-all"}); a precision
-    without one takes its own (:data:`PRECISION_RECIPE`: bf16 -> "bf16", fp8 -> "fp8", fp4 -> "paper").
+    without one takes its own (:data:`PRECISION_RECIPE`: bf16 -> "bf16", fp8 -> "fp8", fp4 -> "fp4-sr").
     The four role fields below, when set, override the recipe's for every precision.
     combine: wire format of the combine (expert outputs back to their tokens): bf16, fp8, mxfp4, nvfp4
     or native.

@@ -150,14 +150,15 @@ def test_cli_ep_torchrun(tmp_path, nproc):
     _ok(run)
     # the formats in use, before each mode trains
     assert "[fp4] training 3 steps at batch 4 x 64 per rank; activations saved in mxfp4; all-to-all dispatch mxfp4, " \
-           "combine mxfp4, dispatch_grad fp8, combine_grad bf16" in run.stdout, run.stdout
+           "combine mxfp4, dispatch_grad fp8, combine_grad mxfp4-sr" in run.stdout, run.stdout
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
-    # --wire's roles over each mode's own recipe (fp8: the combine's gradient in fp8; fp4: paper's, bf16).
+    # --wire's roles over each mode's own recipe (the combine's gradient: fp8's fp8, fp4's mxfp4-sr).
     assert report["meta"]["wire"] == {
         "recipe": None, "simulated": False,
         "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "fp8"},
-                     "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "bf16"}}}
+                     "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "fp8",
+                             "combine_grad": "mxfp4-sr"}}}
     # The bytes each exchange sent to other ranks per step, recorded and printed (exact per row: test_ep.py).
     assert "all-to-all bytes sent per step and rank (to other ranks):" in run.stdout, run.stdout
     for mode, row in report["modes"].items():
@@ -184,7 +185,7 @@ def test_cli_wire_argument():
     assert parse_wire(" combine=mxfp4 , combine_grad=native") == {"combine": "mxfp4", "combine_grad": "native"}
     assert parse_wire("dispatch=nvfp4") == {"dispatch": "nvfp4"}
     for bad, match in (("dispatch=mxfp4-sr", "for gradients only"), ("dispatch=auto", "must be one of"),
-                       ("combine", "is not ROLE=FMT"),
+                       ("combine", "'combine' is neither a recipe .* nor ROLE=FMT"),
                        ("merge=fp8", "is not ROLE=FMT"), ("combine=fp4", "must be one of mxfp4, fp8, bf16, native"),
                        ("combine=fp8,combine=bf16", "given twice")):
         with pytest.raises(ValueError, match=match):

@@ -166,7 +166,7 @@ def test_ep_layer_nccl_matches_single_gpu_layer():
     accumulation order alone, remeasure on the GPU and widen with the numbers in the comment, as
     EP_MATCH_FLOOR_DB_GPU does."""
     from helpers import lowest
-    from moe_fp4.exchange.recipes import default_recipe
+    from moe_fp4.exchange.recipes import RECIPES
 
     results = run_ranks(_layer_case, WORLD, backend="nccl")
     precisions = ("bf16", "fp8", "fp4")
@@ -179,7 +179,7 @@ def test_ep_layer_nccl_matches_single_gpu_layer():
     assert not bad, (bad, measured)
     for rank, r in enumerate(results):
         for p in precisions:
-            want = test_ep.expected_wire(WORLD, **default_recipe(p).as_dict())
+            want = test_ep.expected_wire(WORLD, **RECIPES[test_ep.EXACT_RECIPE[p]].as_dict())
             test_ep.check_wire(r[p]["wire"], want, (rank, p))
     for wire in test_ep.QUANTIZED_WIRES:
         test_ep.check_quantized_comm(WORLD, [r["quantized_comm"][wire] for r in results], wire)

@@ -64,12 +64,17 @@ EP_MATCH_FLOOR_DB = {
 # lowest at world 2 and 4, floors 1 dB under; at world 8 the lowest are out 18.30, dx 23.15 (every rank).
 # Over worlds 2, 4 and 8 (CPU, 2026-11-27): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
 # nvfp4 (all three nvfp4), same runs: out 20.17-20.65, dx 20.15-21.84; floor and ceiling 1 dB around.
+# sr (the combine gradient alone in mxfp4-sr, fp4's default): the forward is the unquantized wire's (out
+# inf, checked equal); dx measured 24.28-27.17 dB over every rank with tokens at worlds 2, 4 and 8 (CPU,
+# 2026-11-28); band 1 dB around (the bf16 wire sent instead: inf).
 QUANTIZED_WIRES = {
     "mixed": dict(combine="mxfp4", dispatch_grad="fp8", combine_grad="mxfp4"),
     "nvfp4": dict(combine="nvfp4", dispatch_grad="nvfp4", combine_grad="nvfp4"),
+    "sr": dict(combine_grad="mxfp4-sr"),
 }
-QUANTIZED_COMM_FLOOR_DB = {"mixed": {"out": 17.5, "dx": 22.0}, "nvfp4": {"out": 19.1, "dx": 19.1}}
-QUANTIZED_COMM_CEILING_DB = {"mixed": {"out": 19.8, "dx": 26.5}, "nvfp4": {"out": 21.7, "dx": 22.9}}
+QUANTIZED_COMM_FLOOR_DB = {"mixed": {"out": 17.5, "dx": 22.0}, "nvfp4": {"out": 19.1, "dx": 19.1}, "sr": {"dx": 23.2}}
+QUANTIZED_COMM_CEILING_DB = {"mixed": {"out": 19.8, "dx": 26.5}, "nvfp4": {"out": 21.7, "dx": 22.9},
+                             "sr": {"dx": 28.2}}
 # fp4 layer on the raw tokens (not on the MXFP4 grid): its output against the fp8 layer's on the same
 # tokens (the same weights, routing and FP8 forward; fp4's dispatch rounds the tokens to MXFP4 first).
 # Measured 14.09-15.18 dB over every rank with tokens at worlds 2, 4 and 8 (CPU); band 1 dB around. An
@@ -174,12 +179,20 @@ def _reference(ref, xs):
     return tuple(t.to(xs[0].device) for t in got[0])
 
 
+# The wire recipe of each precision whose quantization the layer without EP makes too, so that the two
+# compare like with like: fp4's MXFP4 dispatch (its reference runs on MXFP4-grid tokens) and fp8's FP8
+# combine gradient (the FP8 rows the experts make of dY anyway). fp4's default, fp4-sr, also rounds the
+# combine gradient to MXFP4 stochastically: its wire is checked in test_ep_recipes_send_their_formats...,
+# its numerics in QUANTIZED_WIRES["sr"].
+EXACT_RECIPE = {"bf16": "bf16", "fp8": "fp8", "fp4": "paper"}
+
+
 def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     import torch.distributed as dist
 
     from helpers import sqnr_db   # fails on NaN / Inf (docs/testing.md)
 
-    ref, m, el = _layers(rank, world, precision, ep_kwargs, device)
+    ref, m, el = _layers(rank, world, precision, {"recipe": EXACT_RECIPE[precision], **(ep_kwargs or {})}, device)
     xs = _tokens(world, precision, device)
     off, t = sum(TOKENS[world][:rank]), TOKENS[world][rank]
     y_ref, dx_ref, w13_ref, w2_ref, router_ref = _reference(ref, xs)
@@ -361,10 +374,10 @@ def ep_results(request):
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
 def test_ep_layer_matches_layer_without_ep(ep_results, precision):
     world, results = ep_results
-    from moe_fp4.exchange.recipes import default_recipe
+    from moe_fp4.exchange.recipes import RECIPES
 
-    # Each precision sends its own recipe's formats: fp8 its dispatch and the combine's gradient in FP8.
-    want = expected_wire(world, **default_recipe(precision).as_dict())
+    # Each precision sends its recipe's formats: fp8 its dispatch and the combine's gradient in FP8.
+    want = expected_wire(world, **RECIPES[EXACT_RECIPE[precision]].as_dict())
     for rank, res in enumerate(results):
         got = res[precision]
         assert got["shape"] == (TOKENS[world][rank], CONFIG["hidden"])
@@ -403,6 +416,8 @@ def check_quantized_comm(world, per_rank, wire):
             continue
         for name, floor in QUANTIZED_COMM_FLOOR_DB[wire].items():
             in_band(got[name], floor, QUANTIZED_COMM_CEILING_DB[wire][name], f"rank {rank} {wire} {name}")
+        if "combine" not in formats:                 # a gradient wire alone leaves the forward as it was
+            assert got["out"] == math.inf, (rank, wire, got["out"])
 
 
 @pytest.mark.parametrize("wire", list(QUANTIZED_WIRES))
