@@ -1,8 +1,12 @@
 """Issue 47's convergence matrix from the runs of bench/tools/convergence_matrix.sh: per (mode, wire recipe), the
 held-out and training losses over the seeds (mean, min, max), each candidate against the fp8 baseline, and a
 verdict. A recipe is lossless when its mean held-out loss is within the fp8 seeds' spread (max - min) or 0.5%
-of fp8's mean, whichever is larger, and its training loss (mean of the last 50 steps) likewise. With
---plot PNG, the mean training-loss curve of each (smoothed over 25 steps) and its band over the seeds.
+of fp8's mean, whichever is larger, and its training loss (mean of the last 50 steps) likewise (issue 47's
+rule). A seed changes the data order and the held-out batches alike, so the seeds' spread holds the held-out
+sets' differences too; the paired columns compare each run with fp8's of the same seed (same batches, same
+held-out set), and "paired within 0.5%" asks the mean of those differences to be within 0.5% for both
+losses. With --plot PNG: the mean training-loss curve of each (smoothed over 25 steps) with its band over
+the seeds, and each recipe's training loss minus fp8's of the same seed.
 
 Usage: python3 bench/tools/convergence_matrix.py RUNS_DIR [--plot docs/convergence_recipes.png] [--json OUT]
 """
@@ -49,9 +53,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     base = {k: summary(groups[a.baseline], k) for k in ("loss_eval", "loss_final")}
+    by_seed = {r["seed"]: r for r in groups[a.baseline]}
     result = {}
     print(f"{'mode dispatch/combine/dispatch_grad/combine_grad':<46} {'seeds':>5} {'held-out mean':>13} "
-          f"{'(min-max)':>17} {'vs fp8':>7} {'train mean':>10} {'vs fp8':>7} {'tokens/s':>9}  verdict")
+          f"{'(min-max)':>17} {'vs fp8':>7} {'train mean':>10} {'vs fp8':>7} {'tokens/s':>9}  verdict; paired")
     for key, rows in groups.items():
         s = {k: summary(rows, k) for k in ("loss_eval", "loss_final")}
         verdict, deltas = [], {}
@@ -65,11 +70,20 @@ def main(argv=None) -> int:
                                                      "NOT lossless (" + ", ".join(
                                                          n for n, ok in zip(("held-out", "training"), verdict)
                                                          if not ok) + ")")
+        paired = {k: [100 * (r[k] - by_seed[r["seed"]][k]) / by_seed[r["seed"]][k] for r in rows
+                      if r["seed"] in by_seed] for k in ("loss_eval", "loss_final")}
+        pm = {k: statistics.fmean(v) if v else float("nan") for k, v in paired.items()}
+        strict = all(abs(v) <= 0.5 for v in pm.values())
+        pair_txt = "" if key == a.baseline else (
+            f"; paired held-out {', '.join(f'{v:+.2f}' for v in paired['loss_eval'])} (mean {pm['loss_eval']:+.2f}%), "
+            f"training {', '.join(f'{v:+.2f}' for v in paired['loss_final'])} (mean {pm['loss_final']:+.2f}%): "
+            + ("paired within 0.5%" if strict else "paired NOT within 0.5%"))
         print(f"{key:<46} {len(rows):>5} {s['loss_eval']['mean']:>13.4f} "
               f"({s['loss_eval']['min']:.4f}-{s['loss_eval']['max']:.4f}) {deltas['loss_eval']:>+6.2f}% "
-              f"{s['loss_final']['mean']:>10.4f} {deltas['loss_final']:>+6.2f}% {tps:>9,.0f}  {word}")
+              f"{s['loss_final']['mean']:>10.4f} {deltas['loss_final']:>+6.2f}% {tps:>9,.0f}  {word}{pair_txt}")
         result[key] = {**s, "delta_pct": deltas, "verdict": word, "seeds": sorted(r["seed"] for r in rows),
-                       "tokens_per_s_mean": tps}
+                       "tokens_per_s_mean": tps, "paired_pct": paired, "paired_mean_pct": pm,
+                       "paired_within_half_pct": strict}
     b = base["loss_eval"]
     print(f"baseline spread: held-out {b['max'] - b['min']:.4f} ({100 * (b['max'] - b['min']) / b['mean']:.2f}%), "
           f"training {base['loss_final']['max'] - base['loss_final']['min']:.4f}; the bound is that or 0.5%")
@@ -81,26 +95,38 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(9, 5))
+        fig, (ax, dax) = plt.subplots(2, 1, figsize=(9, 9), height_ratios=(3, 2))
         w = 25
+        colors = {key: f"C{i}" for i, key in enumerate(groups)}   # the same recipe, the same color in both
+
+        def smooth(v, w=w):
+            return [statistics.fmean(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
+
+        for key, rows in groups.items():
+            if key == a.baseline:
+                continue
+            diffs = [[100 * (x - y) / y for x, y in zip(r["loss_curve"], by_seed[r["seed"]]["loss_curve"])]
+                     for r in rows if r["seed"] in by_seed]
+            n = min(len(d) for d in diffs)
+            dax.plot(range(1, n + 1), smooth([statistics.fmean(d[i] for d in diffs) for i in range(n)], 100),
+                     lw=1.2, label=key, color=colors[key])
+        dax.axhline(0, color="k", lw=0.6)
+        dax.set_xlabel("step")
+        dax.set_ylabel("training loss vs fp8, same seed (%; mean\nover seeds, 100-step mean)")
+        dax.legend(fontsize=8)
         for key, rows in groups.items():
             curves = [r["loss_curve"] for r in rows]
             n = min(len(c) for c in curves)
             mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
             lo = [min(c[i] for c in curves) for i in range(n)]
             hi = [max(c[i] for c in curves) for i in range(n)]
-
-            def smooth(v):
-                return [statistics.fmean(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
-
             xs = range(1, n + 1)
-            line, = ax.plot(xs, smooth(mean), lw=1.2, label=f"{key} ({len(rows)} seeds)")
-            ax.fill_between(xs, smooth(lo), smooth(hi), color=line.get_color(), alpha=0.15)
-        ax.set_xlabel("step")
+            ax.plot(xs, smooth(mean), lw=1.2, label=f"{key} ({len(rows)} seeds)", color=colors[key])
+            ax.fill_between(xs, smooth(lo), smooth(hi), color=colors[key], alpha=0.15)
         ax.set_ylabel(f"training loss ({w}-step mean; band: min-max over seeds)")
         ax.set_yscale("log")
         ax.set_title("Wire recipes, small preset, exchanges simulated on one GPU (same data and seeds per recipe)")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
+        ax.legend(loc="upper right", ncol=1, fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)
         print(f"wrote {a.plot}")
