@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 
+from moe_fp4.compare.config import PRESET_LR
 from moe_fp4.model.decoder import PRESETS
 
 # Sequences per rank. small: 64 x 1024 tokens keep an H200 busy; at 16 the step is bound by the host
@@ -75,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
     c.add_argument("--layers", type=int, default=None,
                    help="decoder layers, >= 2: the first is dense (default: the preset's)")
-    c.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    rates = ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+    c.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW's peak learning rate, warmed up over steps // 10 (at most 100) (default: {rates})")
     c.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     c.add_argument("--data", choices=["stdlib", "random"], default="stdlib",
                    help="tokens: the stdlib's Python source as bytes, or random")
@@ -182,7 +185,7 @@ def write_results(report: dict, out: str, plots: bool = True) -> tuple[list[str]
         _warn(f"could not write to {out} ({e.strerror or e}); wrote the report to {path} instead")
         return [path], False
     ok = True
-    if plots:
+    if plots and report["modes"]:          # (an interrupted run may have no mode to plot)
         try:
             from moe_fp4.compare.plots import write_plots
 
@@ -360,7 +363,11 @@ def compare(a: argparse.Namespace, err) -> int:
 
             dist.destroy_process_group()
     report["meta"]["slow_link"] = bool(a.slow_link and world > 1)
-    return finish(report, a.out, plots=not a.no_plots) if rank == 0 else 0
+    rc = finish(report, a.out, plots=not a.no_plots) if rank == 0 else 0
+    # A run that lost a mode, or was interrupted, wrote what it had and says so in its exit status.
+    if report.get("interrupted"):
+        return 130
+    return max(rc, 1) if report.get("failed") else rc
 
 
 def finish(report: dict, out: str, plots: bool = True) -> int:

@@ -37,6 +37,13 @@ class BatchDoesNotFit(ValueError):
     """The requested batch needs more memory than the budget."""
 
 
+# Each preset's peak learning rate (AdamW; the schedule warms up over steps // 10, at most 100, then decays
+# to 0.55x on a cosine): the rate it trains at without spikes at its default batch. dsv3-layers at 1e-3 went
+# from loss 5.9 to 19 at step 2 (EP 2, batch 16, H200s, d7fb254); at 3e-4 it trains smoothly (300 steps at
+# batch 8 and 16 per rank, EP 2, bench/RESULTS.md 2026-11-28). tiny and small: 1e-3 (every convergence run).
+PRESET_LR = {"tiny": 1e-3, "small": 1e-3, "dsv3-layers": 3e-4}
+
+
 @dataclass(frozen=True)
 class CompareConfig:
     """What ``moe-fp4 compare`` runs. batch: sequences per rank; warmup: untimed first steps (they
@@ -53,6 +60,7 @@ class CompareConfig:
     layer); plan: per mode, choose the policy and micro-batch with the highest measured tokens/s that fits
     ``budget_gib`` at ``global_batch`` (:mod:`moe_fp4.model.planner`) and train with that choice; storage: the
     format the fp4 mode keeps its activations in, "mxfp4" or "nvfp4" (:class:`moe_fp4.StorageFormat`);
+    lr: AdamW's peak learning rate (None: the preset's, PRESET_LR).
     optimizer: "adamw-fp8" (:class:`moe_fp4.model.optim.AdamWFP8Weights`: the FP8 modes' expert weights take a step
     that also writes their FP8 copies, every other parameter torch's fused AdamW step; the bf16 and Hugging
     Face modes have no FP8 weights, so for them it is torch's AdamW) or "adamw" (torch.optim.AdamW for
@@ -66,7 +74,7 @@ class CompareConfig:
     seq: int | None = None
     experts: int | None = None
     layers: int | None = None
-    lr: float = 1e-3
+    lr: float | None = None
     seed: int = 0
     data: str = "stdlib"
     eval_batches: int = 8
@@ -105,6 +113,8 @@ class CompareConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{FLAGS[name]} must be positive, got {v}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", PRESET_LR[self.preset])
         if not (self.lr > 0 and math.isfinite(self.lr)):   # also NaN, which compares False
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.warmup < self.steps:

@@ -82,13 +82,21 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
     return out
 
 
+def sequence_floor_bytes(cfg: CompareConfig) -> float:
+    """Bytes one more sequence adds to a training step at least, in any mode and recomputation policy: each
+    decoder layer keeps its bf16 input [seq, hidden] for backward (issue 49: the search's floor)."""
+    mc = cfg.model
+    return float(mc.seq * mc.hidden * 2 * mc.layers)
+
+
 def largest_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, log=print) -> dict:
     """The exact largest batch whose training step fits ``budget`` bytes per device
     (:func:`search_largest_batch`; each candidate one probe from a freshly built model: step_bytes),
     each probe printed through ``log``. With a global batch, :func:`largest_accumulated_batch` instead."""
     measure = logged(lambda b: step_bytes(cfg, mode, env, corpus, [b])[b], budget, lambda b: f"{mode}: batch {b}",
                      log)
-    return search_largest_batch(measure, budget, max(1, cfg.batch // 2))
+    return search_largest_batch(measure, budget, max(1, cfg.batch // 2), min_step=sequence_floor_bytes(cfg),
+                                log=lambda msg, **k: log(f"  {mode}:{msg[1:]}", **k), log_probes=False)
 
 
 def largest_accumulated_batch(cfg: CompareConfig, mode: str, env: Env, corpus, budget: float, per_rank: int,
@@ -99,7 +107,8 @@ def largest_accumulated_batch(cfg: CompareConfig, mode: str, env: Env, corpus, b
 
     measure = logged(lambda b, passes: step_bytes(cfg, mode, env, corpus, [b], passes)[b], budget,
                      lambda b, passes: _passes(mode, b, passes), log)
-    return search(measure, budget, per_rank, max(1, cfg.batch // 2))
+    return search(measure, budget, per_rank, max(1, cfg.batch // 2), min_step=sequence_floor_bytes(cfg),
+                  log=lambda msg, **k: log(f"  {mode}:{msg[1:]}", **k), log_probes=False)
 
 
 def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, micro: int,

@@ -116,6 +116,10 @@ def table(report: dict) -> str:
              f"{'mode':<8} {'tokens/s/GPU':>12} {'step ms':>9} {'peak mem':>10} {'act mem':>10} {'a2a':>7} "
              f"{'loss':>8} {'eval':>8}"]
     lines += [row_line(r) for r in report["modes"].values()]
+    # Nothing lost (issue 49): a mode that failed is named with its reason; the others' rows stand.
+    lines += [f"{m:<8} failed: {why}" for m, why in report.get("failed", {}).items()]
+    if report.get("interrupted"):
+        lines.append(f"interrupted ({report['interrupted']}): the modes not shown did not finish")
     # Ratios only against a baseline that ran (a run of --modes fp4 alone has none to show).
     against = {mode: d for mode, d in report["ratios"].items() if mode != base and base in report["modes"]}
     if against:

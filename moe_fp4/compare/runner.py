@@ -75,6 +75,7 @@ from moe_fp4.compare.report import (
 )
 from moe_fp4.compare.train import (
     Trainer,
+    _free,
     _quiet,
     train_mode,
 )
@@ -93,8 +94,8 @@ def wire_meta(env: Env, modes) -> dict | None:
     if env.ep is None:
         return None
     given = env.ep.recipe
-    wire = {"recipe": dict(given) if isinstance(given, tuple) else given, "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES},
-            "simulated": env.ep.simulate}
+    wire = {"recipe": dict(given) if isinstance(given, tuple) else given,
+            "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES}, "simulated": env.ep.simulate}
     if env.ep.grad_rules():
         wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience}
     return wire
@@ -143,27 +144,83 @@ def _run(cfg: CompareConfig, env: Env, log, counts: dict, cost) -> dict:
         quiet(line, flush=True)
     for n in report["notes"]:
         quiet("  note: " + n, flush=True)
-    batch, micro, policy = _batches_per_mode(cfg, env, corpus, report, quiet)
-    for m in cfg.modes:
-        quiet(mode_line(m, cfg.steps, batch[m], mc.seq, micro[m], policy[m], cfg.storage, wire), flush=True)
+    report["failed"] = {}
+    with _signals_as_interrupts():
         try:
-            report["modes"][m] = train_mode(replace(cfg, recompute=policy[m], plan=False), m, env, corpus, batch[m],
-                                            quiet, micro_batch=micro[m])
-        except torch.OutOfMemoryError as e:
-            raise BatchDoesNotFit(f"batch {batch[m]} x {mc.seq} does not fit on {meta['device']} in mode {m} "
-                                  f"(out of memory). Lower --batch, or find the largest with --max-batch GIB") from e
-        budget = cfg.max_batch_gib if cfg.max_batch_gib is not None else cfg.budget_gib
-        report["modes"][m]["recompute"] = policy[m]
-        if m == "fp4":
-            report["modes"][m]["storage"] = cfg.storage
-        peak = report["modes"][m]["peak_bytes"]
-        if budget is not None and peak is not None and peak > budget * GiB:
-            report["notes"].append(f"{m}: the training run peaked at {peak / GiB:.2f} GiB, above the {budget:g} GiB "
-                                   f"budget its batch was chosen for")
-        quiet("  " + done_line(report["modes"][m], env.world), flush=True)
+            batch, micro, policy = _batches_per_mode(cfg, env, corpus, report, quiet)
+            for m in cfg.modes:
+                if m in report["failed"]:
+                    continue
+                _train_one(cfg, m, env, corpus, report, batch[m], micro[m], policy[m], wire, quiet)
+        except Interrupted as e:
+            # Nothing lost: the modes done so far are reported and written (issue 49).
+            report["interrupted"] = str(e)
+            quiet(f"interrupted ({e}): the modes done so far are reported", flush=True)
+    if not report["modes"] and report["failed"] and "interrupted" not in report:
+        raise BatchDoesNotFit(next(iter(report["failed"].values())))
     report["ratios"] = ratios(report["modes"], "hf" if cfg.hook else "fp8")
     report["wall_s"] = time.perf_counter() - t0
     return report
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT while compare runs (a kill that can be caught): the run stops and reports what it has."""
+
+
+class _signals_as_interrupts:
+    """Inside: SIGTERM and SIGINT raise :class:`Interrupted` (main thread only; elsewhere nothing changes)."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.old = {}
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, _frame):
+                raise Interrupted(signal.Signals(signum).name)
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def _train_one(cfg: CompareConfig, m: str, env: Env, corpus, report: dict, batch: int, micro, policy, wire,
+               quiet) -> None:
+    """Train mode ``m`` into report["modes"], or name its failure in report["failed"] (out of memory, or a
+    one-line ValueError) and go on with the next mode."""
+    mc = cfg.model
+    quiet(mode_line(m, cfg.steps, batch, mc.seq, micro, policy, cfg.storage, wire), flush=True)
+    try:
+        row = train_mode(replace(cfg, recompute=policy, plan=False), m, env, corpus, batch, quiet, micro_batch=micro)
+    except torch.OutOfMemoryError:
+        _free(env)
+        why = (f"batch {batch} x {mc.seq} does not fit on {report['meta']['device']} in mode {m} (out of memory). "
+               f"Lower --batch, or find the largest with --max-batch GIB")
+        report["failed"][m] = why
+        quiet(f"  {m} failed: {why}", flush=True)
+        return
+    except ValueError as e:
+        _free(env)
+        report["failed"][m] = str(e)
+        quiet(f"  {m} failed: {e}", flush=True)
+        return
+    report["modes"][m] = row
+    budget = cfg.max_batch_gib if cfg.max_batch_gib is not None else cfg.budget_gib
+    row["recompute"] = policy
+    if m == "fp4":
+        row["storage"] = cfg.storage
+    peak = row["peak_bytes"]
+    if budget is not None and peak is not None and peak > budget * GiB:
+        report["notes"].append(f"{m}: the training run peaked at {peak / GiB:.2f} GiB, above the {budget:g} GiB "
+                               f"budget its batch was chosen for")
+    quiet("  " + done_line(row, env.world), flush=True)
 
 
 def _probes(found: dict) -> str:
@@ -217,8 +274,11 @@ def _batches_per_mode(cfg: CompareConfig, env: Env, corpus, report: dict, log) -
                 found = largest_batch(cfg, m, env, corpus, budget, log)
             report["max_batch"][m] = found
             if found["batch_max"] == 0:
-                raise BatchDoesNotFit(f"mode {m}: not even one sequence of {mc.seq} fits in {cfg.max_batch_gib:g} GiB "
-                                      f"per device (probes: {_probes(found)})")
+                # This mode is not trained; the others are (issue 49: nothing lost).
+                report["failed"][m] = (f"mode {m}: not even one sequence of {mc.seq} fits in "
+                                       f"{cfg.max_batch_gib:g} GiB per device (probes: {_probes(found)})")
+                log(f"  {m} failed: {report['failed'][m]}", flush=True)
+                continue
             batch[m] = found["batch_max"]
     if cfg.global_batch is not None and not cfg.plan:
         per_rank = per_rank_batch(cfg.global_batch, env.world)

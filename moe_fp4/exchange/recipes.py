@@ -1,15 +1,15 @@
 """Wire recipes: the format of each of the four expert-parallel exchanges, by name.
 
-| recipe         | dispatch | combine | dispatch_grad | combine_grad | who sends this                                   |
-| -------------- | -------- | ------- | ------------- | ------------ | ------------------------------------------------ |
-| `bf16`         | bf16     | bf16    | bf16          | bf16         | the bf16 mode                                    |
-| `fp8-dispatch` | fp8      | bf16    | bf16          | bf16         | the fp8 mode until 2026-11-28                    |
-| `fp8`          | fp8      | bf16    | bf16          | fp8          | DeepEP-class systems; the fp8 mode's default     |
-| `paper`        | mxfp4    | bf16    | bf16          | bf16         | arXiv 2603.02731; fp4's default until 2026-11-28 |
-| `fp4`          | mxfp4    | bf16    | bf16          | mxfp4        | both GEMM-feeding streams in 4 bits              |
-| `fp4-sr`       | mxfp4    | bf16    | bf16          | mxfp4-sr     | the same, stochastic rounding; fp4's default     |
-| `fp4-fp8sums`  | mxfp4    | fp8     | fp8           | mxfp4        | the summed streams in FP8 1x128                  |
-| `fp4-all`      | mxfp4    | mxfp4   | mxfp4-sr      | mxfp4-sr     | every exchange in 4 bits (the most compressed)   |
+| recipe         | dispatch | combine | dispatch_grad | combine_grad | who sends this                                |
+| -------------- | -------- | ------- | ------------- | ------------ | --------------------------------------------- |
+| `bf16`         | bf16     | bf16    | bf16          | bf16         | the bf16 mode                                 |
+| `fp8-dispatch` | fp8      | bf16    | bf16          | bf16         | the fp8 mode until 2026-11-28                 |
+| `fp8`          | fp8      | bf16    | bf16          | fp8          | DeepEP-class systems; the fp8 mode's default  |
+| `paper`        | mxfp4    | bf16    | bf16          | bf16         | arXiv 2603.02731; fp4's until 2026-11-28      |
+| `fp4`          | mxfp4    | bf16    | bf16          | mxfp4        | both GEMM-feeding streams in 4 bits           |
+| `fp4-sr`       | mxfp4    | bf16    | bf16          | mxfp4-sr     | the same, stochastic rounding; fp4's default  |
+| `fp4-fp8sums`  | mxfp4    | fp8     | fp8           | mxfp4        | the summed streams in FP8 1x128               |
+| `fp4-all`      | mxfp4    | mxfp4   | mxfp4-sr      | mxfp4-sr     | every exchange in 4 bits: the most compressed |
 
 The two streams that feed a GEMM (the dispatch: the experts' input; the combine's gradient: their dY) are
 quantized to FP8 for that GEMM on arrival anyway, so sending them quantized costs little accuracy. The

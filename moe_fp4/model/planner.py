@@ -65,30 +65,61 @@ def micro_batch(per_rank: int, cap: int) -> int:
 
 
 MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 after the first three
+# Without a floor per sequence (min_step) a fitted prediction is capped at this many times the largest batch
+# measured to fit: a line through two probes that barely differ (weights and optimizer state dominate)
+# predicts absurd batches (issue 49: 5,085,096 after two dsv3-layers probes). With the floor, such a line is
+# not fitted, and a batch the floor already rules out is not measured.
+PREDICTION_CAP = 4
 
 
 def search_largest_batch(measure, budget: float, first: int, max_probes: int = MAX_SEARCH_PROBES,
-                         log=None, most: int | None = None) -> dict:
+                         log=None, most: int | None = None, min_step: float | None = None,
+                         log_probes: bool = True) -> dict:
     """The exact largest batch b >= 0 with measure(b) <= budget, for a measure that does not decrease
     with the batch. measure(b) -> bytes (inf: does not fit, e.g. out of memory); every candidate is
     measured, none is predicted.
 
     Probes ``first`` and ``2 * first``, fits peak = fixed + slope * batch through them and measures the
-    prediction and its neighbour, then brackets (doubling past the largest fit while everything fits)
-    and bisects between the largest batch that fits and the smallest that does not. -> {"batch_max",
-    "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1
-    was measured not to fit, or is above ``most`` (False only when max_probes ran out)}. ``most``: no batch
-    above it is wanted (the search returns at most ``most``)."""
+    prediction (without ``min_step``: at most PREDICTION_CAP times the largest batch that fit) and its neighbour, then
+    brackets (doubling past the largest fit while everything fits) and bisects between the largest
+    batch that fits and the smallest that does not. ``min_step``: bytes one more sequence adds at least
+    (e.g. each layer's bf16 input): two probes closer than that per sequence are not fitted (the search
+    steps up geometrically instead), and a batch whose bytes must exceed the budget by that floor, from the
+    largest measured fit, is not measured (no memory proportional to an absurd batch is ever asked for),
+    except the one just above the answer, measured to make it exact. At most ``max_probes`` measurements:
+    a search that runs out says so through ``log`` and returns the largest batch that fit (``log_probes``
+    False: ``log`` gets those lines but not each measurement's, which ``measure`` prints). -> {"batch_max",
+    "probe": {str(batch): bytes}, "bytes_per_sequence", "fixed_bytes", "exact": whether batch_max + 1 was
+    measured not to fit, or is above ``most`` (False only when max_probes ran out), "skipped": {str(batch):
+    the floor that ruled it out}}. ``most``: no batch above it is wanted (the search returns at most ``most``)."""
     probe: dict[int, float] = {}
+    skipped: dict[int, float] = {}
     log = log or (lambda *a, **k: None)
+    state = {"lo": 0}                                   # the largest batch measured to fit (0 always does)
 
-    def fits(b: int) -> bool:
+    def fits(b: int, bound: bool = True) -> bool:
         if most is not None and b > most:
             return False                                # above the cap: never measured
         if b not in probe:
+            lo = state["lo"]
+            floor = probe[lo] + (b - lo) * min_step if min_step and lo in probe else None
+            if bound and floor is not None and floor > budget:
+                skipped[b] = floor
+                log(f"  batch {b}: does not fit, not measured: at least {gib_digits(floor)} GiB (batch {lo}'s "
+                    f"{gib_digits(probe[lo])} GiB + {gib_digits(min_step)} GiB a sequence)", flush=True)
+                return False
+            if len(probe) >= max_probes:
+                return False
             probe[b] = float(measure(b))
-            log(f"  batch {b}: {probe_verdict(probe[b], budget)}", flush=True)
-        return probe[b] <= budget
+            if log_probes:
+                log(f"  batch {b}: {probe_verdict(probe[b], budget)}", flush=True)
+        ok = probe[b] <= budget
+        if ok and b > state["lo"]:
+            state["lo"] = b
+        return ok
+
+    def spent() -> bool:
+        return len(probe) >= max_probes
 
     first = max(1, int(first))
     lo, hi = 0, None                                    # lo fits (0 always does), hi does not
@@ -103,48 +134,65 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
     if math.isfinite(p1) and math.isfinite(p2) and p2 > p1:
         slope = (p2 - p1) / first
         fixed = p1 - slope * first
+    if slope is not None and min_step and slope < min_step:
+        log(f"  batches {first} and {2 * first} differ by {gib_digits(slope)} GiB a sequence, less than one adds "
+            f"({gib_digits(min_step)} GiB): stepping up from batch {lo} instead of predicting", flush=True)
+    elif slope is not None and hi is None:
         guess = int((budget - fixed) // slope)
+        if not min_step:
+            guess = min(guess, PREDICTION_CAP * max(lo, 1))
         for b in (guess, guess + 1):                    # the prediction and its neighbour bracket it when exact
-            if b > lo and (hi is None or b < hi) and len(probe) < max_probes:
+            if b > lo and (hi is None or b < hi) and not spent():
                 if fits(b):
                     lo = b
                 else:
                     hi = b
                     break
-    while hi is None and len(probe) < max_probes:       # everything fitted so far: double until it does not
+    while hi is None and not spent():                   # everything fitted so far: double until it does not
         b = max(2 * lo, lo + 1)
         if fits(b):
             lo = b
         else:
             hi = b
-    while hi is not None and hi - lo > 1 and len(probe) < max_probes:
+    while hi is not None and hi - lo > 1 and not spent():
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
+    if hi == lo + 1 and hi in skipped and not spent():  # ruled out by the floor: measure it, for an exact answer
+        if fits(hi, bound=False):
+            raise ValueError(f"search_largest_batch: batch {hi} fits ({gib_digits(probe[hi])} GiB) although "
+                             f"min_step put it at {gib_digits(skipped[hi])} GiB or more: min_step is not a floor")
+    exact = hi == lo + 1 and (hi in probe or (most is not None and hi > most))
+    if not exact and spent():
+        log(f"  the search stopped at its bound of {max_probes} probes: batch {lo} fits, "
+            f"{'nothing above it was measured not to fit' if hi is None else f'batch {hi} does not'}", flush=True)
     return {"batch_max": lo, "probe": {str(k): v for k, v in sorted(probe.items())}, "bytes_per_sequence": slope,
-            "fixed_bytes": fixed, "exact": hi == lo + 1}
+            "fixed_bytes": fixed, "exact": exact, "skipped": {str(k): v for k, v in sorted(skipped.items())}}
 
 
-
-def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None) -> dict:
+def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None,
+                        min_step: float | None = None, log_probes: bool = True) -> dict:
     """The largest micro-batch of a step of ``batch`` sequences that fits ``budget``. measure(b, passes) ->
     bytes of a step of ``passes`` micro-batches of b. The whole batch in one pass is measured first; if
     it does not fit, :func:`search_largest_batch` finds the exact largest b < batch of an accumulated
     step of two passes (a later pass holds the earlier passes' gradients, so that curve lies above the
-    one-pass step: not one monotone function). -> search_largest_batch's dict, "probe" keyed
+    one-pass step: not one monotone function). ``min_step``: bytes one more sequence adds at least to a pass
+    (search_largest_batch's, doubled for two passes). -> search_largest_batch's dict, "probe" keyed
     "B in one pass" for the one-pass measurement, and "one_pass": whether the whole batch fit."""
     log = log or (lambda *a, **k: None)
     whole = float(measure(batch, 1))
-    log(f"  the whole batch of {batch} in one pass: {probe_verdict(whole, budget)}", flush=True)
+    if log_probes:
+        log(f"  the whole batch of {batch} in one pass: {probe_verdict(whole, budget)}", flush=True)
     key = f"{batch} in one pass"
     if whole <= budget or batch == 1:
         fits = whole <= budget
         return {"batch_max": batch if fits else 0, "probe": {key: whole}, "bytes_per_sequence": None,
-                "fixed_bytes": None, "exact": True, "one_pass": fits}
+                "fixed_bytes": None, "exact": True, "one_pass": fits, "skipped": {}}
     found = search_largest_batch(lambda b: measure(b, 2), budget, min(max(1, first), batch - 1), most=batch - 1,
-                                 log=lambda msg, **k: log("  two passes:" + msg[1:], **k))
+                                 log=lambda msg, **k: log("  two passes:" + msg[1:], **k),
+                                 min_step=None if min_step is None else 2 * min_step, log_probes=log_probes)
     return {**found, "probe": {key: whole, **found["probe"]}, "one_pass": False}
 
 

@@ -248,7 +248,8 @@ def test_help_is_written_for_a_terminal(capsys, monkeypatch):
     wide = _help(monkeypatch, capsys, 200)
     options = {line.split()[0]: line for line in wide.splitlines() if line.startswith("  --")}
     assert options["--out"].endswith("(default: moe_fp4_compare)"), options["--out"]
-    assert options["--lr"].endswith("(default: 0.001)") and options["--profile-steps"].endswith("(default: 3)")
+    assert options["--lr"].endswith("(default: tiny 0.001, small 0.001, dsv3-layers 0.0003)"), options["--lr"]
+    assert options["--profile-steps"].endswith("(default: 3)")
     assert options["--batch"].endswith("(default: tiny 4, small 64, dsv3-layers 2)"), options["--batch"]
     assert "GiB" in options["--max-batch"] and "tokens" in options["--seq"]
     assert "(default: None)" not in wide and "(default: False)" not in wide

@@ -10,6 +10,7 @@ moe_fp4 is imported inside the tests, as in test_compare.py.
 
 import importlib.util
 import io
+import json
 import logging
 import re
 import sys
@@ -310,35 +311,95 @@ def test_memory_plot_keeps_the_legend_off_the_bars(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# An out of memory in the training run itself (not in a batch-search probe) ends in the one-line error
-# and exit 2, naming the batch, the device and the mode, with no traceback.
+# A mode that fails in training (out of memory, a one-line error) or a kill the process can catch loses
+# nothing (issue 49): the modes done are printed and written, the failure is named, and the exit status
+# says the run is partial (1; 130 when interrupted). A run where no mode finished ends in the one-line
+# error and exit 2, naming the batch, the device and the mode, with no traceback.
 
-def test_out_of_memory_in_training_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
-    import torch
+OOM_LINE = (r"batch \d+ x 64 does not fit on .+ in mode fp8 \(out of memory\)\. "
+            r"Lower --batch, or find the largest with --max-batch GIB")
 
+
+def _failing_run(monkeypatch, tmp_path, modes, fail):
+    """moe-fp4 compare on the tiny preset with train_mode replaced: ``fail(mode)`` raises for the modes it
+    chooses, the others train for real -> (exit code, the modes trained)."""
     import moe_fp4.compare.cli
     import moe_fp4.compare.runner
     from helpers import torch_references
 
     trained = []
 
-    def runs_out(cfg, mode, *a, **k):
-        if mode == "fp8":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    def maybe_fails(cfg, mode, *a, **k):
+        fail(mode)
         trained.append(mode)
         return real(cfg, mode, *a, **k)
 
     real = moe_fp4.compare.runner.train_mode
-    monkeypatch.setattr(moe_fp4.compare.runner, "train_mode", runs_out)
+    monkeypatch.setattr(moe_fp4.compare.runner, "train_mode", maybe_fails)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    with torch_references():   # the bf16 mode trains for real: the references, not the interpreter
+    with torch_references():   # the modes that train do so for real: the references, not the interpreter
         code = moe_fp4.compare.cli.main(["compare", "--preset", "tiny", "--steps", "1", "--batch", "1",
-                                         "--modes", "bf16", "fp8", "--data", "random", "--no-progress",
+                                         "--modes", *modes, "--data", "random", "--no-progress",
                                          "--no-plots", "--out", str(tmp_path)])
-    assert code == 2
-    assert trained == ["bf16"]      # the run went as far as the mode that ran out
+    return code, trained
+
+
+def _oom_in_fp8(mode):
+    import torch
+
+    if mode == "fp8":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("modes", [("bf16", "fp8"), ("fp8", "bf16")])
+def test_out_of_memory_in_one_mode_keeps_the_others(monkeypatch, capsys, tmp_path, modes):
+    code, trained = _failing_run(monkeypatch, tmp_path, modes, _oom_in_fp8)
+    assert code == 1 and trained == ["bf16"]           # fp8 failed; bf16 trained, before or after it
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert list(report["modes"]) == ["bf16"] and re.fullmatch(OOM_LINE, report["failed"]["fp8"])
+    assert re.search(r"^fp8      failed: " + OOM_LINE + "$", out, re.M), out     # in the table too
+    assert re.search(r"^bf16 +[\d,]+ ", out, re.M), out
+
+
+def test_out_of_memory_in_the_only_mode_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    code, trained = _failing_run(monkeypatch, tmp_path, ("fp8",), _oom_in_fp8)
+    assert code == 2 and trained == []
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
-    assert re.fullmatch(r"moe-fp4 compare: error: batch \d+ x 64 does not fit on .+ in mode fp8 \(out of memory\)\. "
-                        r"Lower --batch, or find the largest with --max-batch GIB", err[0]), err[0]
+    assert re.fullmatch("moe-fp4 compare: error: " + OOM_LINE, err[0]), err[0]
+    assert not (tmp_path / "compare.json").exists()
+
+
+def test_interrupted_run_writes_the_modes_done(monkeypatch, capsys, tmp_path):
+    import os
+    import signal
+
+    def killed_at_fp4(mode):
+        if mode == "fp4":
+            os.kill(os.getpid(), signal.SIGTERM)       # what torchrun or a scheduler sends
+
+    code, trained = _failing_run(monkeypatch, tmp_path, ("bf16", "fp4", "fp8"), killed_at_fp4)
+    assert code == 130 and trained == ["bf16"]
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert list(report["modes"]) == ["bf16"] and report["interrupted"] == "SIGTERM"
+    assert "interrupted (SIGTERM): the modes not shown did not finish" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the handler is gone after the run
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets that train (issue 49): the learning rate comes from the preset unless --lr gives one.
+
+@pytest.mark.parametrize("preset,lr", [("tiny", 1e-3), ("small", 1e-3), ("dsv3-layers", 3e-4)])
+def test_learning_rate_defaults_come_from_the_preset(preset, lr, tmp_path):
+    from moe_fp4.compare.cli import _check, _parser
+    from moe_fp4.compare.config import PRESET_LR, CompareConfig
+
+    assert PRESET_LR[preset] == lr
+    assert CompareConfig(preset=preset).lr == lr
+    assert CompareConfig(preset=preset, lr=5e-4).lr == 5e-4
+    a = _parser().parse_args(["compare", "--preset", preset, "--out", str(tmp_path)])
+    assert _check(a, cuda=False).lr == lr
+    a = _parser().parse_args(["compare", "--preset", preset, "--lr", "2e-4", "--out", str(tmp_path)])
+    assert _check(a, cuda=False).lr == 2e-4

@@ -267,3 +267,99 @@ def test_table_shows_no_ratios_without_the_baseline():
     text = table(report)
     assert "ratios vs" not in text and "nan" not in text
     assert "fp4      recompute none, micro-batch 22 x 3 passes" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# A search that cannot run away (issue 49): flat first probes, a floor per sequence, probes that fail.
+
+GB = 2**30
+
+
+def _flat_then_rising(calls, fixed=66 * GB, per=GB, flat=2, tiny=1000, oom_from=None):
+    """Memory of a step whose first batches barely differ (weights and optimizer state dominate: dsv3-layers
+    measured 66.66 GiB at batch 1 and 2) and then rise by ``per`` a sequence; out of memory from
+    ``oom_from``. Records every batch asked for in ``calls``."""
+    def measure(b):
+        calls.append(b)
+        assert b < 10_000, f"asked for batch {b}: memory proportional to an absurd batch"
+        if oom_from is not None and b >= oom_from:
+            return math.inf
+        return fixed + tiny * b + max(0, b - flat) * per
+    return measure
+
+
+def _brute_largest(measure, budget, top=10_000):
+    b = 0
+    while b + 1 < top and measure(b + 1) <= budget:
+        b += 1
+    return b
+
+
+@pytest.mark.parametrize("budget_gib", [70, 80, 100, 139])
+def test_search_with_flat_first_probes_steps_up_and_ends_exact(budget_gib):
+    from moe_fp4.model.planner import search_largest_batch
+
+    budget = budget_gib * GB
+    calls, lines = [], []
+    found = search_largest_batch(_flat_then_rising(calls), budget, 1, min_step=0.5 * GB,
+                                 log=lambda m, **k: lines.append(m))
+    want = _brute_largest(_flat_then_rising([]), budget)
+    assert found["batch_max"] == want and found["exact"], (found, want)
+    assert len(calls) <= 16 and max(calls) <= 4 * want + 4, calls          # issue 49: at most 16 probes
+    assert want + 1 in calls                                               # batch_max + 1 measured
+    assert any("stepping up from batch 2 instead of predicting" in m for m in lines), lines
+
+
+def test_search_without_a_floor_caps_the_prediction():
+    # The same flat probes without min_step: the line through them predicts about 34 million sequences; the
+    # search measures at most PREDICTION_CAP times the largest fit, then brackets and bisects.
+    from moe_fp4.model.planner import PREDICTION_CAP, search_largest_batch
+
+    calls = []
+    found = search_largest_batch(_flat_then_rising(calls), 100 * GB, 1)
+    assert found["batch_max"] == _brute_largest(_flat_then_rising([]), 100 * GB) and found["exact"]
+    assert calls[:3] == [1, 2, 2 * PREDICTION_CAP], calls
+
+
+def test_search_floor_rules_out_batches_without_measuring_them():
+    from moe_fp4.model.planner import search_largest_batch
+
+    calls, lines = [], []
+    # A prediction from honest probes, but far away: the floor puts it above the budget, unmeasured.
+    found = search_largest_batch(_flat_then_rising(calls, flat=0), 80 * GB, 1, min_step=0.9 * GB,
+                                 log=lambda m, **k: lines.append(m))
+    assert found["batch_max"] == _brute_largest(_flat_then_rising([], flat=0), 80 * GB) and found["exact"]
+    assert set(map(int, found["skipped"])).isdisjoint(calls)
+    assert all(v > 80 * GB for v in found["skipped"].values())
+    assert all("not measured: at least" in m for m in lines if "not measured" in m)
+
+
+@pytest.mark.parametrize("oom_from", [1, 2, 3, 17, 40])
+def test_search_with_probes_that_fail(oom_from):
+    # Out of memory (inf) from some batch on, below the budget's answer or above it.
+    from moe_fp4.model.planner import search_largest_batch
+
+    calls = []
+    found = search_largest_batch(_flat_then_rising(calls, oom_from=oom_from), 100 * GB, 1, min_step=0.5 * GB)
+    want = _brute_largest(_flat_then_rising([], oom_from=oom_from), 100 * GB)
+    assert found["batch_max"] == want and found["exact"], (oom_from, found)
+    assert len(calls) <= 16, calls
+
+
+def test_search_that_runs_out_of_probes_says_so():
+    from moe_fp4.model.planner import search_largest_batch
+
+    calls, lines = [], []
+    found = search_largest_batch(_flat_then_rising(calls), 100 * GB, 1, min_step=0.5 * GB, max_probes=4,
+                                 log=lambda m, **k: lines.append(m))
+    assert len(calls) == 4 and not found["exact"]
+    assert found["batch_max"] == max(b for b in calls if b <= 34)           # the largest batch measured to fit
+    assert any(m.startswith("  the search stopped at its bound of 4 probes") for m in lines), lines
+
+
+def test_search_refuses_a_floor_that_is_not_one():
+    # min_step above what a sequence really adds: the batch it ruled out is measured at the end and fits.
+    from moe_fp4.model.planner import search_largest_batch
+
+    with pytest.raises(ValueError, match="min_step is not a floor"):
+        search_largest_batch(lambda b: b * 1.0, 10.0, 1, min_step=100.0)
