@@ -403,3 +403,24 @@ def test_learning_rate_defaults_come_from_the_preset(preset, lr, tmp_path):
     assert _check(a, cuda=False).lr == lr
     a = _parser().parse_args(["compare", "--preset", preset, "--lr", "2e-4", "--out", str(tmp_path)])
     assert _check(a, cuda=False).lr == 2e-4
+
+
+def test_held_out_batches_are_the_same_for_every_seed():
+    # Seeds change the weights and the training batches, not the held-out set the runs are judged on
+    # (issue 47's convergence matrix compares seeds); random tokens keep their own seed + 1.
+    import torch
+
+    from moe_fp4.compare.config import CompareConfig, Env
+    from moe_fp4.compare.data import stdlib_corpus
+    from moe_fp4.compare.train import _batches
+
+    env, corpus = Env(torch.device("cpu")), stdlib_corpus()
+    held = [_batches(CompareConfig(preset="tiny", seed=s), env, corpus, held_out=True).next(4) for s in (0, 5)]
+    train = [_batches(CompareConfig(preset="tiny", seed=s), env, corpus).next(4) for s in (0, 5)]
+    assert all(torch.equal(a, b) for a, b in zip(*held))
+    assert not torch.equal(train[0][0], train[1][0])
+    rand = [_batches(CompareConfig(preset="tiny", seed=s, data="random"), env, None, held_out=True).next(4)
+            for s in (0, 1)]
+    assert not torch.equal(rand[0][0], rand[1][0])
+    train1 = _batches(CompareConfig(preset="tiny", seed=1, data="random"), env, None).next(4)
+    assert not torch.equal(train1[0], rand[1][0])          # seed 1's training batches are not its held-out ones
