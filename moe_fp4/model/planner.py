@@ -80,8 +80,8 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
     measured, none is predicted.
 
     Probes ``first`` and ``2 * first``, fits peak = fixed + slope * batch through them and measures the
-    prediction (without ``min_step``: at most PREDICTION_CAP times the largest batch that fit) and its neighbour, then
-    brackets (doubling past the largest fit while everything fits) and bisects between the largest
+    prediction (without ``min_step``: at most PREDICTION_CAP times the largest batch that fit) and its
+    neighbour, then brackets (doubling past the largest fit while everything fits) and bisects between the largest
     batch that fits and the smallest that does not. ``min_step``: bytes one more sequence adds at least
     (e.g. each layer's bf16 input): two probes closer than that per sequence are not fitted (the search
     steps up geometrically instead), and a batch whose bytes must exceed the budget by that floor, from the
@@ -179,7 +179,8 @@ def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None
     it does not fit, :func:`search_largest_batch` finds the exact largest b < batch of an accumulated
     step of two passes (a later pass holds the earlier passes' gradients, so that curve lies above the
     one-pass step: not one monotone function). ``min_step``: bytes one more sequence adds at least to a pass
-    (search_largest_batch's, doubled for two passes). -> search_largest_batch's dict, "probe" keyed
+    (search_largest_batch's; one pass's activations are alive at a time, so the same floor holds for two
+    passes of b). -> search_largest_batch's dict, "probe" keyed
     "B in one pass" for the one-pass measurement, and "one_pass": whether the whole batch fit."""
     log = log or (lambda *a, **k: None)
     whole = float(measure(batch, 1))
@@ -192,7 +193,7 @@ def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None
                 "fixed_bytes": None, "exact": True, "one_pass": fits, "skipped": {}}
     found = search_largest_batch(lambda b: measure(b, 2), budget, min(max(1, first), batch - 1), most=batch - 1,
                                  log=lambda msg, **k: log("  two passes:" + msg[1:], **k),
-                                 min_step=None if min_step is None else 2 * min_step, log_probes=log_probes)
+                                 min_step=min_step, log_probes=log_probes)
     return {**found, "probe": {key: whole, **found["probe"]}, "one_pass": False}
 
 
