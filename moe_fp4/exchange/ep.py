@@ -110,19 +110,25 @@ class EPConfig:
                              f"got {self.auto_format.value}")
         if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
             raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
+        # Each precision's formats, resolved once: the layer reads them every forward.
+        given = {} if isinstance(self.recipe, str) else dict(self.recipe or ())
+        wires = {}
         for precision in PRECISION_RECIPE:
-            d = self.wire(precision).dispatch
-            if d not in DISPATCH_FORMATS:
+            name = self.recipe if isinstance(self.recipe, str) else given.get(precision)
+            base = recipe(name) if name is not None else default_recipe(precision)
+            wires[precision] = base.with_(**{r: getattr(self, r) for r in ROLES})
+            if wires[precision].dispatch not in DISPATCH_FORMATS:
                 raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
-                                 f"got {d.value}")
+                                 f"got {wires[precision].dispatch.value}")
+        object.__setattr__(self, "_wires", wires)
 
     def wire(self, precision) -> WireRecipe:
         """The formats a layer of ``precision`` ("bf16" | "fp8" | "fp4") sends: the recipe (or the
         precision's default recipe), with the roles set here in its place."""
-        name = self.recipe if isinstance(self.recipe, str) else dict(self.recipe or ()).get(
-            getattr(precision, "value", precision))
-        base = recipe(name) if name is not None else default_recipe(precision)
-        return base.with_(**{r: getattr(self, r) for r in ROLES})
+        key = getattr(precision, "value", precision)
+        if key not in self._wires:
+            raise ValueError(f"EPConfig.wire: no precision {precision!r}; one of {', '.join(self._wires)}")
+        return self._wires[key]
 
     def grad_rules(self) -> dict[str, "GradWireRule"]:
         """A fresh :class:`GradWireRule` for each gradient set to "auto" (one set per MoE layer)."""
@@ -258,6 +264,17 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
     return ReceivedRoute(src_row, row_pair)
 
 
+def _gathered(recv: torch.Tensor, fmt: WireFormat, hidden: int, src: torch.Tensor, dtype):
+    """recv: uint8 [R + 1, B] wire rows, the last one zero -> the rows ``src`` picks, in their wire format:
+    MXFP4Tensor or FP8BlockTensor [len(src), H] (expert order; the zero row for padding rows)."""
+    d, s = views(recv, fmt, hidden)
+    if base_format(fmt) is WireFormat.MXFP4:
+        return MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (src.numel(), hidden), dtype)
+    # The zero row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
+    views(recv[-1:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
+    return FP8BlockTensor(d.index_select(0, src), m_major(s.index_select(0, src)), (src.numel(), hidden), dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, experts, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
@@ -289,21 +306,14 @@ class _Dispatch(torch.autograd.Function):
         src = route.src_row                                                   # row r: the zero padding row
         if fmt in UNQUANTIZED:
             return views(recv, fmt, hidden, x.dtype)[0].index_select(0, src).to(x.dtype), recv_w, None, route
-        if fmt is WireFormat.MXFP4:
-            d, s = views(recv, fmt, hidden)
-            xq = MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (plan.rows, hidden), x.dtype)
-        elif fmt is WireFormat.NVFP4:
+        if fmt is WireFormat.NVFP4:
             # Each received row to FP8 with its sender's tensor scale (one pass), then expanded; the zero
             # padding row (tensor scale 0) gives zeros with the scale 2^-126.
             f = unpack(recv, fmt, hidden, OutputFormat.FP8, x.dtype)
             xq = FP8BlockTensor(f.data.index_select(0, src), m_major(f.scale.index_select(0, src)),
                                 (plan.rows, hidden), x.dtype)
         else:
-            # The padding row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
-            views(recv[r:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
-            codes = recv[:, :hidden].index_select(0, src).view(torch.float8_e4m3fn)
-            scales = m_major(views(recv, fmt, hidden)[1].index_select(0, src))
-            xq = FP8BlockTensor(codes, scales, (plan.rows, hidden), x.dtype)
+            xq = _gathered(recv, fmt, hidden, src, x.dtype)       # MXFP4 or FP8 rows, in expert order
         return grad_carrier(plan.rows, hidden, x.dtype, x.device), recv_w, xq, route
 
     @staticmethod
@@ -354,17 +364,6 @@ class GradSlot:
     def take(self):
         rows, self.rows = self.rows, None
         return rows
-
-
-def _gathered(recv: torch.Tensor, fmt: WireFormat, hidden: int, src: torch.Tensor, dtype):
-    """recv: uint8 [R + 1, B] wire rows, the last one zero -> the rows ``src`` picks, in their wire format:
-    MXFP4Tensor or FP8BlockTensor [len(src), H] (expert order; the zero row for padding rows)."""
-    d, s = views(recv, fmt, hidden)
-    if base_format(fmt) is WireFormat.MXFP4:
-        return MXFP4Tensor(d.index_select(0, src), s.index_select(0, src), (src.numel(), hidden), dtype)
-    # The zero row's scales must be valid powers of two: 2^-126, an all-zero tile's scale.
-    views(recv[-1:], fmt, hidden)[1].fill_(2.0 ** FP8_EXP_MIN)
-    return FP8BlockTensor(d.index_select(0, src), m_major(s.index_select(0, src)), (src.numel(), hidden), dtype)
 
 
 class _Combine(torch.autograd.Function):
