@@ -95,14 +95,13 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
     probe: dict[int, float] = {}
     skipped: dict[int, float] = {}
     log = log or (lambda *a, **k: None)
-    state = {"lo": 0}                                   # the largest batch measured to fit (0 always does)
-
     def fits(b: int, bound: bool = True) -> bool:
         if most is not None and b > most:
             return False                                # above the cap: never measured
         if b not in probe:
-            lo = state["lo"]
-            floor = probe[lo] + (b - lo) * min_step if min_step and lo in probe else None
+            # The floor counts from the largest batch measured to fit (none yet: no floor).
+            lo = max((k for k, v in probe.items() if v <= budget), default=None)
+            floor = probe[lo] + (b - lo) * min_step if min_step and lo is not None else None
             if bound and floor is not None and floor > budget:
                 skipped[b] = floor
                 log(f"  batch {b}: does not fit, not measured: at least {gib_digits(floor)} GiB (batch {lo}'s "
@@ -113,10 +112,7 @@ def search_largest_batch(measure, budget: float, first: int, max_probes: int = M
             probe[b] = float(measure(b))
             if log_probes:
                 log(f"  batch {b}: {probe_verdict(probe[b], budget)}", flush=True)
-        ok = probe[b] <= budget
-        if ok and b > state["lo"]:
-            state["lo"] = b
-        return ok
+        return probe[b] <= budget
 
     def spent() -> bool:
         return len(probe) >= max_probes
