@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="PNG", help="tokens/s against budget, one line per mode")
     a = p.parse_args(argv)
+    from moe_fp4.compare.memory import prefer_expandable_segments
+    prefer_expandable_segments()   # before the first CUDA allocation, as moe-fp4 compare does
     if not torch.cuda.is_available():
         print("budget_curve.py measures memory with CUDA's allocator: it needs a GPU", file=sys.stderr)
         return 2

@@ -332,10 +332,12 @@ def compare(a: argparse.Namespace, err) -> int:
     import torch
 
     from moe_fp4.compare.config import Env
+    from moe_fp4.compare.memory import prefer_expandable_segments
     from moe_fp4.compare.preflight import optional_notes
     from moe_fp4.compare.runner import run   # looked up here: tests replace runner.run
     from moe_fp4.exchange.ep import EPConfig
 
+    prefer_expandable_segments()   # before anything allocates on the GPU: budgets measure what the card holds
     try:
         cfg = _check(a, torch.cuda.is_available())
     except ValueError as e:

@@ -9,6 +9,7 @@ optimizer state and saved activations; there is no allocator to ask), so CPU bud
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -33,6 +34,21 @@ def logged(measure, budget: float, name, log):
 def _passes(mode: str, batch: int, passes: int) -> str:
     return f"{mode}: the whole batch of {batch} in one pass" if passes == 1 else \
         f"{mode}: {passes} passes of {batch}"
+
+
+# The caching allocator's setting for every run that measures memory against a budget, unless the user set one.
+# With fixed-size segments a dsv3-layers step fragments: on an H200 (140.4 GiB) probes whose peak allocation was
+# 129-131 GiB went out of memory one sequence later, and a batch the search had measured to fit (peak 130.5 GiB)
+# went out of memory in training (32566a2, bench/RESULTS.md 2026-11-28). Expandable segments grow one mapping
+# instead, so what the allocator peaks at is what the card must hold.
+ALLOC_CONF = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> str:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :data:`ALLOC_CONF` unless it is set -> its value. Call before the first
+    CUDA allocation (the allocator reads it once); a value the user set is kept."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
+    return os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[int], passes: int = 1) -> dict[int, int]:

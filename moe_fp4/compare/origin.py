@@ -70,13 +70,15 @@ def provenance(meta: dict) -> str:
 
 def describe(env: Env) -> dict:
     """The run's "meta": device and GPU count, world size, torch / triton / Python versions, moe_fp4's
-    version and commit, the grouped-GEMM backend, the date (UTC) and the command line."""
+    version and commit, the grouped-GEMM backend, the CUDA allocator's setting (``PYTORCH_CUDA_ALLOC_CONF``,
+    "default" when unset), the date (UTC) and the command line."""
     import triton
 
     dev = torch.cuda.get_device_name(env.device) if env.cuda else f"CPU ({platform.processor() or platform.machine()})"
     return {"device": dev, "gpus": env.world if env.cuda else 0, "world": env.world,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "version": version(), "commit": commit(), "grouped_gemm": grouped_gemm_backend(env.device).value,
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join([_program()] + sys.argv[1:])}
 

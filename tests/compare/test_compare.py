@@ -19,6 +19,7 @@ import torch
 
 from cli_run import CLI_TIMEOUT_S, cli_env as _env, run_cli as _cli, assert_ok as _ok  # noqa: F401
 from distributed import run_ranks
+from moe_fp4.compare.memory import ALLOC_CONF, prefer_expandable_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,7 +27,7 @@ MODES = ("bf16", "fp8", "fp4")
 ROW_KEYS = {"mode", "batch", "seq", "tokens_per_step_per_rank", "step_ms", "step_ms_all", "tokens_per_s_per_gpu",
             "peak_bytes", "activation_bytes", "saved_bytes", "a2a_ms", "a2a_share", "loss_final", "loss_eval",
             "loss_curve", "wall_s"}
-META_KEYS = {"device", "world", "torch", "triton", "commit", "date", "command", "data"}
+META_KEYS = {"device", "world", "torch", "triton", "commit", "date", "command", "data", "allocator"}
 
 # First-step training loss of each mode against bf16, same seed (same weights) and same first batch: the
 # first forward differs only by FP8 / MXFP4 rounding inside the MoE layers. Measured |mode - bf16| / bf16
@@ -85,6 +86,8 @@ def test_cli_report_fields(one_process):
     assert meta["commit"] and meta["date"].endswith("UTC")
     assert "compare --preset tiny --steps 4" in meta["command"]
     assert meta["data"].startswith("stdlib: ")
+    # compare measures memory with expandable segments unless the caller chose an allocator setting
+    assert meta["allocator"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
 
     cfg = report["config"]
     assert cfg["preset"] == "tiny" and cfg["steps"] == STEPS and cfg["modes"] == list(MODES)
@@ -273,6 +276,13 @@ def _brute(fn, budget, limit=10_000):
             break
         best = b
     return best
+
+
+def test_expandable_segments_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert prefer_expandable_segments() == ALLOC_CONF == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert prefer_expandable_segments() == "max_split_size_mb:512" == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 @pytest.mark.parametrize("name, fn, budget, first, want", [
