@@ -137,6 +137,7 @@ def budget_curve_plot(rows: list[dict], path: str, title: str) -> str:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, color=f"C{i}")
         for x, y, text in pts:
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(3, 4 + 9 * i), fontsize=6, color=f"C{i}")
+    ax.margins(x=0.08, y=0.15)   # room for the labels above the highest and right of the last points
     ax.set_xlabel("memory budget per GPU (GiB)")
     ax.set_ylabel("tokens / s per GPU (planned, measured)")
     ax.legend()
