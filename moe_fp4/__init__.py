@@ -1,6 +1,6 @@
 """moe_fp4: MXFP4 activation storage and all-to-all transport for FP8 MoE training on Hopper."""
 
-from moe_fp4 import _moved
+from moe_fp4 import _hf_registration, _moved
 from moe_fp4.formats.conversions import (
     dequantize_fp8,
     dequantize_mxfp4,
@@ -31,6 +31,8 @@ from moe_fp4.saved.hook import (
 __version__ = "0.1.0"
 
 _moved.install()
+# Hugging Face: experts_implementation="moe_fp4" / "moe_fp4_fp8" once transformers' experts registry is imported.
+_hf_registration.install()
 
 
 def __getattr__(name: str):

@@ -16,22 +16,21 @@ rows stay in their wire format (MXFP4 in fp4) and backward sends nothing a secon
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
-from moe_fp4.exchange.ep import EPConfig, GradSlot, GradWireRule, combine, counts_to_host, dispatch, plan_dispatch
+from moe_fp4.exchange.ep import EPConfig, GradSlot, GradWireRule, combine, dispatch, plan_dispatch
 from moe_fp4.exchange.recipes import WireRecipe, default_recipe
 from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     prefetch_fp8_weights, quantize_expert_tokens
 from moe_fp4.gemm.engines import WEIGHT_BLOCK
-from moe_fp4.saved.hook import StorageFormat, as_current, current_compression
+from moe_fp4.model.replay import _Replay, checkpoint, once  # noqa: F401 - _Replay: moved, importable here
+from moe_fp4.model.routing import Routing, make_routing, permute, row_weights, unpermute
+from moe_fp4.saved.hook import StorageFormat
 from moe_fp4.exchange.wire import WireFormat
 
 # The dispatch's wire format in each precision: its default recipe's (moe_fp4.exchange.recipes).
@@ -62,66 +61,6 @@ class Recompute(str, enum.Enum):
     LAYER = "layer"
 
 
-class _Replay:
-    """One checkpointed region's results of the steps that must not run twice (host syncs, collectives),
-    in the order the first run produced them; the recomputation takes them back in the same order."""
-
-    def __init__(self):
-        self.results: list = []
-        self.recorded = False
-        self.pos = 0
-        self.scope = None   # the compression scope the first run saw (moe_fp4.saved.hook.current_compression)
-
-    def once(self, compute):
-        if not self.recorded:
-            out = compute()
-            self.results.append(out)
-            return out
-        if self.pos >= len(self.results):
-            raise RuntimeError("moe_fp4.model.moe.checkpoint: the recomputation ran more MoE exchanges than the "
-                               f"forward ({len(self.results)}); the checkpointed function must run the same layers "
-                               "each time")
-        out = self.results[self.pos]
-        self.pos += 1
-        return out
-
-
-_REPLAY: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("moe_fp4_replay", default=None)
-
-
-def once(compute):
-    """compute() once: inside :func:`checkpoint`, the first run records the result and the
-    recomputation returns it without running compute again; elsewhere just compute()."""
-    rep = _REPLAY.get()
-    return compute() if rep is None else rep.once(compute)
-
-
-def checkpoint(fn, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)`` whose recomputation
-    does not repeat the MoE layers' host syncs and exchanges (:func:`once`): the first run records
-    their results, the recomputation reuses them. Works with the saved-tensor hook like any
-    non-reentrant checkpoint (see :mod:`moe_fp4.saved.hook`). ``kwargs`` go to torch's checkpoint
-    (``preserve_rng_state``, ``determinism_check``, ...); pass fn's keyword arguments through a closure."""
-    rep = _Replay()
-
-    def run(*a):
-        token = _REPLAY.set(rep)
-        rep.pos = 0
-        if not rep.recorded:
-            rep.scope = current_compression()
-        # The recomputation (in backward, maybe on autograd's device thread) sees the compression scope
-        # the first run saw, so it keeps the same formats (checkpoint compares what both runs save).
-        scope = as_current(rep.scope) if rep.recorded else contextlib.nullcontext()
-        try:
-            with scope:
-                return fn(*a)
-        finally:
-            _REPLAY.reset(token)
-            rep.recorded = True
-
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
-
-
 @dataclass(frozen=True)
 class MoEConfig:
     """hidden H, ffn F (per expert), num_experts E, top_k; H and F multiples of 128 (FP8 tiles and
@@ -148,68 +87,6 @@ class MoEConfig:
                              f"num_experts={self.num_experts}")
 
 
-@dataclass(frozen=True)
-class Routing:
-    """Where each (token, slot) pair goes.
-
-    weights: float32 [T, k] combine weights; experts: int64 [T, k] expert ids;
-    dest: int64 [T*k] row of pair (t, j) (flattened t*k + j) in the permuted, padded buffer;
-    counts: E ints, tokens per expert; padded_counts: E ints, rounded up to 128; rows = sum(padded_counts);
-    src_row: int64 [rows], the token of each row (T for padding rows): permute and unpermute's
-    backward are gathers through it (no scatter, no atomics).
-    """
-
-    weights: torch.Tensor
-    experts: torch.Tensor
-    dest: torch.Tensor
-    counts: tuple[int, ...]
-    padded_counts: tuple[int, ...]
-    src_row: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return sum(self.padded_counts)
-
-
-def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN,
-                 while_waiting=None) -> Routing:
-    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts).
-
-    ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FC2
-    weights and quantized input), run between the counts' copy to the host and the wait for it
-    (:func:`moe_fp4.exchange.ep.counts_to_host`); called once, and not again when a checkpoint's recomputation
-    replays the routing."""
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    # scatter_add, not bincount: bincount reads the maximum on the host (a sync) on CUDA.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (counts + align - 1) // align * align
-    start = torch.cumsum(counts, 0) - counts
-    pad_start = torch.cumsum(padded, 0) - padded
-    sorted_e = flat[order]
-    rank = torch.arange(flat.numel(), device=flat.device) - start[sorted_e]
-    dest = torch.empty_like(flat)
-    dest[order] = pad_start[sorted_e] + rank
-    # the host sync: not repeated by a recomputation
-    host = once(lambda: counts_to_host(torch.stack([counts, padded]), while_waiting))
-    t, k = experts.shape
-    src_row = torch.full((sum(host[1]),), t, dtype=torch.int64, device=flat.device)
-    src_row[dest] = torch.arange(t * k, device=flat.device) // k
-    return Routing(weights, experts, dest, tuple(host[0]), tuple(host[1]), src_row)
-
-
-def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
-    """x: [T, H] -> [rows, H] = x[src_row], zero where src_row == T."""
-    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src_row)
-
-
-def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
-    """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)] (16-bit dtypes in float32, rounded once)."""
-    acc = torch.float32 if y.element_size() < 4 else y.dtype
-    return y.index_select(0, dest).view(tokens, k, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
-
-
 class _Recorded:
     """The combine's output in a checkpointed region: the first run returns the tensor itself (on the
     graph), a recomputation a detached alias of it (the same values; nothing downstream trains through it)."""
@@ -223,56 +100,6 @@ class _Recorded:
             y, self.y = self.y, self.y.detach()   # drop the stash's reference to the graph
             return y
         return self.y
-
-
-class _Permute(torch.autograd.Function):
-    """Tokens to their (token, slot) rows and back: two gathers, keeping only the int64 row maps (the
-    autograd of index_copy / index_select would keep [T*k, H] or scatter-add with atomics)."""
-
-    @staticmethod
-    def forward(ctx, x, dest, src_row, k, values):
-        ctx.save_for_backward(dest, src_row)
-        ctx.tokens, ctx.k = x.shape[0], k
-        if not values:   # the experts read their rows from x_q: only the gradient's path is needed
-            return x.new_zeros(()).expand(src_row.shape[0], x.shape[1])
-        return _gather_rows(x, src_row)
-
-    @staticmethod
-    def backward(ctx, g):
-        dest, _ = ctx.saved_tensors
-        return _sum_slots(g, dest, ctx.tokens, ctx.k), None, None, None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, dest, src_row, tokens, k):
-        ctx.save_for_backward(src_row)
-        return _sum_slots(y, dest, tokens, k)
-
-    @staticmethod
-    def backward(ctx, g):
-        (src_row,) = ctx.saved_tensors
-        return _gather_rows(g, src_row), None, None, None, None
-
-
-def permute(x: torch.Tensor, routing: Routing, values: bool = True) -> torch.Tensor:
-    """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero. With
-    ``values=False`` only its gradient's path: a zero-stride [rows, H] of zeros, for experts that take
-    their rows from ``x_q`` (backward is the same sum over slots)."""
-    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1], values)
-
-
-def row_weights(routing: Routing) -> torch.Tensor:
-    """-> float32 [rows]: the router weight of each permuted row (0 for padding rows), on the graph of
-    ``routing.weights``: the experts apply it (``grouped_swiglu_experts(..., row_weights=...)``)."""
-    w = routing.weights.flatten()
-    return w.new_zeros(routing.rows).scatter(0, routing.dest, w)
-
-
-def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """y: [rows, H] expert outputs already weighted by the experts -> [T, H]: sum over slots j of
-    y[dest(t, j)] (summed in float32, rounded once). Keeps only the row map for backward."""
-    return _Unpermute.apply(y, routing.dest, routing.src_row, *routing.experts.shape)
 
 
 class MoE(nn.Module):

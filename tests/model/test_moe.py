@@ -16,7 +16,7 @@ import moe_fp4
 from helpers import in_band, sqnr_db, torch_references
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     quantize_expert_tokens
-from moe_fp4.model import moe as nn_module
+from moe_fp4.model import routing as routing_module
 from moe_fp4.exchange.ep import counts_to_host
 from moe_fp4.model.moe import MoE, MoEConfig, make_routing, permute, row_weights, unpermute
 from moe_fp4.saved.accounting import saved_bytes
@@ -239,7 +239,7 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
     m = MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1, shared_ffn=128), "fp8", recompute=recompute)
     x = torch.randn(16, 128, dtype=torch.bfloat16)
     seen = []
-    real = nn_module.counts_to_host
+    real = routing_module.counts_to_host
 
     def spy(counts, while_waiting=None):
         def work():
@@ -248,7 +248,7 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
             seen.append(cache.misses - before)
         return real(counts, work)
 
-    monkeypatch.setattr(nn_module, "counts_to_host", spy)
+    monkeypatch.setattr(routing_module, "counts_to_host", spy)
     got = _step(m, x, "fp8")[0]
     assert seen == [2] and cache.misses == 4   # FC1's two before the router, FC2's two during the wait
     # Each Function forward finds the 4 pairs; a recomputation's FC1 prefetch finds its 2 (its routing
@@ -333,6 +333,42 @@ def test_permute_and_unpermute_gradients_are_exact():
     unpermute(permute(x, r) * c, r).backward(g)
     want = c[r.dest].view(t, k, h).sum(1) * g
     assert torch.allclose(x.grad, want, rtol=1e-12, atol=0)
+
+
+def test_routing_drops_slots_with_no_expert_here():
+    """Expert ids >= E (Hugging Face's expert-parallel sentinel) get no row: the kept pairs are routed exactly as
+    when the dropped ones are absent, the dropped ones add nothing to their token's sum in either direction,
+    and their router weights get no gradient."""
+    torch.manual_seed(12)
+    t, k, e, h = 41, 3, 4, 16
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    drop = torch.rand(t, k) < 0.3
+    drop[0] = True                                   # a token with no expert here at all
+    ids = experts.masked_fill(drop, e)
+    ids[1, 0] = e + 5                                # any id past the last expert is dropped
+    drop[1, 0] = True
+    weights = torch.rand(t, k, dtype=torch.float64, requires_grad=True)
+    r = make_routing(weights, ids, e)
+    assert r.dropped == int(drop.sum())
+    kept = experts[~drop]
+    assert r.counts == tuple(torch.bincount(kept, minlength=e).tolist())
+    assert r.rows == sum(r.padded_counts) and r.src_row.shape == (r.rows,)
+    assert torch.all(r.dest[drop.flatten()] == r.rows) and torch.all(r.dest[~drop.flatten()] < r.rows)
+    assert r.dest[~drop.flatten()].unique().numel() == int((~drop).sum())
+    x = torch.randn(t, h, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(r.rows, h, dtype=torch.float64)
+    g = torch.randn(t, h, dtype=torch.float64)
+    rw = row_weights(r)
+    y = unpermute(permute(x, r) * c * rw[:, None], r)
+    keep = (~drop).double()
+    gathered = torch.cat([c, c.new_zeros(1, h)])[r.dest].view(t, k, h)
+    want = (x[:, None, :] * gathered * (weights * keep)[..., None]).sum(1)
+    assert torch.allclose(y, want, rtol=1e-12, atol=0)
+    assert torch.all(y[0] == 0)
+    y.backward(g)
+    assert torch.all(weights.grad[drop] == 0) and torch.all(x.grad[0] == 0)
+    want_dx = (gathered * (weights * keep)[..., None]).sum(1) * g
+    assert torch.allclose(x.grad, want_dx, rtol=1e-12, atol=0)
 
 
 def test_same_expert_assignment_in_every_precision():
