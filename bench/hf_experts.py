@@ -1,0 +1,169 @@
+"""Hugging Face transformers' own MoE model trained with each experts implementation (issue 48): tokens/s, peak
+and activation memory and the loss curve, one GPU, the same model, weights and batches for every variant.
+
+Variants (``--impls``): ``grouped_mm`` (transformers' default BF16 experts: ``torch._grouped_mm``), ``torchao``
+(the same with torchao's FP8 grouped GEMMs: ``quantize_(Float8TrainingOpConfig())`` on the experts modules,
+skipped with its reason when torchao does not import or apply), ``moe_fp4_fp8`` and ``moe_fp4`` (moe_fp4's
+experts implementations: FP8 GEMMs with FP8 / MXFP4 activations kept). The model is transformers'
+Qwen3-MoE built from a config (no download) with byte tokens from Python's standard library
+(:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW, a plain training loop
+(forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168, expert ffn
+2048, 32 experts, top-8, 56 heads of 128) in ``--layers`` layers; ``--shape small``: hidden 1024, expert ffn
+512, 16 experts, top-4, 6 layers.
+
+Per variant: ``--warmup`` untimed steps, then ``--steps`` timed (each step's loss read: one sync per step in
+every variant); peak memory over the run, activation memory = the peak of a step less what was allocated
+before its forward (weights, optimizer state); peak memory over the timed steps. On CPU ``--shape tiny`` is a
+smoke run (no memory numbers). Printed: a table with tokens/s, ratios against grouped_mm and
+moe_fp4_fp8, memory, the first and last losses; ``--json``: everything, with each variant's loss curve.
+
+    python bench/hf_experts.py --shape dsv3 --json hf_dsv3.json
+    python bench/hf_experts.py --shape small --batch 16 --json hf_small.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    "dsv3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_experts=32,
+                 num_experts_per_tok=8, num_attention_heads=56, num_key_value_heads=8, head_dim=128),
+    "small": dict(hidden_size=1024, moe_intermediate_size=512, intermediate_size=2816, num_experts=16,
+                  num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256, num_experts=4,
+                 num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+DEFAULT_LAYERS = {"dsv3": 3, "small": 6, "tiny": 2}
+GiB = 2**30
+
+
+def build(shape: str, layers: int, seq: int, impl: str, device):
+    import transformers
+
+    import moe_fp4  # noqa: F401 - registers moe_fp4's experts implementations
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=layers, max_position_embeddings=seq,
+                                      decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False,
+                                      **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, experts_implementation="grouped_mm" if impl == "torchao" else impl)
+    if impl == "torchao":
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+
+        quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: fqn.endswith("mlp.experts"))
+    return model.train()
+
+
+def batches(batch: int, seq: int, count: int, device):
+    from moe_fp4.compare.data import stdlib_corpus
+
+    text = stdlib_corpus().train
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, text.numel() - seq, (count, batch), generator=g)
+    idx = starts[..., None] + torch.arange(seq)
+    return text[idx].long().to(device)            # [count, batch, seq]
+
+
+def run(impl: str, a, data, device) -> dict:
+    try:
+        return _run(impl, a, data, device)
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is a row with its reason, not the end
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"impl": impl, "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+
+
+def _run(impl: str, a, data, device) -> dict:
+    model = build(a.shape, a.layers, a.seq, impl, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    cuda = device.type == "cuda"
+    losses, act, times, peak = [], 0, [], 0
+    for step in range(a.warmup + a.steps):
+        ids = data[step % data.shape[0]]
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            before = 0
+        t0 = time.perf_counter()
+        loss = model(ids, labels=ids).loss      # transformers shifts the labels itself
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t0)
+            if cuda:
+                peak = max(peak, torch.cuda.max_memory_allocated())
+                act = max(act, torch.cuda.max_memory_allocated() - before)
+        if a.progress and (step + 1) % 50 == 0:
+            print(f"  {impl}: step {step + 1}, loss {losses[-1]:.4f}", flush=True)
+    step_s = sum(times) / len(times)
+    out = {"impl": impl, "tokens_per_s": a.batch * a.seq / step_s, "step_ms": 1e3 * step_s,
+           "peak_gib": peak / GiB, "static_gib": before / GiB,
+           "activation_gib": act / GiB, "loss_first": losses[0], "loss_last": losses[-1],
+           "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--impls", nargs="+", default=["grouped_mm", "torchao", "moe_fp4_fp8", "moe_fp4"])
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    a = p.parse_args(argv)
+    a.layers = a.layers or DEFAULT_LAYERS[a.shape]
+    if not torch.cuda.is_available() and a.shape != "tiny":
+        print("hf_experts.py times a GPU: it needs one (on CPU: --shape tiny, a smoke run)", file=sys.stderr)
+        return 2
+    from moe_fp4.compare.memory import prefer_expandable_segments
+    from moe_fp4.compare.origin import commit
+
+    prefer_expandable_segments()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = batches(a.batch, a.seq, a.warmup + a.steps, device)
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{dev} | torch {torch.__version__} | commit {commit()} | Qwen3-MoE {a.shape} x {a.layers} layers, batch "
+          f"{a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps", flush=True)
+    rows = [run(impl, a, data, device) for impl in a.impls]
+    base = {r["impl"]: r for r in rows if "skipped" not in r}
+    print(f"{'impl':<12} {'tokens/s':>10} {'vs bf16':>8} {'vs fp8':>7} {'peak GiB':>9} {'act GiB':>8} {'act/fp8':>8} "
+          f"{'loss 1st':>8} {'last10':>8}")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['impl']:<12} skipped: {r['skipped']}")
+            continue
+        g, f = base.get("grouped_mm"), base.get("moe_fp4_fp8")
+        print(f"{r['impl']:<12} {r['tokens_per_s']:>10,.0f} "
+              f"{(r['tokens_per_s'] / g['tokens_per_s'] if g else float('nan')):>7.3f}x "
+              f"{(r['tokens_per_s'] / f['tokens_per_s'] if f else float('nan')):>6.3f}x {r['peak_gib']:>9.2f} "
+              f"{r['activation_gib']:>8.2f} {(r['activation_gib'] / f['activation_gib'] if f and f['activation_gib'] else float('nan')):>7.3f}x "
+              f"{r['loss_first']:>8.4f} {r['loss_last10']:>8.4f}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
+                      fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
