@@ -1,10 +1,14 @@
 """Hugging Face transformers' own MoE model trained with each experts implementation (issue 48): tokens/s, peak
 and activation memory and the loss curve, one GPU, the same model, weights and batches for every variant.
 
-Variants (``--impls``): ``grouped_mm`` (transformers' default BF16 experts: ``torch._grouped_mm``), ``torchao``
-(the same with torchao's FP8 grouped GEMMs: ``quantize_(Float8TrainingOpConfig())`` on the experts modules,
-skipped with its reason when torchao does not import or apply), ``moe_fp4_fp8`` and ``moe_fp4`` (moe_fp4's
-experts implementations: FP8 GEMMs with FP8 / MXFP4 activations kept). The model is transformers'
+Variants (``--impls``): ``grouped_mm`` (transformers' default BF16 experts: ``torch._grouped_mm``), ``moe_fp4_fp8``
+and ``moe_fp4`` (moe_fp4's experts implementations: FP8 GEMMs with FP8 / MXFP4 activations kept), and on request
+``torchao`` (transformers' grouped_mm with torchao's FP8 grouped GEMMs: ``quantize_(Float8TrainingOpConfig())``
+on the experts modules). torchao does not apply here: its FP8 grouped GEMM needs every expert's token count a
+multiple of 16, which torchtitan's permutation pads to and transformers' does not; on an H200 (torch 2.11,
+torchao 0.18) its first backward ends in a device-side assert (`_scaled_grouped_mm`: "expected input tensor
+dynamic dimension byte size to be non-negative multiple of 16"), which leaves the process's CUDA context
+unusable, so it is not in the default list. torchao's FP8 baseline is in bench/torchtitan_experts.py. The model is transformers'
 Qwen3-MoE built from a config (no download) with byte tokens from Python's standard library
 (:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW, a plain training loop
 (forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168, expert ffn
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--impls", nargs="+", default=["grouped_mm", "torchao", "moe_fp4_fp8", "moe_fp4"])
+    p.add_argument("--impls", nargs="+", default=["grouped_mm", "moe_fp4_fp8", "moe_fp4"])
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
