@@ -16,9 +16,12 @@ Qwen3-MoE built from a config (no download) with byte tokens from Python's stand
 512, 16 experts, top-4, 6 layers.
 
 Per variant: ``--warmup`` untimed steps, then ``--steps`` timed (each step's loss read: one sync per step in
-every variant); peak memory over the run, activation memory = the peak of a step less what was allocated
-before its forward (weights, optimizer state); peak memory over the timed steps. On CPU ``--shape tiny`` is a
-smoke run (no memory numbers). Printed: a table with tokens/s, ratios against grouped_mm and
+every variant). Memory: the peak over the timed steps (AdamW's foreach temporaries included); fwd+bwd, the peak
+of forward and backward less what was allocated before the forward (weights, optimizer state), which holds
+the saved activations, the gradients and, in moe_fp4's variants, the FP8 copies of the expert weights
+(``fp8 W``, made in the first forward after each optimizer step); saved, the bytes autograd keeps from one
+forward (activations, counted once per storage by a saved-tensor hook, weights excluded): what MXFP4 storage
+shrinks. On CPU ``--shape tiny`` is a smoke run (no memory numbers). Printed: a table with tokens/s, ratios against grouped_mm and
 moe_fp4_fp8, memory, the first and last losses; ``--json``: everything, with each variant's loss curve.
 
     python bench/hf_experts.py --shape dsv3 --json hf_dsv3.json
@@ -85,11 +88,31 @@ def run(impl: str, a, data, device) -> dict:
         return {"impl": impl, "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
 
 
+def saved_bytes(model, ids) -> int:
+    """Bytes of the distinct storages autograd keeps from one forward for backward (the activations; weights
+    too where an op saves them, the same in every variant), by a saved-tensor hook that returns each tensor
+    unchanged. Runs forward and backward; the caller drops the gradients."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids).loss
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss.backward()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
 def _run(impl: str, a, data, device) -> dict:
+    from moe_fp4.gemm.engines import FP8_WEIGHTS
+
     model = build(a.shape, a.layers, a.seq, impl, device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     cuda = device.type == "cuda"
-    losses, act, times, peak = [], 0, [], 0
+    losses, act, times, peak, fp8_copies = [], 0, [], 0, 0
     for step in range(a.warmup + a.steps):
         ids = data[step % data.shape[0]]
         if cuda:
@@ -101,6 +124,10 @@ def _run(impl: str, a, data, device) -> dict:
         t0 = time.perf_counter()
         loss = model(ids, labels=ids).loss      # transformers shifts the labels itself
         loss.backward()
+        if step >= a.warmup and cuda:
+            # forward + backward only: AdamW's foreach temporaries come after, the same in every variant
+            act = max(act, torch.cuda.max_memory_allocated() - before)
+            fp8_copies = max(fp8_copies, FP8_WEIGHTS.nbytes)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -108,18 +135,34 @@ def _run(impl: str, a, data, device) -> dict:
             times.append(time.perf_counter() - t0)
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated())
-                act = max(act, torch.cuda.max_memory_allocated() - before)
         if a.progress and (step + 1) % 50 == 0:
             print(f"  {impl}: step {step + 1}, loss {losses[-1]:.4f}", flush=True)
     step_s = sum(times) / len(times)
+    saved = saved_bytes(model, data[0])
     out = {"impl": impl, "tokens_per_s": a.batch * a.seq / step_s, "step_ms": 1e3 * step_s,
-           "peak_gib": peak / GiB, "static_gib": before / GiB,
-           "activation_gib": act / GiB, "loss_first": losses[0], "loss_last": losses[-1],
+           "peak_gib": peak / GiB, "static_gib": before / GiB, "fwd_bwd_gib": act / GiB, "saved_gib": saved / GiB,
+           "fp8_weight_copies_gib": fp8_copies / GiB, "loss_first": losses[0], "loss_last": losses[-1],
            "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
+    if a.profile:
+        out["profile"] = profile_table(model, opt, data, a.profile)
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def profile_table(model, opt, data, steps: int) -> str:
+    """torch.profiler over ``steps`` training steps -> its table of the 30 kernels with the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in range(steps):
+            ids = data[step % data.shape[0]]
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
 
 
 def main(argv=None) -> int:
@@ -134,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["grouped_mm", "moe_fp4_fp8", "moe_fp4"])
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
     if not torch.cuda.is_available() and a.shape != "tiny":
@@ -150,18 +195,21 @@ def main(argv=None) -> int:
           f"{a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps", flush=True)
     rows = [run(impl, a, data, device) for impl in a.impls]
     base = {r["impl"]: r for r in rows if "skipped" not in r}
-    print(f"{'impl':<12} {'tokens/s':>10} {'vs bf16':>8} {'vs fp8':>7} {'peak GiB':>9} {'act GiB':>8} {'act/fp8':>8} "
-          f"{'loss 1st':>8} {'last10':>8}")
+    print(f"{'impl':<12} {'tokens/s':>10} {'vs bf16':>8} {'vs fp8':>7} {'peak GiB':>9} {'fwd+bwd':>8} {'saved':>7} "
+          f"{'saved/fp8':>9} {'fp8 W':>6} {'loss 1st':>8} {'last10':>8}")
+    g, f = base.get("grouped_mm"), base.get("moe_fp4_fp8")
+
+    def ratio(r, b, key):
+        return r[key] / b[key] if b and b[key] else float("nan")
+
     for r in rows:
         if "skipped" in r:
             print(f"{r['impl']:<12} skipped: {r['skipped']}")
             continue
-        g, f = base.get("grouped_mm"), base.get("moe_fp4_fp8")
-        print(f"{r['impl']:<12} {r['tokens_per_s']:>10,.0f} "
-              f"{(r['tokens_per_s'] / g['tokens_per_s'] if g else float('nan')):>7.3f}x "
-              f"{(r['tokens_per_s'] / f['tokens_per_s'] if f else float('nan')):>6.3f}x {r['peak_gib']:>9.2f} "
-              f"{r['activation_gib']:>8.2f} {(r['activation_gib'] / f['activation_gib'] if f and f['activation_gib'] else float('nan')):>7.3f}x "
-              f"{r['loss_first']:>8.4f} {r['loss_last10']:>8.4f}")
+        print(f"{r['impl']:<12} {r['tokens_per_s']:>10,.0f} {ratio(r, g, 'tokens_per_s'):>7.3f}x "
+              f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} {r['saved_gib']:>7.2f} "
+              f"{ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} {r['loss_first']:>8.4f} "
+              f"{r['loss_last10']:>8.4f}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
