@@ -167,10 +167,14 @@ class FP8WeightCache:
 
     In-place ops on the parameter and ``load_state_dict`` bump ``_version``; torch.optim's for-loop and
     foreach optimizers do too, but the fused ones (``AdamW(fused=True)``: ``torch._fused_adamw_``) do
-    not, and neither does a write through ``w.data``. So every torch.optim step also drops the entries
-    of the parameters it stepped (a global optimizer step post-hook, registered with the cache). Code
-    that writes weights any other way (``w.data.copy_(...)``, its own fused kernels) must call
-    :meth:`clear` after it, or set ``enabled = False``.
+    not, and neither does a write through ``w.data``. Nor is the tensor a forward reads always the one an
+    optimizer steps: FSDP2 steps the sharded DTensor parameters and all-gathers them into the unsharded
+    tensors the modules read with their version counters preserved. So every torch.optim step drops the
+    entries of the parameters it stepped, and every entry when it steps a DTensor (a global optimizer step
+    post-hook, registered with the cache): the next forward quantizes again, once per weight per step,
+    whatever the optimizer and however the weights are sharded. Code that writes
+    weights any other way (``w.data.copy_(...)``, its own fused kernels) must call :meth:`clear` after it,
+    or set ``enabled = False``.
     """
 
     def __init__(self):
@@ -192,14 +196,21 @@ class FP8WeightCache:
         self._hook = register_optimizer_step_post_hook(after_step)
 
     def _after_step(self, optimizer) -> None:
-        """Drop the pairs of every parameter the optimizer just stepped, unless the optimizer keeps this
-        cache itself (``optimizer.fp8_weight_cache is self``: moe_fp4.model.optim.AdamWFP8Weights puts the
-        pairs its step made and drops the others)."""
+        """Drop the pairs of the parameters the optimizer just stepped, or every pair when it steps a
+        DTensor (FSDP2, expert parallelism: the tensors the experts read are not the ones it steps, and
+        their versions do not move; see the class docstring); nothing when the optimizer keeps this cache
+        itself (``optimizer.fp8_weight_cache is self``: moe_fp4.model.optim.AdamWFP8Weights puts the pairs its
+        step made and drops the others)."""
         if not self._entries or getattr(optimizer, "fp8_weight_cache", None) is self:
             return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                self._entries.pop(p, None)
+        from torch.distributed.tensor import DTensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(isinstance(p, DTensor) for p in params):
+            self._entries.clear()
+            return
+        for p in params:
+            self._entries.pop(p, None)
 
     def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
         """w: [N, K] or [E, N, K] -> (W, W^T), quantized now or at the same version of w before."""

@@ -19,7 +19,6 @@ import torch
 
 from cli_run import CLI_TIMEOUT_S, cli_env as _env, run_cli as _cli, assert_ok as _ok  # noqa: F401
 from distributed import run_ranks
-from moe_fp4.compare.memory import ALLOC_CONF, prefer_expandable_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -87,6 +86,8 @@ def test_cli_report_fields(one_process):
     assert "compare --preset tiny --steps 4" in meta["command"]
     assert meta["data"].startswith("stdlib: ")
     # compare measures memory with expandable segments unless the caller chose an allocator setting
+    from moe_fp4.compare.memory import ALLOC_CONF
+
     assert meta["allocator"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
 
     cfg = report["config"]
@@ -279,6 +280,10 @@ def _brute(fn, budget, limit=10_000):
 
 
 def test_expandable_segments_unless_the_user_chose(monkeypatch):
+    # imported here, not at the top: this module is imported again by the ranks run_ranks spawns, which must
+    # not load moe_fp4 before tests/distributed.py has chosen the pure-torch references for them
+    from moe_fp4.compare.memory import ALLOC_CONF, prefer_expandable_segments
+
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert prefer_expandable_segments() == ALLOC_CONF == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")

@@ -222,7 +222,7 @@ def test_weight_cache_quantizes_once_per_version_and_again_after_a_change():
 def test_weight_cache_drops_a_pair_after_any_optimizer_step(kw):
     """A fused AdamW step writes the weights without bumping _version (found on an H100: the experts then
     kept the first step's FP8 copies for the whole run); every torch.optim step drops the pairs of the
-    parameters it stepped, so the next get() quantizes the new weights."""
+    parameters it stepped, so the next get() quantizes the new weights (DTensor parameters: next test)."""
     cache = FP8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 256))
     other = torch.nn.Parameter(torch.randn(128, 128))       # cached, but not in this optimizer
@@ -240,6 +240,43 @@ def test_weight_cache_drops_a_pair_after_any_optimizer_step(kw):
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
         assert torch.equal(got.scale, want.scale)
     assert cache.get(other) is kept                          # a parameter the optimizer did not step
+
+
+def test_weight_cache_sees_a_step_through_another_tensor():
+    """FSDP2's pattern: the optimizer steps a sharded DTensor parameter, and the module reads an unsharded
+    tensor refilled from it with its version counter preserved (same storage, same _version). The pair made
+    before the step must not be reused after it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cache = FP8WeightCache()
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(2, 128, 256), init_device_mesh("cpu", (1,)),
+                                                     [Shard(0)]))
+        unsharded = torch.empty(2, 128, 256)
+
+        def all_gather():
+            with torch.autograd._unsafe_preserve_version_counter(unsharded):
+                unsharded.copy_(shard.detach().full_tensor())
+
+        all_gather()
+        first = cache.get(unsharded)
+        opt = torch.optim.AdamW([shard], lr=0.1)
+        shard.grad = distribute_tensor(torch.randn(2, 128, 256), shard.device_mesh, [Shard(0)])
+        version, ptr = unsharded._version, unsharded.data_ptr()
+        opt.step()
+        all_gather()
+        assert (unsharded._version, unsharded.data_ptr()) == (version, ptr)   # nothing the key could see
+        second = cache.get(unsharded)
+        assert second is not first
+        fresh = quantize_fp8_weight_pair(unsharded)
+        assert torch.equal(second[0].data.view(torch.uint8), fresh[0].data.view(torch.uint8))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monkeypatch, references):

@@ -240,3 +240,16 @@ def test_registered_whichever_is_imported_first(first, second):
                          text=True, timeout=120, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"))
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [str(first != "moe_fp4"), "True", "True"], run.stdout + run.stderr
+
+
+def test_registered_after_the_interpreter_was_turned_off():
+    """A process that imported Triton under TRITON_INTERPRET=1 and then turned it off (tests/distributed.py's
+    ranks) cannot import Gluon (its import asserts); moe_fp4 must still import and register, on the Triton
+    engine."""
+    code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '0'; import transformers.integrations.moe, moe_fp4; "
+            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as F; "
+            "from moe_fp4.kernels import gluon_grouped_gemm as g; print('moe_fp4' in F, g.AVAILABLE)")
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "False"], run.stdout + run.stderr

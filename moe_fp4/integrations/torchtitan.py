@@ -1,0 +1,361 @@
+"""torchtitan (0.3) model converter: its MoE experts run on moe_fp4's grouped FP8 engine.
+
+torchtitan 0.3's converters transform the model *config* before the model is built
+(``ModelConfigConverter.convert(model_config) -> model_config``; there is no ``convert(model)`` or
+``post_optimizer_hook`` any more). A training config names them by their ``Config`` in the
+``converters`` list of a model registry, as torchtitan's own ``deepseek_v3_debugmodel_mxfp8`` does::
+
+    model_spec = model_registry("debugmodel", converters=[GroupedExpertsConverter.Config(precision="fp4")])
+
+(there is no registry of converter names to add to). :func:`deepseek_v3_debugmodel_fp8_experts` and
+:func:`deepseek_v3_debugmodel_fp4_experts` are such training configs, so torchtitan's trainer takes
+``--module moe_fp4.integrations.torchtitan --config deepseek_v3_debugmodel_fp4_experts``.
+
+:class:`GroupedExpertsConverter` swaps every ``torchtitan.models.common.moe.GroupedExperts.Config`` for
+:class:`MoEFP4GroupedExperts.Config` (a subclass: the same fields, sharding and init plans) and sets the
+token-group alignment of its token dispatcher to 128 rows (``TOKEN_ALIGN``) with torchtitan's own setter,
+``swap_token_dispatcher`` (what its float8 / mxfp8 grouped converters use). That setter picks torchao's
+padding dispatcher, whose permute is a Triton kernel (no CPU); it is replaced by
+:class:`PaddedTokenDispatcher`, the same dispatcher with a plain-torch padded permute (empty experts
+get no padding rows and nothing trails the last group). Everything the engine cannot run is refused in
+``convert``, before any config is changed: a GroupedExperts subclass (gpt-oss's biases and clamped
+SwiGLU, torchtitan's fused-w13 override, another converter's experts), dims that are not multiples of
+128, a dispatcher that cannot pad. Weights that are not bfloat16 / float32 are refused at build and at
+each forward before any work.
+
+:class:`MoEFP4GroupedExperts` keeps torchtitan's parameters as they are: ``w1_EFD`` (gate) and
+``w3_EFD`` (up) [E, F, D], ``w2_EDF`` [E, D, F], so state dicts, checkpoints, the FSDP / EP / TP plans
+and ``param_init`` (which name them) work unchanged. Its forward gets torchtitan's rows, already
+grouped by expert and padded, and the per-expert counts (a host sync: the engine takes python ints),
+and computes ``moe_fp4.model.experts.grouped_swiglu_experts`` with w13 = [w1; w3] along F. Router
+scores stay torchtitan's: its dispatchers apply them in ``combine``.
+
+The FP8 weights. The engine reads each weight's FP8 pair (W, W^T in 128x128 blocks) from
+``FP8_WEIGHTS`` under the tensor it is given, and a ``torch.cat([w1, w3])`` is a new tensor every
+forward. So this module makes the pairs itself, once per weight version (``FP8_PAIRS``): w13's by
+quantizing w1 and w3 separately and concatenating codes and scales along N (exact: with F % 128 == 0
+no 128x128 block straddles the two), w2's as is. It then hands the engine stand-ins: zero-stride
+tensors of the weights' shape and dtype (``_StandIn``), with the pair put in ``FP8_WEIGHTS`` under each
+just before the call. The FP8 path reads nothing of its weights but their shape, dtype and pair, and
+autograd routes the weight gradients back onto w1, w3 and w2. A real ``torch.cat`` would also be
+kept by the engine for backward: a bf16/fp32 copy of [w1; w3] per layer, held from forward to
+backward. (Keeping w13 as storage with w1 / w3 as views of it was not chosen: FSDP and EP re-create
+parameters as DTensors of their own, which would break the aliasing.) The bf16 precision, and
+``FP8_WEIGHTS.enabled = False``, get the real weights (a concatenation) instead.
+
+A pair is rebuilt when its weight's ``_version`` or storage changes, and after *every* torch.optim
+step, whichever parameters it stepped: FSDP2 all-gathers into the unsharded parameters with their
+version counter preserved, and DTensor parameters bump their own version, not their local tensor's,
+so neither the version nor the stepped parameter's identity tells a forward that the weights moved.
+Between forward and backward (the engine keeps the pair it used) and across the micro-batches of one
+step, nothing is rebuilt. Code that writes expert weights outside an optimizer without bumping their
+version (through ``.data``; under FSDP2, a checkpoint load between steps) calls ``FP8_PAIRS.clear()``.
+``AdamWFP8Weights`` brings nothing here: these parameters are never in ``FP8_WEIGHTS``, so they take
+its plain AdamW step.
+
+Not supported: torch.compile of the experts (host counts, python-side cache), torchtitan's
+graph_trainer. Tested on CPU (the engine's emulated FP8 GEMMs; DTensor weights on one gloo rank); EP
+over several ranks, FSDP and HybridEP are untested.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.components.quantization.utils import swap_token_dispatcher
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, HybridEPTokenDispatcher, \
+    TorchAOTokenDispatcher
+
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, quantize_fp8_weight_pair
+from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
+from moe_fp4.saved.hook import StorageFormat
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = tuple(p.value for p in Precision)
+STORAGES = tuple(s.value for s in StorageFormat)
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_choices(what: str, precision, storage) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{what}: precision must be one of {PRECISIONS}, got {precision!r}")
+    if storage not in STORAGES:
+        raise ValueError(f"{what}: storage must be one of {STORAGES}, got {storage!r}")
+
+
+class _FP8Pairs:
+    """The FP8 pairs (W, W^T) of the converted experts' weights, per module and weight ("w13", "w2"),
+    each kept with the key of the weight version it was made from; every torch.optim step drops all."""
+
+    def __init__(self):
+        self._entries = WeakIdKeyDictionary()   # module -> {name: (key, pair)}; dies with the module
+        self.builds = 0
+        self.hits = 0
+        # A module-level hook on a module-level object: nothing to keep alive or release.
+        self._hook = register_optimizer_step_post_hook(lambda _opt, _args, _kwargs: self.clear())
+
+    def get(self, module: torch.nn.Module, name: str, params, weights) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+        """params: the module's parameters (their ``_version`` is the one in-place writes bump, DTensors
+        included); weights: their local [E, N_i, K] tensors -> (W, W^T) of cat(weights, dim=1)."""
+        key = (tuple(p._version for p in params), tuple(w.data_ptr() for w in weights),
+               tuple(tuple(w.shape) for w in weights), weights[0].dtype)
+        slots = self._entries.setdefault(module, {})
+        entry = slots.get(name)
+        if entry is not None and entry[0] == key:
+            self.hits += 1
+            return entry[1]
+        slots.pop(name, None)   # the stale pair goes before the new one is made
+        with torch.no_grad():
+            pairs = [quantize_fp8_weight_pair(w) for w in weights]
+        if len(pairs) == 1:
+            pair = pairs[0]
+        else:   # N is dim 1 of W [E, N, K] and dim 2 of W^T [E, K, N], for codes and block scales alike
+            pair = tuple(FP8WeightTensor(torch.cat([p[i].data for p in pairs], d),
+                                         torch.cat([p[i].scale for p in pairs], d)) for i, d in ((0, 1), (1, 2)))
+        slots[name] = (key, pair)
+        self.builds += 1
+        return pair
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached FP8 copies now."""
+        return sum(q.nbytes + qt.nbytes for slots in self._entries.values() for _, (q, qt) in slots.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+# The process's pairs for every converted experts module.
+FP8_PAIRS = _FP8Pairs()
+
+
+class _StandIn(torch.autograd.Function):
+    """weights [E, N_i, K] -> a zero-stride [E, sum N_i, K] tensor of their dtype (no memory), whose
+    gradient is split back onto the weights along dim 1. What the engine's FP8 path reads of a weight
+    is its shape, its dtype and the FP8 pair put in FP8_WEIGHTS under it."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.sizes = [w.shape[1] for w in weights]
+        e, _, k = weights[0].shape
+        return weights[0].new_zeros(()).expand(e, sum(ctx.sizes), k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.split(ctx.sizes, dim=1))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    # As torchtitan's own forward: expert weights are local tensors inside the experts (EP's dynamic shapes).
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _check_weight_dtypes(what: str, params: dict) -> None:
+    dtypes = {name: p.dtype for name, p in params.items()}
+    if any(d not in WEIGHT_DTYPES for d in dtypes.values()) or len(set(dtypes.values())) != 1:
+        raise ValueError(f"{what}: the expert weights must all be bfloat16 or all float32, got {dtypes}")
+
+
+class MoEFP4GroupedExperts(GroupedExperts):
+    """torchtitan's GroupedExperts (the same parameters, names and init) computed by moe_fp4's grouped
+    SwiGLU engine in ``precision`` ("bf16" | "fp8" | "fp4"; fp4 keeps its activations in ``storage``,
+    "mxfp4" | "nvfp4"). Built from the Config :class:`GroupedExpertsConverter` puts in the model config."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        precision: Literal["bf16", "fp8", "fp4"] = "fp8"
+        storage: Literal["mxfp4", "nvfp4"] = "mxfp4"
+
+        def __post_init__(self):
+            _check_choices("MoEFP4GroupedExperts.Config", self.precision, self.storage)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.precision = Precision(config.precision)
+        self.storage = StorageFormat(config.storage)
+        # Parameters take torch's default dtype here; refuse one the engine cannot run before any work.
+        _check_weight_dtypes(type(self).__name__, dict(self.named_parameters()))
+
+    def extra_repr(self) -> str:
+        return f"precision={self.precision.value}, storage={self.storage.value}"
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """x_RD: [R, D] rows grouped by expert (any float dtype; computed in bf16, as torchtitan does),
+        each expert's group a multiple of 128 rows, padding rows zero; R may run past the last group
+        (torchao's padding dispatcher pads to a fixed length: those rows come back zero).
+        num_tokens_per_expert_E: int [E_local], the groups' sizes (padding included) -> [R, D] of x_RD's dtype."""
+        params = {"w1_EFD": self.w1_EFD, "w2_EDF": self.w2_EDF, "w3_EFD": self.w3_EFD}
+        _check_weight_dtypes(type(self).__name__, params)
+        w1, w2, w3 = (_local(p) for p in params.values())
+        counts = [int(c) for c in num_tokens_per_expert_E.tolist()]
+        rows = sum(counts)
+        if len(counts) != w1.shape[0] or any(c % TOKEN_ALIGN for c in counts):
+            raise ValueError(f"{type(self).__name__}: each of the {w1.shape[0]} local experts needs a group of "
+                             f"a multiple of {TOKEN_ALIGN} rows, got {counts} (convert the model config with "
+                             f"GroupedExpertsConverter, which sets the token dispatcher's pad_multiple)")
+        if x_RD.dim() != 2 or rows > x_RD.shape[0]:
+            raise ValueError(f"{type(self).__name__}: x must be [R >= {rows}, D], got {tuple(x_RD.shape)}")
+        if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
+            w13 = torch.cat([w1, w3], dim=1)   # the engine reads these weights' values
+        else:
+            pair13 = FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3))
+            pair2 = FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,))
+            w13, w2 = _StandIn.apply(w1, w3), _StandIn.apply(w2)
+            FP8_WEIGHTS.put(w13, pair13)   # found there by the engine's FP8_WEIGHTS.get, right below
+            FP8_WEIGHTS.put(w2, pair2)
+        y = grouped_swiglu_experts(x_RD[:rows].to(torch.bfloat16), w13, w2, counts, self.precision,
+                                   storage=self.storage)
+        if rows < x_RD.shape[0]:
+            y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows, y.shape[1])])
+        return y.type_as(x_RD)
+
+
+class PaddedTokenDispatcher(TorchAOTokenDispatcher):
+    """torchtitan's TorchAOTokenDispatcher (EP all-to-all or local reorder, then a padded permute to
+    expert-major groups of ``pad_multiple`` rows; combine strips the padding) with the permute in plain
+    torch instead of torchao's Triton kernel. Groups are padded up to the multiple only: an empty expert
+    gets no rows, and the output ends with the last group."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TorchAOTokenDispatcher.Config):
+        pass
+
+    def _permute(self, routed_input_RD: torch.Tensor, num_global_tokens_per_local_expert_E: torch.Tensor):
+        """routed_input_RD: [N, D] in (rank, local expert) segments, rank-major (one rank without EP);
+        num_global_tokens_per_local_expert_E: int [EP * e], the segments' sizes -> (input shape [N + 1, D]
+        (the last row a zero sentinel), [R, D] expert-major padded rows, int64 [R] source row of each
+        (N for padding), int64 [e] padded group sizes), the contract of TorchAOTokenDispatcher._permute."""
+        x = routed_input_RD
+        n, dev = x.shape[0], x.device
+        ep = self.ep_mesh.size() if self.ep_mesh is not None else 1
+        with torch.no_grad():
+            sizes = num_global_tokens_per_local_expert_E.to(torch.int64).view(ep, -1)   # [EP, e]
+            group = sizes.sum(0)
+            padded = (group + self.pad_multiple - 1) // self.pad_multiple * self.pad_multiple
+            flat = sizes.reshape(-1)
+            src_start = (flat.cumsum(0) - flat).view(ep, -1)
+            # where rank r's rows of expert j go: expert j's padded group start + the rows of ranks < r
+            dst_start = (padded.cumsum(0) - padded)[None, :] + (sizes.cumsum(0) - sizes)
+            seg_len, src_start, dst_start = (t.t().reshape(-1) for t in (sizes, src_start, dst_start))
+            seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=dev), seg_len, output_size=n)
+            pos = torch.arange(n, device=dev) - (seg_len.cumsum(0) - seg_len)[seg]
+            total = int(padded.sum())   # a host sync; the experts need the counts on the host anyway
+            idx = torch.full((total,), n, dtype=torch.int64, device=dev)
+            idx[dst_start[seg] + pos] = src_start[seg] + pos
+        x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        return x_ext.shape, x_ext[idx], idx, padded
+
+
+class GroupedExpertsConverter(QuantizationConverter):
+    """Model-config converter: every torchtitan GroupedExperts becomes :class:`MoEFP4GroupedExperts` in
+    ``precision`` ("fp8": DeepSeek-V3's FP8 recipe; "fp4": the same GEMMs with activations saved in
+    ``storage``, MXFP4 or NVFP4; "bf16": the engine's bf16 path, for checks), and its token dispatcher
+    pads each expert's group to 128 rows. Name it in a training config's ``converters`` list (module
+    docstring). Refuses, naming the reason, what the engine cannot run (ValueError, before any change)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        # torchtitan's Configurable requires a mutable slots dataclass (a frozen one cannot inherit from
+        # it), so the fields are checked here and again when the converter is built.
+        precision: Literal["bf16", "fp8", "fp4"] = "fp8"
+        """moe_fp4 precision of the expert GEMMs and saved activations."""
+        storage: Literal["mxfp4", "nvfp4"] = "mxfp4"
+        """fp4's saved-activation format (ignored by bf16 and fp8)."""
+
+        def __post_init__(self):
+            _check_choices("GroupedExpertsConverter.Config", self.precision, self.storage)
+
+    def __init__(self, config: Config):
+        _check_choices("GroupedExpertsConverter", config.precision, config.storage)
+        self.config = config
+        if config.model_compile_enabled:
+            logger.warning("GroupedExpertsConverter: the converted experts read their group sizes on the host "
+                           "and keep their FP8 weights in a python-side cache: torch.compile breaks its graph "
+                           "around them")
+
+    def convert(self, model_config):
+        found = list(model_config.traverse(GroupedExperts.Config))
+        for fqn, cfg, parent, _ in found:   # every refusal before any change
+            _check_experts(fqn or "<root>", cfg, parent)
+        if not found:
+            logger.warning("GroupedExpertsConverter: the model config has no GroupedExperts; nothing converted")
+        for _, cfg, parent, attr in found:
+            _align_dispatcher(parent)
+            new = MoEFP4GroupedExperts.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)},
+                                              precision=self.config.precision, storage=self.config.storage)
+            setattr(parent, attr, new)
+        logger.info(f"GroupedExpertsConverter: {len(found)} GroupedExperts now run moe_fp4 "
+                    f"{self.config.precision}, token groups aligned to {TOKEN_ALIGN}")
+        return model_config
+
+
+def _check_experts(fqn: str, cfg, parent) -> None:
+    """ValueError naming what the engine cannot run in this GroupedExperts config, else nothing."""
+    if type(cfg) is not GroupedExperts.Config:
+        owner = getattr(type(cfg), "_owner", None)
+        name = getattr(owner, "__name__", type(cfg).__qualname__)
+        if isinstance(cfg, MoEFP4GroupedExperts.Config):
+            raise ValueError(f"GroupedExpertsConverter: {fqn} is converted already ({name})")
+        raise ValueError(f"GroupedExpertsConverter: {fqn} is {name}, a GroupedExperts subclass with its own "
+                         f"forward or parameters (gpt-oss: biases and a clamped SwiGLU; another converter's "
+                         f"quantized experts; fused w13): moe_fp4 runs torchtitan's own GroupedExperts, "
+                         f"SwiGLU (silu(x w1^T) * x w3^T) w2^T without biases, only")
+    for what, n in (("model (hidden) dim", cfg.dim), ("expert ffn (hidden_dim)", cfg.hidden_dim)):
+        if n % TOKEN_ALIGN:
+            raise ValueError(f"GroupedExpertsConverter: {fqn}: {what} = {n} is not a multiple of "
+                             f"{TOKEN_ALIGN} (the FP8 weights are quantized in 128x128 blocks)")
+    if not isinstance(parent, RoutedExperts.Config):
+        raise ValueError(f"GroupedExpertsConverter: {fqn} is not the inner_experts of a RoutedExperts config, "
+                         f"so its token dispatcher cannot be aligned to {TOKEN_ALIGN} rows")
+    dispatcher = parent.token_dispatcher
+    if not isinstance(dispatcher, (AllToAllTokenDispatcher.Config, HybridEPTokenDispatcher.Config)):
+        raise ValueError(f"GroupedExpertsConverter: {fqn}: the token dispatcher {type(dispatcher).__qualname__} "
+                         f"cannot pad expert groups (torchtitan pads with the standard all-to-all or HybridEP)")
+
+
+def _align_dispatcher(routed) -> None:
+    """Align routed.token_dispatcher's groups to TOKEN_ALIGN rows, with torchtitan's setter; its torchao
+    dispatcher becomes PaddedTokenDispatcher (the same, with a plain-torch padded permute)."""
+    d = routed.token_dispatcher
+    if isinstance(d, TorchAOTokenDispatcher.Config):   # padded already (another alignment): keep both
+        pad = math.lcm(d.pad_multiple, TOKEN_ALIGN)
+    else:
+        swap_token_dispatcher(routed, TOKEN_ALIGN)
+        d, pad = routed.token_dispatcher, TOKEN_ALIGN
+    if isinstance(d, TorchAOTokenDispatcher.Config):
+        routed.token_dispatcher = PaddedTokenDispatcher.Config(num_experts=d.num_experts, top_k=d.top_k,
+                                                               pad_multiple=pad)
+
+
+def _debugmodel_with_experts(precision: str):
+    from torchtitan.models.deepseek_v3 import model_registry
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    config = deepseek_v3_debugmodel()
+    config.model_spec = model_registry("debugmodel", converters=[GroupedExpertsConverter.Config(precision=precision)])
+    return config
+
+
+def deepseek_v3_debugmodel_fp8_experts():
+    """torchtitan's ``deepseek_v3_debugmodel`` training config with its experts in moe_fp4's fp8 precision."""
+    return _debugmodel_with_experts("fp8")
+
+
+def deepseek_v3_debugmodel_fp4_experts():
+    """torchtitan's ``deepseek_v3_debugmodel`` training config with its experts in moe_fp4's fp4 precision."""
+    return _debugmodel_with_experts("fp4")
+
+
+__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "PaddedTokenDispatcher",
+           "deepseek_v3_debugmodel_fp4_experts", "deepseek_v3_debugmodel_fp8_experts"]
