@@ -8,7 +8,8 @@ on the experts modules). torchao does not apply here: its FP8 grouped GEMM needs
 multiple of 16, which torchtitan's permutation pads to and transformers' does not; on an H200 (torch 2.11,
 torchao 0.18) its first backward ends in a device-side assert (`_scaled_grouped_mm`: "expected input tensor
 dynamic dimension byte size to be non-negative multiple of 16"), which leaves the process's CUDA context
-unusable, so it is not in the default list. torchao's FP8 baseline is in bench/torchtitan_experts.py. The model is transformers'
+unusable, so it is not in the default list. torchao's FP8 experts are measured against moe_fp4's in
+bench/experts.py (the experts alone) and bench/torchao_ep.py (torchtitan's EP block). The model is transformers'
 Qwen3-MoE built from a config (no download) with byte tokens from Python's standard library
 (:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW, a plain training loop
 (forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168, expert ffn
