@@ -34,9 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
+from stack_loop import guarded, print_table, stdlib_batches, train_variant
 
 SHAPES = {
     "dsv3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_experts=32,
@@ -47,7 +47,6 @@ SHAPES = {
                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 DEFAULT_LAYERS = {"dsv3": 3, "small": 6, "tiny": 2}
-GiB = 2**30
 
 
 def build(shape: str, layers: int, seq: int, impl: str, device):
@@ -70,92 +69,28 @@ def build(shape: str, layers: int, seq: int, impl: str, device):
     return model.train()
 
 
-def batches(batch: int, seq: int, count: int, device):
-    from moe_fp4.compare.data import stdlib_corpus
-
-    text = stdlib_corpus().train
-    g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, text.numel() - seq, (count, batch), generator=g)
-    idx = starts[..., None] + torch.arange(seq)
-    return text[idx].long().to(device)            # [count, batch, seq]
-
-
 def run(impl: str, a, data, device) -> dict:
-    try:
-        return _run(impl, a, data, device)
-    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is a row with its reason, not the end
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"impl": impl, "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-
-
-def saved_bytes(model, ids) -> int:
-    """Bytes of the distinct storages autograd keeps from one forward for backward (the activations; weights
-    too where an op saves them, the same in every variant), by a saved-tensor hook that returns each tensor
-    unchanged. Runs forward and backward; the caller drops the gradients."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=ids).loss
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    loss.backward()
-    return sum(n for ptr, n in seen.items() if ptr not in params)
-
-
-def _run(impl: str, a, data, device) -> dict:
     from moe_fp4.gemm.engines import FP8_WEIGHTS
 
-    model = build(a.shape, a.layers, a.seq, impl, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    cuda = device.type == "cuda"
-    losses, act, times, peak, fp8_copies = [], 0, [], 0, 0
-    for step in range(a.warmup + a.steps):
-        ids = data[step % data.shape[0]]
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            before = 0
-        t0 = time.perf_counter()
-        loss = model(ids, labels=ids).loss      # transformers shifts the labels itself
-        loss.backward()
-        if step >= a.warmup and cuda:
-            # forward + backward only: AdamW's foreach temporaries come after, the same in every variant
-            act = max(act, torch.cuda.max_memory_allocated() - before)
-            fp8_copies = max(fp8_copies, FP8_WEIGHTS.nbytes)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if step >= a.warmup:
-            times.append(time.perf_counter() - t0)
-            if cuda:
-                peak = max(peak, torch.cuda.max_memory_allocated())
-        if a.progress and (step + 1) % 50 == 0:
-            print(f"  {impl}: step {step + 1}, loss {losses[-1]:.4f}", flush=True)
-    step_s = sum(times) / len(times)
-    saved = saved_bytes(model, data[0])
-    out = {"impl": impl, "tokens_per_s": a.batch * a.seq / step_s, "step_ms": 1e3 * step_s,
-           "peak_gib": peak / GiB, "static_gib": before / GiB, "fwd_bwd_gib": act / GiB, "saved_gib": saved / GiB,
-           "fp8_weight_copies_gib": fp8_copies / GiB, "loss_first": losses[0], "loss_last": losses[-1],
-           "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
-    if a.profile:
-        out["profile"] = profile_table(model, opt, data, a.profile)
-    del model, opt
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
+    def measured():
+        model = build(a.shape, a.layers, a.seq, impl, device)
+        out = train_variant(impl, model, lambda ids: model(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
+                            fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress)
+        if a.profile:
+            out["profile"] = profile_table(model, data, a.lr, a.profile)
+        return out
+
+    row = guarded(impl, measured, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()   # the variant's model went with measured()'s frame
+    return row
 
 
-def profile_table(model, opt, data, steps: int) -> str:
+def profile_table(model, data, lr: float, steps: int) -> str:
     """torch.profiler over ``steps`` training steps -> its table of the 30 kernels with the most GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for step in range(steps):
             ids = data[step % data.shape[0]]
@@ -190,27 +125,12 @@ def main(argv=None) -> int:
 
     prefer_expandable_segments()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = batches(a.batch, a.seq, a.warmup + a.steps, device)
+    data = stdlib_batches(a.batch, a.seq, a.warmup + a.steps, device)
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{dev} | torch {torch.__version__} | commit {commit()} | Qwen3-MoE {a.shape} x {a.layers} layers, batch "
           f"{a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps", flush=True)
     rows = [run(impl, a, data, device) for impl in a.impls]
-    base = {r["impl"]: r for r in rows if "skipped" not in r}
-    print(f"{'impl':<12} {'tokens/s':>10} {'vs bf16':>8} {'vs fp8':>7} {'peak GiB':>9} {'fwd+bwd':>8} {'saved':>7} "
-          f"{'saved/fp8':>9} {'fp8 W':>6} {'loss 1st':>8} {'last10':>8}")
-    g, f = base.get("grouped_mm"), base.get("moe_fp4_fp8")
-
-    def ratio(r, b, key):
-        return r[key] / b[key] if b and b[key] else float("nan")
-
-    for r in rows:
-        if "skipped" in r:
-            print(f"{r['impl']:<12} skipped: {r['skipped']}")
-            continue
-        print(f"{r['impl']:<12} {r['tokens_per_s']:>10,.0f} {ratio(r, g, 'tokens_per_s'):>7.3f}x "
-              f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} {r['saved_gib']:>7.2f} "
-              f"{ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} {r['loss_first']:>8.4f} "
-              f"{r['loss_last10']:>8.4f}")
+    print_table(rows, bf16="grouped_mm")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},

@@ -1,0 +1,112 @@
+"""The training loop and measurements that bench/hf_experts.py and bench/torchtitan_experts.py share: each variant
+of one model trained on the same stdlib byte batches with torch's AdamW, timed per step, its memory split into
+the forward + backward peak, the saved activations and the FP8 weight copies, and its loss curve."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+GiB = 2**30
+
+
+def stdlib_batches(batch: int, seq: int, count: int, device) -> torch.Tensor:
+    """-> int64 [count, batch, seq] windows of Python's standard library source as byte tokens (vocab 256)."""
+    from moe_fp4.compare.data import stdlib_corpus
+
+    text = stdlib_corpus().train
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, text.numel() - seq, (count, batch), generator=g)
+    return text[starts[..., None] + torch.arange(seq)].long().to(device)
+
+
+def saved_bytes(model, loss_of) -> int:
+    """Bytes of the distinct storages autograd keeps from one forward (``loss_of()``) for backward: the
+    activations, counted once per storage by a saved-tensor hook that returns each tensor unchanged, the
+    parameters excluded. Runs forward and backward; the caller drops the gradients."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss.backward()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, steps: int, lr: float,
+                  fp8_copies=lambda: 0, progress: bool = True, tokens_per_step: int | None = None) -> dict:
+    """Train ``model`` for ``warmup`` + ``steps`` steps on ``data`` [count, batch, seq] (``loss_of(ids)`` -> the
+    step's loss) with torch's AdamW -> the row: tokens/s over the timed steps, peak memory (AdamW's temporaries
+    included), fwd_bwd (the peak of forward and backward less what was allocated before the forward), saved
+    activations (:func:`saved_bytes`, one extra forward + backward at the end), ``fp8_copies()`` bytes after
+    backward, the loss curve. One ``loss.item()`` per step in every variant."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    cuda = data.device.type == "cuda"
+    losses, times, act, peak, copies, before = [], [], 0, 0, 0, 0
+    for step in range(warmup + steps):
+        ids = data[step % data.shape[0]]
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = loss_of(ids)
+        loss.backward()
+        if step >= warmup and cuda:
+            # forward + backward only: AdamW's foreach temporaries come after, the same in every variant
+            act = max(act, torch.cuda.max_memory_allocated() - before)
+            copies = max(copies, fp8_copies())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            if cuda:
+                peak = max(peak, torch.cuda.max_memory_allocated())
+        if progress and (step + 1) % 50 == 0:
+            print(f"  {name}: step {step + 1}, loss {losses[-1]:.4f}", flush=True)
+    step_s = sum(times) / len(times)
+    saved = saved_bytes(model, lambda: loss_of(data[0]))
+    opt.zero_grad(set_to_none=True)
+    tokens = tokens_per_step or data.shape[1] * data.shape[2]
+    return {"impl": name, "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s, "peak_gib": peak / GiB,
+            "static_gib": before / GiB, "fwd_bwd_gib": act / GiB, "saved_gib": saved / GiB,
+            "fp8_weight_copies_gib": copies / GiB, "loss_first": losses[0], "loss_last": losses[-1],
+            "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
+
+
+def guarded(name: str, fn, device) -> dict:
+    """fn() -> its row, or a row saying why the variant could not run (an optional baseline that does not
+    apply is a line in the table, not the end of the run)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"impl": name, "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+
+
+def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
+    """The rows as a table; ratios against the ``bf16`` variant and against ``fp8``."""
+    base = {r["impl"]: r for r in rows if "skipped" not in r}
+    g, f = base.get(bf16), base.get(fp8)
+
+    def ratio(r, b, key):
+        return r[key] / b[key] if b and b[key] else float("nan")
+
+    print(f"{'variant':<14} {'tokens/s':>10} {'vs bf16':>8} {'vs fp8':>7} {'peak GiB':>9} {'fwd+bwd':>8} {'saved':>7} "
+          f"{'saved/fp8':>9} {'fp8 W':>6} {'loss 1st':>8} {'last10':>8}")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['impl']:<14} skipped: {r['skipped']}")
+            continue
+        print(f"{r['impl']:<14} {r['tokens_per_s']:>10,.0f} {ratio(r, g, 'tokens_per_s'):>7.3f}x "
+              f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} {r['saved_gib']:>7.2f} "
+              f"{ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} {r['loss_first']:>8.4f} "
+              f"{r['loss_last10']:>8.4f}")

@@ -1,0 +1,158 @@
+"""torchtitan's own DeepSeek-V3 model trained with each experts implementation (issue 48): tokens/s, peak and
+activation memory and the loss curve, one GPU, the same model, weights and batches for every variant.
+
+Variants (``--variants``): ``bf16`` (torchtitan's GroupedExperts: torch's bf16 ``_grouped_mm``), ``torchao``
+(torchtitan's own ``Float8GroupedExpertsConverter``: torchao's FP8 row-wise grouped GEMMs, groups padded to 16;
+torchtitan recommends compiling it, so ``--compile`` compiles each layer of the bf16 and torchao variants as
+torchtitan's trainer does), ``moe_fp4_fp8`` and ``moe_fp4`` (:class:`moe_fp4.integrations.torchtitan.
+GroupedExpertsConverter` with precision fp8 / fp4; eager: their host syncs break a compiled graph). Each model
+is built from torchtitan's DeepSeek-V3 layer builder with its converter applied to the model config as
+``model_registry(..., converters=[...])`` does; attention is torch's SDPA (causal) in every variant, so only the
+experts differ; byte tokens from Python's standard library (vocab 256); weights in bf16; torch's AdamW; a plain
+loop (forward, cross entropy, backward, step). ``--shape dsv3``: DeepSeek-V3's layer (hidden 7168, MLA with 128
+heads, q LoRA 1536, kv LoRA 512) with 32 experts of ffn 2048, top-8, a shared expert, ``--layers`` MoE layers;
+``--shape small``: hidden 1024, 16 heads, 16 experts of 512, top-4, 6 layers; ``--shape tiny``: a CPU smoke run.
+
+Per variant as bench/hf_experts.py (bench/stack_loop.py): warmup, timed steps, the forward + backward peak,
+saved activations, FP8 weight copies (moe_fp4: ``FP8_PAIRS.nbytes``), peak with AdamW, the loss curve.
+
+    python bench/torchtitan_experts.py --shape dsv3 --json tt_dsv3.json
+    python bench/torchtitan_experts.py --shape dsv3 --compile --variants bf16 torchao --json tt_dsv3_compiled.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from stack_loop import guarded, print_table, stdlib_batches, train_variant
+
+SHAPES = {
+    "dsv3": dict(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, moe_hidden_dim=2048, num_experts=32,
+                 top_k=8, score="sigmoid", route_scale=2.5),
+    "small": dict(dim=1024, n_heads=16, q_lora_rank=0, kv_lora_rank=512, moe_hidden_dim=512, num_experts=16, top_k=4,
+                  score="softmax", route_scale=1.0),
+    "tiny": dict(dim=256, n_heads=4, q_lora_rank=0, kv_lora_rank=128, moe_hidden_dim=256, num_experts=8, top_k=2,
+                 score="softmax", route_scale=1.0),
+}
+DEFAULT_LAYERS = {"dsv3": 3, "small": 6, "tiny": 2}
+VOCAB = 256
+
+
+def model_config(shape: str, layers: int, converters):
+    """torchtitan's DeepSeek-V3 model config at ``shape`` (its own layer builder and inits: the private helpers
+    of torchtitan.models.deepseek_v3 0.3.0), every layer a MoE layer, the converters applied to the config."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
+
+    s = SHAPES[shape]
+    rope = ComplexRoPE.Config(dim=64, max_seq_len=16384, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                              beta_fast=32.0, beta_slow=1.0, original_seq_len=4096)
+    blocks = _build_dsv3_layers(n_layers=layers, n_dense_layers=0, dim=s["dim"], n_heads=s["n_heads"],
+                                q_lora_rank=s["q_lora_rank"], kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, mscale=1.0, dense_hidden_dim=4 * s["dim"],
+                                moe_hidden_dim=s["moe_hidden_dim"], num_experts=s["num_experts"], num_shared_experts=1,
+                                router_top_k=s["top_k"], router_score_func=s["score"],
+                                router_route_scale=s["route_scale"], router_route_norm=True, attn_backend="flex",
+                                moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=rope)
+    config = DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=s["dim"],
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=s["dim"], param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=s["dim"], out_features=VOCAB, param_init=_output_linear_init(s["dim"])),
+        layers=blocks)
+    # SDPA (causal) in every variant: the same attention whatever the experts, no flex-attention compile.
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    for c in converters:
+        config = c.build().convert(config)
+    return config
+
+
+def converters_of(variant: str):
+    if variant == "bf16":
+        return []
+    if variant == "torchao":
+        from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+
+        return [Float8GroupedExpertsConverter.Config()]
+    from moe_fp4.integrations.torchtitan import GroupedExpertsConverter
+
+    return [GroupedExpertsConverter.Config(precision={"moe_fp4_fp8": "fp8", "moe_fp4": "fp4"}[variant])]
+
+
+def run(variant: str, a, data, device) -> dict:
+    from moe_fp4.integrations.torchtitan import FP8_PAIRS
+
+    def measured():
+        config = model_config(a.shape, a.layers, converters_of(variant))
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = config.build()
+            model.init_weights()
+        model = model.to(torch.bfloat16).train()
+        if a.compile and variant in ("bf16", "torchao"):
+            for block in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+                block.compile()
+        seq = data.shape[2] - 1
+        positions = torch.arange(seq, device=device).repeat(data.shape[1], 1)
+
+        def loss_of(ids):
+            logits = model(ids[:, :-1], attention_masks=None, positions=positions)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+        row = train_variant(variant, model, loss_of, data, a.warmup, a.steps, a.lr,
+                            fp8_copies=lambda: FP8_PAIRS.nbytes, progress=a.progress,
+                            tokens_per_step=data.shape[1] * seq)
+        row["compiled"] = bool(a.compile and variant in ("bf16", "torchao"))
+        return row
+
+    row = guarded(variant, measured, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--variants", nargs="+", default=["bf16", "torchao", "moe_fp4_fp8", "moe_fp4"])
+    p.add_argument("--compile", action="store_true", help="compile each layer of the bf16 and torchao variants")
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    a = p.parse_args(argv)
+    a.layers = a.layers or DEFAULT_LAYERS[a.shape]
+    if not torch.cuda.is_available() and a.shape != "tiny":
+        print("torchtitan_experts.py times a GPU: it needs one (on CPU: --shape tiny, a smoke run)", file=sys.stderr)
+        return 2
+    from moe_fp4.compare.memory import prefer_expandable_segments
+    from moe_fp4.compare.origin import commit
+
+    prefer_expandable_segments()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = stdlib_batches(a.batch, a.seq + 1, a.warmup + a.steps, device)
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{dev} | torch {torch.__version__} | commit {commit()} | torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE "
+          f"layers, batch {a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps"
+          + (", bf16 and torchao compiled" if a.compile else ""), flush=True)
+    rows = [run(v, a, data, device) for v in a.variants]
+    print_table(rows, bf16="bf16")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
+                      fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
