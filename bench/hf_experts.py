@@ -32,11 +32,9 @@ moe_fp4_fp8, memory, the first and last losses; ``--json``: everything, with eac
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
-from stack_loop import guarded, print_table, stdlib_batches, train_variant
+from stack_loop import add_common_args, bench_main, guarded, train_variant
 
 SHAPES = {
     "dsv3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_experts=32,
@@ -103,39 +101,13 @@ def profile_table(model, data, lr: float, steps: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--lr", type=float, default=3e-4)
+    add_common_args(p, SHAPES)
     p.add_argument("--impls", nargs="+", default=["grouped_mm", "moe_fp4_fp8", "moe_fp4"])
-    p.add_argument("--json", default=None)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
-    if not torch.cuda.is_available() and a.shape != "tiny":
-        print("hf_experts.py times a GPU: it needs one (on CPU: --shape tiny, a smoke run)", file=sys.stderr)
-        return 2
-    from moe_fp4.compare.memory import prefer_expandable_segments
-    from moe_fp4.compare.origin import commit
-
-    prefer_expandable_segments()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = stdlib_batches(a.batch, a.seq, a.warmup + a.steps, device)
-    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{dev} | torch {torch.__version__} | commit {commit()} | Qwen3-MoE {a.shape} x {a.layers} layers, batch "
-          f"{a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps", flush=True)
-    rows = [run(impl, a, data, device) for impl in a.impls]
-    print_table(rows, bf16="grouped_mm")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
-                      fh, indent=1)
-    return 0
+    return bench_main("hf_experts.py", a, f"Qwen3-MoE {a.shape} x {a.layers} layers", a.impls, run, bf16="grouped_mm")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ the forward + backward peak, the saved activations and the FP8 weight copies, an
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import torch
@@ -110,3 +112,41 @@ def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
               f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} {r['saved_gib']:>7.2f} "
               f"{ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} {r['loss_first']:>8.4f} "
               f"{r['loss_last10']:>8.4f}")
+
+
+def add_common_args(p, shapes) -> None:
+    """The arguments both benchmarks take: shape, layers, batch, seq, steps, warmup, lr, json, progress."""
+    p.add_argument("--shape", choices=list(shapes), default="dsv3")
+    p.add_argument("--layers", type=int, default=None, help="default: the shape's")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def bench_main(script: str, a, title: str, variants: list[str], run, bf16: str, seq_extra: int = 0) -> int:
+    """The shared main of the two benchmarks: check for a GPU (``--shape tiny`` runs on CPU), set the allocator as
+    ``moe-fp4 compare`` does, make the batches (``a.seq + seq_extra`` tokens a row), print the header, run each
+    variant (``run(variant, a, data, device)`` -> its row), print the table, write ``a.json`` -> exit code."""
+    if not torch.cuda.is_available() and a.shape != "tiny":
+        print(f"{script} times a GPU: it needs one (on CPU: --shape tiny, a smoke run)", file=sys.stderr)
+        return 2
+    from moe_fp4.compare.memory import prefer_expandable_segments
+    from moe_fp4.compare.origin import commit
+
+    prefer_expandable_segments()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = stdlib_batches(a.batch, a.seq + seq_extra, a.warmup + a.steps, device)
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{dev} | torch {torch.__version__} | commit {commit()} | {title}, batch {a.batch} x seq {a.seq}, "
+          f"{a.warmup} + {a.steps} steps", flush=True)
+    rows = [run(v, a, data, device) for v in variants]
+    print_table(rows, bf16=bf16)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
+                      fh, indent=1)
+    return 0

@@ -23,11 +23,9 @@ saved activations, FP8 weight copies (moe_fp4: ``FP8_PAIRS.nbytes``), peak with 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
-from stack_loop import guarded, print_table, stdlib_batches, train_variant
+from stack_loop import add_common_args, bench_main, guarded, train_variant
 
 SHAPES = {
     "dsv3": dict(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, moe_hidden_dim=2048, num_experts=32,
@@ -119,39 +117,14 @@ def run(variant: str, a, data, device) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--lr", type=float, default=3e-4)
+    add_common_args(p, SHAPES)
     p.add_argument("--variants", nargs="+", default=["bf16", "torchao", "moe_fp4_fp8", "moe_fp4"])
     p.add_argument("--compile", action="store_true", help="compile each layer of the bf16 and torchao variants")
-    p.add_argument("--json", default=None)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
-    if not torch.cuda.is_available() and a.shape != "tiny":
-        print("torchtitan_experts.py times a GPU: it needs one (on CPU: --shape tiny, a smoke run)", file=sys.stderr)
-        return 2
-    from moe_fp4.compare.memory import prefer_expandable_segments
-    from moe_fp4.compare.origin import commit
-
-    prefer_expandable_segments()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = stdlib_batches(a.batch, a.seq + 1, a.warmup + a.steps, device)
-    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{dev} | torch {torch.__version__} | commit {commit()} | torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE "
-          f"layers, batch {a.batch} x seq {a.seq}, {a.warmup} + {a.steps} steps"
-          + (", bf16 and torchao compiled" if a.compile else ""), flush=True)
-    rows = [run(v, a, data, device) for v in a.variants]
-    print_table(rows, bf16="bf16")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"device": dev, "torch": torch.__version__, "commit": commit(), "args": vars(a), "rows": rows},
-                      fh, indent=1)
-    return 0
+    title = f"torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE layers" + (", bf16 and torchao compiled" if a.compile else "")
+    # one token more a row: the inputs are its first seq tokens, the targets its last seq
+    return bench_main("torchtitan_experts.py", a, title, a.variants, run, bf16="bf16", seq_extra=1)
 
 
 if __name__ == "__main__":
