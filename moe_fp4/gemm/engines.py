@@ -196,21 +196,21 @@ class FP8WeightCache:
         self._hook = register_optimizer_step_post_hook(after_step)
 
     def _after_step(self, optimizer) -> None:
-        """Drop the pairs of the parameters the optimizer just stepped, or every pair when it steps a
-        DTensor (FSDP2, expert parallelism: the tensors the experts read are not the ones it steps, and
-        their versions do not move; see the class docstring); nothing when the optimizer keeps this cache
-        itself (``optimizer.fp8_weight_cache is self``: moe_fp4.model.optim.AdamWFP8Weights puts the pairs its
-        step made and drops the others)."""
-        if not self._entries or getattr(optimizer, "fp8_weight_cache", None) is self:
+        """Drop every pair when the optimizer steps a DTensor (FSDP2, expert parallelism: the tensors the
+        experts read are not the ones it steps, and their versions do not move; see the class docstring), else
+        the pairs of the parameters it stepped, unless it keeps this cache itself (``optimizer.fp8_weight_cache
+        is self``: moe_fp4.model.optim.AdamWFP8Weights puts the pairs its step made and drops the others)."""
+        if not self._entries:
             return
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if any(isinstance(p, DTensor) for p in params):
+            # also after AdamWFP8Weights: it fuses only the parameters the cache holds, never a DTensor
             self._entries.clear()
-            return
-        for p in params:
-            self._entries.pop(p, None)
+        elif getattr(optimizer, "fp8_weight_cache", None) is not self:
+            for p in params:
+                self._entries.pop(p, None)
 
     def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
         """w: [N, K] or [E, N, K] -> (W, W^T), quantized now or at the same version of w before."""

@@ -245,7 +245,8 @@ def test_weight_cache_drops_a_pair_after_any_optimizer_step(kw):
 def test_weight_cache_sees_a_step_through_another_tensor():
     """FSDP2's pattern: the optimizer steps a sharded DTensor parameter, and the module reads an unsharded
     tensor refilled from it with its version counter preserved (same storage, same _version). The pair made
-    before the step must not be reused after it."""
+    before the step must not be reused after it, with torch's AdamW and with AdamWFP8Weights (which keeps
+    the cache itself but never fuses a DTensor)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -263,18 +264,21 @@ def test_weight_cache_sees_a_step_through_another_tensor():
             with torch.autograd._unsafe_preserve_version_counter(unsharded):
                 unsharded.copy_(shard.detach().full_tensor())
 
-        all_gather()
-        first = cache.get(unsharded)
-        opt = torch.optim.AdamW([shard], lr=0.1)
-        shard.grad = distribute_tensor(torch.randn(2, 128, 256), shard.device_mesh, [Shard(0)])
-        version, ptr = unsharded._version, unsharded.data_ptr()
-        opt.step()
-        all_gather()
-        assert (unsharded._version, unsharded.data_ptr()) == (version, ptr)   # nothing the key could see
-        second = cache.get(unsharded)
-        assert second is not first
-        fresh = quantize_fp8_weight_pair(unsharded)
-        assert torch.equal(second[0].data.view(torch.uint8), fresh[0].data.view(torch.uint8))
+        from moe_fp4.model.optim import AdamWFP8Weights
+
+        for make in (torch.optim.AdamW, lambda ps, lr: AdamWFP8Weights(ps, lr=lr, cache=cache)):
+            all_gather()
+            first = cache.get(unsharded)
+            opt = make([shard], lr=0.1)
+            shard.grad = distribute_tensor(torch.randn(2, 128, 256), shard.device_mesh, [Shard(0)])
+            version, ptr = unsharded._version, unsharded.data_ptr()
+            opt.step()
+            all_gather()
+            assert (unsharded._version, unsharded.data_ptr()) == (version, ptr)   # nothing the key could see
+            second = cache.get(unsharded)
+            assert second is not first, make
+            fresh = quantize_fp8_weight_pair(unsharded)
+            assert torch.equal(second[0].data.view(torch.uint8), fresh[0].data.view(torch.uint8))
     finally:
         dist.destroy_process_group()
 
