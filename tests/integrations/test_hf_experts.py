@@ -227,29 +227,27 @@ def test_fp8_weights_once_per_optimizer_step(monkeypatch, references):
         opt.zero_grad()
 
 
-_PROBE = ("import sys, {first}; imported = 'transformers' in sys.modules; import {second}; "
+_PROBE = ("import os, sys; {before}import {first}; imported = 'transformers' in sys.modules; import {second}; "
           "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as F; "
-          "print(imported, 'moe_fp4' in F, 'moe_fp4_fp8' in F)")
+          "from moe_fp4.kernels import gluon_grouped_gemm as g; "
+          "print(imported, 'moe_fp4' in F, 'moe_fp4_fp8' in F, g.AVAILABLE)")
+# The second order also runs as tests/distributed.py's ranks do: Triton imported under TRITON_INTERPRET=1, then
+# the interpreter turned off, where Gluon's import asserts: moe_fp4 must still import and register (on the
+# Triton engine).
+_INTERPRETER_OFF = "import triton; os.environ['TRITON_INTERPRET'] = '0'; "
 
 
-@pytest.mark.parametrize("first, second", [("moe_fp4", "transformers.integrations.moe"),
-                                           ("transformers.integrations.moe", "moe_fp4")])
-def test_registered_whichever_is_imported_first(first, second):
+@pytest.mark.parametrize("first, second, before", [("moe_fp4", "transformers.integrations.moe", ""),
+                                                   ("transformers.integrations.moe", "moe_fp4", _INTERPRETER_OFF)],
+                         ids=["moe_fp4-first", "transformers-first-interpreter-off"])
+def test_registered_whichever_is_imported_first(first, second, before):
     """Both names registered in either order; ``import moe_fp4`` alone does not import transformers."""
-    run = subprocess.run([sys.executable, "-c", _PROBE.format(first=first, second=second)], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"))
+    env = dict(os.environ, TRITON_INTERPRET="1" if before else "0")
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                          _PROBE.format(first=first, second=second, before=before)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [str(first != "moe_fp4"), "True", "True"], run.stdout + run.stderr
-
-
-def test_registered_after_the_interpreter_was_turned_off():
-    """A process that imported Triton under TRITON_INTERPRET=1 and then turned it off (tests/distributed.py's
-    ranks) cannot import Gluon (its import asserts); moe_fp4 must still import and register, on the Triton
-    engine."""
-    code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '0'; import transformers.integrations.moe, moe_fp4; "
-            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as F; "
-            "from moe_fp4.kernels import gluon_grouped_gemm as g; print('moe_fp4' in F, g.AVAILABLE)")
-    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["True", "False"], run.stdout + run.stderr
+    got = run.stdout.split()
+    assert got[:3] == [str(first != "moe_fp4"), "True", "True"], run.stdout + run.stderr
+    if before:
+        assert got[3] == "False", run.stdout   # Gluon unusable in that process: the Triton engine

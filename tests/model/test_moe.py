@@ -269,7 +269,7 @@ def test_tokens_quantized_then_gathered_equal_gathered_then_quantized(precision)
     """quantize_expert_tokens + gather_expert_tokens (what the layer runs) against the experts' own
     quantization of the permuted bf16 rows, padding rows included: the same bytes (Triton kernels)."""
     torch.manual_seed(9)
-    t, k, e = 37, 2, 3
+    t, k, e = 29, 2, 2      # two padded groups (256 rows): the interpreted column kernel dominates the time
     experts_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     r = make_routing(torch.rand(t, k), experts_ids, e)
     x = torch.randn(t, 256, dtype=torch.bfloat16) * torch.logspace(-3, 3, t)[:, None].to(torch.bfloat16)
