@@ -235,7 +235,7 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
         """routed_input_RD: [N, D] in (rank, local expert) segments, rank-major (one rank without EP);
         num_global_tokens_per_local_expert_E: int [EP * e], the segments' sizes -> (input shape [N + 1, D]
         (the last row a zero sentinel), [R, D] expert-major padded rows, int64 [R] source row of each
-        (N for padding), int64 [e] padded group sizes), the contract of TorchAOTokenDispatcher._permute."""
+        (N for padding), int64 [e] padded group sizes, on the CPU), the contract of TorchAOTokenDispatcher._permute."""
         x = routed_input_RD
         n, dev = x.shape[0], x.device
         ep = self.ep_mesh.size() if self.ep_mesh is not None else 1
@@ -250,7 +250,10 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
             seg_len, src_start, dst_start = (t.t().reshape(-1) for t in (sizes, src_start, dst_start))
             seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=dev), seg_len, output_size=n)
             pos = torch.arange(n, device=dev) - (seg_len.cumsum(0) - seg_len)[seg]
-            total = int(padded.sum())   # a host sync; the experts need the counts on the host anyway
+            # The layer's one host sync: the experts take these counts as python ints, so they get them on
+            # the host (a CPU tensor) and read them there without a second sync.
+            padded = padded.cpu()
+            total = int(padded.sum())
             idx = torch.full((total,), n, dtype=torch.int64, device=dev)
             idx[dst_start[seg] + pos] = src_start[seg] + pos
         x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])
