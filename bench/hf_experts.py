@@ -32,9 +32,13 @@ moe_fp4_fp8, memory, the first and last losses; ``--json``: everything, with eac
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
-from stack_loop import add_common_args, bench_main, guarded, train_variant
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from stack_loop import add_common_args, bench_main, guarded, train_variant  # noqa: E402
 
 SHAPES = {
     "dsv3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_experts=32,

@@ -23,9 +23,14 @@ saved activations, FP8 weight copies (moe_fp4: ``FP8_PAIRS.nbytes``), peak with 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
-from stack_loop import add_common_args, bench_main, guarded, train_variant
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from stack_loop import add_common_args, bench_main, guarded, train_variant  # noqa: E402
+from torchtitan_compat import import_torchtitan  # noqa: E402
 
 SHAPES = {
     "dsv3": dict(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, moe_hidden_dim=2048, num_experts=32,
@@ -122,7 +127,12 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="compile each layer of the bf16 and torchao variants")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
+    # torchtitan 0.3.0 imports names an older torch lacks (FSDP's, unused on one GPU): stand-ins that raise if used
+    stood_in = import_torchtitan("torchtitan.models.deepseek_v3", "torchtitan.components.quantization.float8",
+                                 "moe_fp4.integrations.torchtitan")
     title = f"torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE layers" + (", bf16 and torchao compiled" if a.compile else "")
+    if stood_in:
+        title += f" (this torch lacks {', '.join(stood_in)}: stand-ins from bench/torchtitan_compat.py)"
     # one token more a row: the inputs are its first seq tokens, the targets its last seq
     return bench_main("torchtitan_experts.py", a, title, a.variants, run, bf16="bf16", seq_extra=1)
 

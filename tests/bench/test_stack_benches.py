@@ -49,3 +49,34 @@ def test_torchtitan_experts_tiny(tmp_path):
     assert all("skipped" not in r for r in rows.values()), rows
     _follows(rows, "bf16")
     assert rows["moe_fp4"]["saved_gib"] < rows["moe_fp4_fp8"]["saved_gib"]   # MXFP4 kept
+
+
+def test_torchtitan_on_a_torch_without_fsdps_new_names():
+    """bench/torchtitan_compat.py: with torch.distributed.fsdp.DataParallelMeshDims removed (as in torch 2.11)
+    torchtitan's DeepSeek-V3 imports, the name is reported, and the stand-in raises when called or subclassed;
+    on this torch nothing is stood in for."""
+    pytest.importorskip("torchtitan.models.deepseek_v3")
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "bench")!r})
+from torchtitan_compat import import_torchtitan
+assert import_torchtitan("torchtitan.models.common.moe") == []
+import torch.distributed.fsdp as fsdp
+del fsdp.DataParallelMeshDims
+got = import_torchtitan("torchtitan.models.deepseek_v3", "torchtitan.models.qwen3")
+assert got == ["torch.distributed.fsdp.DataParallelMeshDims"], got
+def subclass():
+    class X(fsdp.DataParallelMeshDims):
+        pass
+for use in (lambda: fsdp.DataParallelMeshDims(), subclass):
+    try:
+        use()
+    except RuntimeError as e:
+        assert "does not exist in this torch" in str(e), e
+    else:
+        raise AssertionError("the stand-in did not raise")
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1"))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
