@@ -4,9 +4,11 @@ the forward + backward peak, the saved activations and the FP8 weight copies, an
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
+import traceback
 
 import torch
 
@@ -86,12 +88,20 @@ def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, st
 def guarded(name: str, fn, device) -> dict:
     """fn() -> its row, or a row saying why the variant could not run (an optional baseline that does not
     apply is a line in the table, not the end of the run)."""
+    # what earlier variants left allocated (0 when each went with its frame): reported with the row
+    left = torch.cuda.memory_allocated() / GiB if device.type == "cuda" else 0.0
     try:
-        return fn()
+        return {**fn(), "left_by_earlier_gib": left}
     except Exception as e:  # noqa: BLE001
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"impl": name, "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        # The traceback's frames hold the failed variant's model, gradients and optimizer state: without
+        # clearing them the next variants would run with that memory still allocated.
+        traceback.clear_frames(e.__traceback__)
+        del e
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"impl": name, "skipped": why, "left_by_earlier_gib": left}
 
 
 def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
