@@ -38,7 +38,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
-from stack_loop import add_common_args, bench_main, guarded, train_variant  # noqa: E402
+from stack_loop import add_common_args, bench_main, guarded, profile_table, train_variant  # noqa: E402
 
 SHAPES = {
     "dsv3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_experts=32,
@@ -79,28 +79,13 @@ def run(impl: str, a, data, device) -> dict:
         out = train_variant(impl, model, lambda ids: model(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
                             fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress)
         if a.profile:
-            out["profile"] = profile_table(model, data, a.lr, a.profile)
+            out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile)
         return out
 
     row = guarded(impl, measured, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()   # the variant's model went with measured()'s frame
     return row
-
-
-def profile_table(model, data, lr: float, steps: int) -> str:
-    """torch.profiler over ``steps`` training steps -> its table of the 30 kernels with the most GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for step in range(steps):
-            ids = data[step % data.shape[0]]
-            model(ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
 
 
 def main(argv=None) -> int:

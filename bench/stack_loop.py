@@ -85,6 +85,21 @@ def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, st
             "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
 
 
+def profile_table(model, loss_of, data: torch.Tensor, lr: float, steps: int) -> str:
+    """torch.profiler over ``steps`` training steps (``loss_of(ids)`` -> the loss) -> its table of the 30
+    kernels and ops with the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in range(steps):
+            loss_of(data[step % data.shape[0]]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+
+
 def guarded(name: str, fn, device) -> dict:
     """fn() -> its row, or a row saying why the variant could not run (an optional baseline that does not
     apply is a line in the table, not the end of the run)."""

@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
-from stack_loop import add_common_args, bench_main, guarded, train_variant  # noqa: E402
+from stack_loop import add_common_args, bench_main, guarded, profile_table, train_variant  # noqa: E402
 from torchtitan_compat import import_torchtitan  # noqa: E402
 
 SHAPES = {
@@ -114,6 +114,8 @@ def run(variant: str, a, data, device) -> dict:
                             fp8_copies=lambda: FP8_PAIRS.nbytes, progress=a.progress,
                             tokens_per_step=data.shape[1] * seq)
         row["compiled"] = bool(a.compile and variant in ("bf16", "torchao"))
+        if a.profile:
+            row["profile"] = profile_table(model, loss_of, data, a.lr, a.profile)
         return row
 
     row = guarded(variant, measured, device)
@@ -128,6 +130,8 @@ def main(argv=None) -> int:
     # torchao last: a variant that fails cannot leave anything behind for the others (left_by_earlier_gib)
     p.add_argument("--variants", nargs="+", default=["bf16", "moe_fp4_fp8", "moe_fp4", "torchao"])
     p.add_argument("--compile", action="store_true", help="compile each layer of the bf16 and torchao variants")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
     # torchtitan 0.3.0 imports names an older torch lacks (FSDP's, unused on one GPU): stand-ins that raise if used

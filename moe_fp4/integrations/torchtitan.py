@@ -234,8 +234,9 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
     def _permute(self, routed_input_RD: torch.Tensor, num_global_tokens_per_local_expert_E: torch.Tensor):
         """routed_input_RD: [N, D] in (rank, local expert) segments, rank-major (one rank without EP);
         num_global_tokens_per_local_expert_E: int [EP * e], the segments' sizes -> (input shape [N + 1, D]
-        (the last row a zero sentinel), [R, D] expert-major padded rows, int64 [R] source row of each
-        (N for padding), int64 [e] padded group sizes, on the CPU), the contract of TorchAOTokenDispatcher._permute."""
+        (the unpermute's buffer: the last row a sentinel the padding rows write to), [R, D] expert-major padded
+        rows (padding rows zero), int64 [R] source row of each (N for padding), int64 [e] padded group sizes,
+        on the CPU), the contract of TorchAOTokenDispatcher._permute."""
         x = routed_input_RD
         n, dev = x.shape[0], x.device
         ep = self.ep_mesh.size() if self.ep_mesh is not None else 1
@@ -254,10 +255,28 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
             # the host (a CPU tensor) and read them there without a second sync.
             padded = padded.cpu()
             total = int(padded.sum())
+            src, dst = src_start[seg] + pos, dst_start[seg] + pos
             idx = torch.full((total,), n, dtype=torch.int64, device=dev)
-            idx[dst_start[seg] + pos] = src_start[seg] + pos
-        x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        return x_ext.shape, x_ext[idx], idx, padded
+            idx[dst] = src                   # the unpermute's map (padding rows read the sentinel row N)
+            dst_of_src = torch.empty_like(src)
+            dst_of_src[src] = dst            # where each input row goes
+        return (n + 1, x.shape[1]), _ScatterRows.apply(x, dst_of_src, total), idx, padded
+
+
+class _ScatterRows(torch.autograd.Function):
+    """x [N, D], dst int64 [N] (distinct rows of [0, total)) -> [total, D], row dst[i] = x[i], the rest zero.
+    What ``x_ext[idx]`` computes, with a backward that gathers (``index_select``) instead of scatter-adding
+    into the input (an index_put with accumulate: a sort and atomics over every row)."""
+
+    @staticmethod
+    def forward(ctx, x, dst, total):
+        ctx.save_for_backward(dst)
+        return x.new_zeros(total, x.shape[1]).index_copy_(0, dst, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dst,) = ctx.saved_tensors
+        return grad.index_select(0, dst), None, None
 
 
 class GroupedExpertsConverter(QuantizationConverter):

@@ -208,6 +208,12 @@ def test_padded_permute_orders_rank_major_segments_expert_major():
         want += rows + [x.shape[0]] * (-len(rows) % 128)
     assert padded.tolist() == [128, 0, 256] and idx.tolist() == want and tuple(shape) == (x.shape[0] + 1, 4)
     assert torch.equal(out, torch.cat([x, x.new_zeros(1, 4)])[idx])
+    # backward: each input row's gradient is its destination row's (a gather), what indexing's scatter-add gives
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    d._permute(xg, sizes)[1].backward(g)
+    torch.cat([xr, xr.new_zeros(1, 4)])[idx].backward(g)
+    assert torch.equal(xg.grad, xr.grad) and xg.grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------------
