@@ -233,40 +233,38 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
 
     def _permute(self, routed_input_RD: torch.Tensor, num_global_tokens_per_local_expert_E: torch.Tensor):
         """routed_input_RD: [N, D] in (rank, local expert) segments, rank-major (one rank without EP);
-        num_global_tokens_per_local_expert_E: int [EP * e], the segments' sizes -> (input shape [N + 1, D]
-        (the unpermute's buffer: the last row a sentinel the padding rows write to), [R, D] expert-major padded
-        rows (padding rows zero), int64 [R] source row of each (N for padding), int64 [e] padded group sizes,
-        on the CPU), the contract of TorchAOTokenDispatcher._permute."""
+        num_global_tokens_per_local_expert_E: int [EP * e], the segments' sizes -> (the input's shape [N, D],
+        [R, D] expert-major padded rows (padding rows zero), int64 [N] the padded row each input row went to
+        (what :meth:`_unpermute` reads back), int64 [e] padded group sizes, on the CPU): the places of
+        TorchAOTokenDispatcher._permute's results, whose third is only ever handed back to ``_unpermute``."""
         x = routed_input_RD
         n, dev = x.shape[0], x.device
         ep = self.ep_mesh.size() if self.ep_mesh is not None else 1
         with torch.no_grad():
             sizes = num_global_tokens_per_local_expert_E.to(torch.int64).view(ep, -1)   # [EP, e]
-            group = sizes.sum(0)
-            padded = (group + self.pad_multiple - 1) // self.pad_multiple * self.pad_multiple
+            padded = (sizes.sum(0) + self.pad_multiple - 1) // self.pad_multiple * self.pad_multiple
             flat = sizes.reshape(-1)
-            src_start = (flat.cumsum(0) - flat).view(ep, -1)
+            src_start = flat.cumsum(0) - flat
             # where rank r's rows of expert j go: expert j's padded group start + the rows of ranks < r
-            dst_start = (padded.cumsum(0) - padded)[None, :] + (sizes.cumsum(0) - sizes)
-            seg_len, src_start, dst_start = (t.t().reshape(-1) for t in (sizes, src_start, dst_start))
-            seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=dev), seg_len, output_size=n)
-            pos = torch.arange(n, device=dev) - (seg_len.cumsum(0) - seg_len)[seg]
+            dst_start = ((padded.cumsum(0) - padded)[None, :] + (sizes.cumsum(0) - sizes)).reshape(-1)
+            seg = torch.repeat_interleave(torch.arange(flat.numel(), device=dev), flat, output_size=n)
+            dst = dst_start[seg] + torch.arange(n, device=dev) - src_start[seg]
             # The layer's one host sync: the experts take these counts as python ints, so they get them on
             # the host (a CPU tensor) and read them there without a second sync.
             padded = padded.cpu()
-            total = int(padded.sum())
-            src, dst = src_start[seg] + pos, dst_start[seg] + pos
-            idx = torch.full((total,), n, dtype=torch.int64, device=dev)
-            idx[dst] = src                   # the unpermute's map (padding rows read the sentinel row N)
-            dst_of_src = torch.empty_like(src)
-            dst_of_src[src] = dst            # where each input row goes
-        return (n + 1, x.shape[1]), _ScatterRows.apply(x, dst_of_src, total), idx, padded
+        return (n, x.shape[1]), _ScatterRows.apply(x, dst, int(padded.sum())), dst, padded
+
+    def _unpermute(self, routed_output_RD: torch.Tensor, input_shape, dst: torch.Tensor) -> torch.Tensor:
+        """routed_output_RD: [R, D] expert-major padded rows; dst: int64 [N] from :meth:`_permute` -> [N, D]
+        in the order the permute received them (padding rows dropped). A gather, where torchtitan's
+        unpermute writes every padded row into a buffer with a sentinel row (an index_put of R rows)."""
+        return routed_output_RD.index_select(0, dst)
 
 
 class _ScatterRows(torch.autograd.Function):
     """x [N, D], dst int64 [N] (distinct rows of [0, total)) -> [total, D], row dst[i] = x[i], the rest zero.
-    What ``x_ext[idx]`` computes, with a backward that gathers (``index_select``) instead of scatter-adding
-    into the input (an index_put with accumulate: a sort and atomics over every row)."""
+    One scatter forward and a gather (``index_select``) backward, where indexing a copy of x with a
+    sentinel row would copy x twice forward and scatter-add (a sort and atomics) backward."""
 
     @staticmethod
     def forward(ctx, x, dst, total):

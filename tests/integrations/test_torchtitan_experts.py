@@ -195,25 +195,35 @@ def test_dispatcher_hands_the_experts_128_row_groups(references):
 
 def test_padded_permute_orders_rank_major_segments_expert_major():
     """PaddedTokenDispatcher._permute as under EP = 2 (rank-major (rank, expert) segments in, expert-major
-    groups padded to 128 out), against an index list built by hand; the sentinel row is zero."""
+    groups padded to 128 out) against the rows listed by hand, padding rows zero; _unpermute gives the input
+    back; forward and backward of the round trip equal torchtitan's indexing (a copy with a sentinel row)."""
     d = PaddedTokenDispatcher.Config(num_experts=6, top_k=1, pad_multiple=128).build()
     d.ep_mesh = type("Mesh", (), {"size": lambda self: 2})()
     sizes = torch.tensor([3, 0, 130, 5, 0, 1])          # rank 0: experts 0-2; rank 1: experts 0-2
     x = torch.arange(1, int(sizes.sum()) + 1, dtype=torch.float32)[:, None].repeat(1, 4)
-    shape, out, idx, padded = d._permute(x, sizes)
+    shape, out, dst, padded = d._permute(x, sizes)
     starts = (sizes.cumsum(0) - sizes).tolist()
-    want = []
+    want = []   # each padded row's input row, x.shape[0] for a padding row
     for j in range(3):
         rows = [i for r in range(2) for i in range(starts[3 * r + j], starts[3 * r + j] + int(sizes[3 * r + j]))]
         want += rows + [x.shape[0]] * (-len(rows) % 128)
-    assert padded.tolist() == [128, 0, 256] and idx.tolist() == want and tuple(shape) == (x.shape[0] + 1, 4)
-    assert torch.equal(out, torch.cat([x, x.new_zeros(1, 4)])[idx])
-    # backward: each input row's gradient is its destination row's (a gather), what indexing's scatter-add gives
+    idx = torch.tensor(want)
+    x_ext = torch.cat([x, x.new_zeros(1, 4)])
+    assert padded.tolist() == [128, 0, 256] and tuple(shape) == tuple(x.shape) and padded.device.type == "cpu"
+    assert torch.equal(out, x_ext[idx]) and torch.equal(idx[dst], torch.arange(x.shape[0]))
+    assert torch.equal(d._unpermute(out, shape, dst), x)
+    # forward and backward through permute -> (rows * w) -> unpermute, against torchtitan's indexing
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    d._permute(xg, sizes)[1].backward(g)
-    torch.cat([xr, xr.new_zeros(1, 4)])[idx].backward(g)
-    assert torch.equal(xg.grad, xr.grad) and xg.grad.abs().sum() > 0
+    got = d._unpermute(d._permute(xg, sizes)[1] * w, shape, dst)
+    back = (torch.cat([xr, xr.new_zeros(1, 4)])[idx] * w)
+    ref = back.new_empty(x_ext.shape)
+    ref[idx] = back   # torchtitan's TorchAOTokenDispatcher._unpermute
+    ref = ref[:-1]
+    got.backward(g)
+    ref.backward(g)
+    assert torch.equal(got, ref) and torch.equal(xg.grad, xr.grad) and xg.grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------------
