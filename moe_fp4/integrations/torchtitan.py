@@ -54,8 +54,14 @@ version (through ``.data``; under FSDP2, a checkpoint load between steps) calls 
 its plain AdamW step.
 
 Not supported: torch.compile of the experts (host counts, python-side cache), torchtitan's
-graph_trainer. Tested on CPU (the engine's emulated FP8 GEMMs; DTensor weights on one gloo rank); EP
-over several ranks, FSDP and HybridEP are untested.
+graph_trainer. Tested on CPU (the engine's emulated FP8 GEMMs): DTensor weights on one gloo rank; and
+torchtitan's expert parallelism over 2 gloo ranks (``parallelize_qwen3``, EP = 2, no FSDP) for each SPMD
+backend (``spmd_types``, ``partial_dtensor``, ``full_dtensor``), fp8 and fp4, under
+``moe_fp4.swap_all_to_all`` with native wires and with the MXFP4 dispatch (examples/torchtitan_ep_mxfp4.py
+``--experts fp8 | fp4``, tests/integrations/test_torchtitan.py). There :class:`PaddedTokenDispatcher`, an
+``AllToAllTokenDispatcher``, keeps torchtitan's exchanges, which the swap takes; the wire carries
+unpadded rows (the padded permute runs after the all-to-all) and each local expert gets a multiple of
+128 rows. FSDP, EP over more than 2 ranks and HybridEP are untested.
 """
 
 from __future__ import annotations
