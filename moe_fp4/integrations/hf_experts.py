@@ -45,7 +45,8 @@ _LAYOUT = {"has_gate": (True, "its experts are not gated (no gate_up_proj)"),
 
 
 def _is_silu(act) -> bool:
-    if isinstance(act, nn.SiLU):
+    # LFM2-MoE's experts hold the function torch.nn.functional.silu itself, not a module
+    if act is torch.nn.functional.silu or isinstance(act, nn.SiLU):
         return True
     try:
         from transformers.activations import SiLUActivation
