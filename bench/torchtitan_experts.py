@@ -88,18 +88,23 @@ def converters_of(variant: str):
     return [GroupedExpertsConverter.Config(precision={"moe_fp4_fp8": "fp8", "moe_fp4": "fp4"}[variant])]
 
 
+def build_model(shape: str, layers: int, variant: str, device) -> torch.nn.Module:
+    """The variant's model on ``device``, seeded, torchtitan's inits, bf16 weights (and real buffers); the RoPE
+    cache stays complex (a .to(bfloat16) would drop its imaginary part), as under torchtitan's FSDP mixed
+    precision, which casts parameters only."""
+    config = model_config(shape, layers, converters_of(variant))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = config.build()
+        model.init_weights()
+    return model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+
 def run(variant: str, a, data, device) -> dict:
     from moe_fp4.integrations.torchtitan import FP8_PAIRS
 
     def measured():
-        config = model_config(a.shape, a.layers, converters_of(variant))
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = config.build()
-            model.init_weights()
-        # bf16 weights (and real buffers); the RoPE cache stays complex (a .to(bfloat16) would drop its
-        # imaginary part), as under torchtitan's FSDP mixed precision, which casts parameters only
-        model = model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t).train()
+        model = build_model(a.shape, a.layers, variant, device).train()
         if a.compile and variant in ("bf16", "torchao"):
             for block in model.layers.values() if hasattr(model.layers, "values") else model.layers:
                 block.compile()

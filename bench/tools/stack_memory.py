@@ -46,15 +46,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     a = p.parse_args()
     print("stand-ins:", import_torchtitan("torchtitan.models.deepseek_v3", "moe_fp4.integrations.torchtitan"))
-    from moe_fp4.integrations.torchtitan import GroupedExpertsConverter
-
     torch.cuda.memory._record_memory_history(max_entries=200000)
-    conv = [] if a.variant == "bf16" else [GroupedExpertsConverter.Config(precision=a.variant)]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = torchtitan_experts.model_config(a.shape, a.layers, conv).build()
-        model.init_weights()
-    model = model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+    variant = {"bf16": "bf16", "fp8": "moe_fp4_fp8", "fp4": "moe_fp4"}[a.variant]
+    model = torchtitan_experts.build_model(a.shape, a.layers, variant, "cuda")
     print(f"parameters {sum(p.numel() * p.element_size() for p in model.parameters()) / GiB:.2f} GiB")
     data = stack_loop.stdlib_batches(a.batch, a.seq + 1, 4, "cuda")
     positions = torch.arange(a.seq, device="cuda").repeat(a.batch, 1)
