@@ -1,10 +1,10 @@
-"""The EP layer's row sums, timed: the float32 ``index_add_`` the combine and the dispatch gradient use today
-(atomics scattered by row index) against a gather of each received row's expert rows and a sum over them
-(no atomics, a fixed order). Issue 47's profile (bench/RESULTS.md, 2026-11-28) found the ``index_add_`` at 14%
-of an EP 2 step of the small preset in both fp8 and fp4; this measures what replacing it would save, at the
-layer's shapes, before the layer changes.
+"""The EP layer's row sums, timed: the float32 ``index_add_`` the combine and the dispatch gradient used until
+the kernel (atomics scattered by row index, then a cast), torch's gather of each received row's expert rows
+and a sum over them, and ``moe_fp4.formats.conversions.gather_sum`` (one Triton pass: each expert row read
+once, each sum written once in bf16, no atomics). Issue 47's profile (bench/RESULTS.md, 2026-11-28) found the
+``index_add_`` at 14% of an EP 2 step of the small preset in both fp8 and fp4.
 
-Rows: R received rows, each with ``k_local`` of its k slots on this rank (the rest point at a zero row),
+Rows: R received rows, each with ``k_local`` of its k slots on this rank (the rest point at no row),
 Rp = R * k_local expert rows of [H] bf16 (the experts' output), src_row[Rp] -> the received row of each.
 
 Usage: python3 bench/tools/ep_sums.py [--rows 49152] [--hidden 1024] [--k 4] [--k-local 2] [--iters 50]
@@ -20,16 +20,16 @@ import torch
 
 
 def index_add_sum(y: torch.Tensor, src_row: torch.Tensor, rows: int) -> torch.Tensor:
-    """y bf16 [Rp, H], src_row int64 [Rp] -> float32 [rows + 1, H] (today's EP combine sum)."""
+    """y bf16 [Rp, H], src_row int64 [Rp] -> bf16 [rows, H] (the EP combine's sum before the kernel)."""
     z = torch.zeros(rows + 1, y.shape[1], dtype=torch.float32, device=y.device)
-    return z.index_add_(0, src_row, y.float())
+    return z.index_add_(0, src_row, y.float())[:rows].to(y.dtype)
 
 
-def gather_sum(y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y bf16 [Rp, H], slots int64 [rows, k] (Rp for an empty slot) -> float32 [rows, H]: each row's expert
-    rows gathered (a zero row for empty slots) and summed in slot order."""
+def torch_gather_sum(y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """y bf16 [Rp, H], slots int64 [rows, k] (Rp for an empty slot) -> bf16 [rows, H]: each row's expert
+    rows gathered (a zero row for empty slots) and summed in float32 by torch's ops."""
     yz = torch.cat([y, y.new_zeros(1, y.shape[1])])
-    return yz.index_select(0, slots.flatten()).view(*slots.shape, -1).float().sum(1)
+    return yz.index_select(0, slots.flatten()).view(*slots.shape, -1).float().sum(1).to(y.dtype)
 
 
 def _timed(fn, iters: int, cuda: bool) -> float:
@@ -64,16 +64,27 @@ def main(argv=None) -> int:
     slots = torch.full((r, k), rp, dtype=torch.int64)
     slots[order // kl, order % kl] = torch.arange(rp)
     slots = slots.to(dev)
+    slots = slots.sort(dim=1).values      # each row's expert rows ascending, as the layer's row_slots
     y = torch.randn(rp, h, generator=g).to(torch.bfloat16).to(dev)
-    a_sum, b_sum = index_add_sum(y, src_row, r)[:r], gather_sum(y, slots)
-    err = ((a_sum - b_sum).abs().max() / a_sum.abs().max()).item()
-    ms_a = _timed(lambda: index_add_sum(y, src_row, r), a.iters, dev.type == "cuda")
-    ms_b = _timed(lambda: gather_sum(y, slots), a.iters, dev.type == "cuda")
-    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
-    out = {"device": name, "rows": r, "hidden": h, "k": k, "k_local": kl, "index_add_ms": ms_a,
-           "gather_sum_ms": ms_b, "gather_over_index_add": ms_b / ms_a, "max_rel_diff": err}
-    print(f"{name}: R {r}, H {h}, k {k} ({kl} local): index_add_ {ms_a:.3f} ms, gather + sum {ms_b:.3f} ms "
-          f"({ms_b / ms_a:.3f}x); largest difference {err:.2e} of the largest sum (float32 order)")
+    from moe_fp4.formats.conversions import gather_sum
+    from moe_fp4.kernels.row_sum import gather_sum_ref
+
+    old, kern = index_add_sum(y, src_row, r), gather_sum(y, slots)
+    exact = bool(torch.equal(kern.view(torch.int16), gather_sum_ref(y, slots).view(torch.int16)))
+    err = ((old.float() - kern.float()).abs().max() / old.float().abs().max()).item()
+    cuda = dev.type == "cuda"
+    ms = {"index_add": _timed(lambda: index_add_sum(y, src_row, r), a.iters, cuda),
+          "torch_gather_sum": _timed(lambda: torch_gather_sum(y, slots), a.iters, cuda),
+          "gather_sum_kernel": _timed(lambda: gather_sum(y, slots), a.iters, cuda)}
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    gbs = (rp + r) * h * 2 / ms["gather_sum_kernel"] / 1e6
+    out = {"device": name, "rows": r, "hidden": h, "k": k, "k_local": kl, **{f"{n}_ms": v for n, v in ms.items()},
+           "kernel_over_index_add": ms["gather_sum_kernel"] / ms["index_add"], "kernel_gb_per_s": gbs,
+           "kernel_equals_reference": exact, "max_rel_diff_vs_index_add": err}
+    print(f"{name}: R {r}, H {h}, k {k} ({kl} local): index_add_ + cast {ms['index_add']:.3f} ms, torch gather + "
+          f"sum {ms['torch_gather_sum']:.3f} ms, gather_sum kernel {ms['gather_sum_kernel']:.3f} ms "
+          f"({out['kernel_over_index_add']:.3f}x of index_add_, {gbs:.0f} GB/s); kernel == reference: {exact}; "
+          f"largest difference to index_add_ {err:.2e} of the largest sum (its atomics' order)")
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
     return 0

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from moe_fp4.exchange.a2a import check_value_formats, exchange_rows, grad_carrier, resolve_group
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats.conversions import gather_sum
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 from moe_fp4.exchange.grad_rule import SQRT3, GradWireRule, grad_format
@@ -147,6 +148,9 @@ class DispatchPlan:
     send_splits[d]: tokens this rank sends rank d; recv_splits[s]: rows it receives from rank s;
     local_counts[e]: (token, expert) pairs for local expert e over all sources; padded_counts: the
     same rounded up to 128; src_token: int64 [sum(send_splits)], the token of each sent row;
+    token_slots: int64 [T, world] (a strided view), the sent row of each (token, destination rank), in
+    ascending order (the row count where the token sends that rank nothing): what the combine and the
+    dispatch's gradient sum per token (:func:`moe_fp4.formats.conversions.gather_sum`);
     counts_dev: int64 [E_local] local_counts on the device (no host -> device copy, which would sync).
     """
 
@@ -162,6 +166,7 @@ class DispatchPlan:
     src_token: torch.Tensor
     tokens: int
     counts_dev: torch.Tensor
+    token_slots: torch.Tensor
 
     @property
     def received(self) -> int:
@@ -222,9 +227,18 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group, while_waiting=
     # Rows ordered by destination rank, then token: the True entries of to_rank^T in order, found by
     # a stable sort (its size is known from the counts, so no nonzero() and no second sync).
     flat = (~to_rank.t().reshape(-1)).to(torch.uint8)
-    src_token = torch.argsort(flat, stable=True)[:sum(send_splits)] % max(t, 1)
+    sent = sum(send_splits)
+    picked = torch.argsort(flat, stable=True)[:sent]                          # rank * T + token of each row
+    src_token = picked % max(t, 1)
+    # The inverse, per (rank, token): rows are in rank order, so each token's rows ascend with the rank.
+    slots = torch.full((world * t,), sent, dtype=torch.int64, device=dev)
+    slots[picked] = torch.arange(sent, device=dev)
     return DispatchPlan(group, rank, world, num_local, k, send_splits, recv_splits, local_counts, padded,
-                        src_token, t, got[:, 1:].sum(0))
+                        src_token, t, got[:, 1:].sum(0), slots.view(world, t).t())
+
+
+def _cols_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
 
 
 def _meta_offset(fmt: WireFormat, hidden: int, dtype) -> int:
@@ -237,10 +251,13 @@ class ReceivedRoute:
 
     src_row: int64 [Rp], the received row of each expert row (R for padding rows);
     row_pair: int64 [Rp], the received (row, slot) pair of each expert row, flattened (row * k +
-    slot), R * k for padding rows: it picks each row's router weight out of the received [R, k]."""
+    slot), R * k for padding rows: it picks each row's router weight out of the received [R, k];
+    row_slots: int64 [R, k], the expert rows of each received row in ascending order, Rp for the slots
+    whose expert is not here: what the combine and the dispatch's gradient sum per received row."""
 
     src_row: torch.Tensor
     row_pair: torch.Tensor
+    row_slots: torch.Tensor
 
 
 def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> ReceivedRoute:
@@ -261,7 +278,10 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
     src_row[dest] = order // k
     row_pair = torch.full((rows,), r * k, dtype=torch.int64, device=dev)
     row_pair[dest] = order
-    return ReceivedRoute(src_row, row_pair)
+    # Sorted per row so that each row's expert rows are summed in ascending order (index_add_'s on CPU).
+    row_slots = torch.full((r * k,), rows, dtype=torch.int64, device=dev)
+    row_slots[order] = dest
+    return ReceivedRoute(src_row, row_pair, row_slots.view(r, k).sort(dim=1).values)
 
 
 def _gathered(recv: torch.Tensor, fmt: WireFormat, hidden: int, src: torch.Tensor, dtype):
@@ -321,24 +341,19 @@ class _Dispatch(torch.autograd.Function):
         plan, route, fmt = ctx.plan, ctx.route, ctx.grad_fmt
         t, hidden = ctx.shape
         k, r = plan.top_k, plan.received
-        if route is None:
-            g = g_rows
-        else:
-            g = torch.zeros(r + 1, hidden, dtype=torch.float32, device=g_rows.device)
-            g.index_add_(0, route.src_row, g_rows.float())
+        # each received row's gradient: the sum of its expert rows' (float32, rounded once)
+        sent = g_rows if route is None else gather_sum(_cols_contiguous(g_rows), route.row_slots)
         off = _meta_offset(fmt, hidden, ctx.dtype)
-        wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=g.device)
-        sent = g[:r].to(ctx.dtype)
+        wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=sent.device)
         pack(sent, fmt, out=wire, rank=plan.rank)
         if ctx.rule is not None:
             ctx.rule.record(sent, unpack(wire, fmt, hidden, OutputFormat.BF16, ctx.dtype))
         wire[:, off:].view(torch.float32)[:] = g_w
         back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group, role="dispatch_grad")
-        dx_rows = unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype).float()
-        dx = torch.zeros(t, hidden, dtype=torch.float32, device=g.device).index_add_(0, plan.src_token, dx_rows)
-        dw = torch.zeros(t, k, dtype=torch.float32, device=g.device).index_add_(
-            0, plan.src_token, back[:, off:].view(torch.float32))
-        return dx.to(ctx.dtype), dw, None, None, None, None, None, None
+        # each token's gradient: the sum of what its destination ranks sent back (float32, rounded once)
+        dx = gather_sum(unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype), plan.token_slots)
+        dw = gather_sum(back[:, off:].view(torch.float32), plan.token_slots)
+        return dx, dw, None, None, None, None, None, None
 
 
 class GradSlot:
@@ -370,20 +385,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, route: ReceivedRoute, plan: DispatchPlan, fmt: WireFormat, grad_fmt: WireFormat,
                 rule: GradWireRule | None, slot: GradSlot | None):
-        r, hidden = plan.received, y.shape[1]
-        if route is None:
-            z = y
-        else:
-            # Sum each received row's expert rows (already weighted by the experts): nothing saved.
-            z = torch.zeros(r + 1, hidden, dtype=torch.float32, device=y.device)
-            z.index_add_(0, route.src_row, y.float())
-        back = exchange_rows(pack(z[:r].to(y.dtype), fmt), plan.recv_splits, plan.send_splits, plan.group,
-                             role="combine")
-        out = torch.zeros(plan.tokens, hidden, dtype=torch.float32, device=y.device)
-        out.index_add_(0, plan.src_token, unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype).float())
+        hidden = y.shape[1]
+        # Sum each received row's expert rows (already weighted by the experts): nothing saved.
+        z = y if route is None else gather_sum(_cols_contiguous(y), route.row_slots)
+        back = exchange_rows(pack(z, fmt), plan.recv_splits, plan.send_splits, plan.group, role="combine")
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None
-        return out.to(y.dtype)
+        return gather_sum(unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype), plan.token_slots)
 
     @staticmethod
     def backward(ctx, g):

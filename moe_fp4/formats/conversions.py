@@ -21,6 +21,7 @@ from moe_fp4.formats.containers import (
     check_values_enabled,
     register_dequantizer,
 )
+from moe_fp4.kernels import row_sum as _row_sum
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
 
@@ -251,6 +252,15 @@ def nvfp4_to_fp8_colwise(q: NVFP4Tensor) -> FP8BlockTensor:
     return _ops.nvfp4_to_fp8_colwise(q, use_triton=_use_triton(q.data))
 
 
-__all__ = ["conversion_path", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise",
+def gather_sum(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rows: bf16/fp16/fp32 [N, H] (columns contiguous); slots: int32/int64 [M, S], an entry outside [0, N)
+    empty -> rows.dtype [M, H]: out[m] = the float32 sum of rows[slots[m, 0]], ..., rows[slots[m, S-1]] in
+    that order, rounded once (NaN canonical). The MoE combine's and the dispatch gradient's sums over a
+    token's expert rows: each row read once, no atomics (``moe_fp4.kernels.row_sum``); one Triton pass on
+    CUDA, bit-identical to its pure-torch twin. float64 rows (the routing's exact tests) go to the twin."""
+    return _ops._pick(_row_sum, "gather_sum", _use_triton(rows) and rows.dtype != torch.float64)(rows, slots)
+
+
+__all__ = ["conversion_path", "dequantize_fp8", "gather_sum", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise",
            "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8",
            "quantize_fp8_and_mxfp4", "quantize_mxfp4", "quantize_nvfp4"]

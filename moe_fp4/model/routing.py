@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4.exchange.ep import counts_to_host
+from moe_fp4.formats.conversions import gather_sum
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
     quantize_expert_tokens
 from moe_fp4.model.replay import once
@@ -82,13 +83,12 @@ def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src_row)
 
 
-def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int, dropped: bool = False) -> torch.Tensor:
-    """y: [rows, H] -> [T, H]: sum over slots j of y[dest(t, j)] (16-bit dtypes in float32, rounded once);
-    with ``dropped``, dest == rows reads a zero row."""
-    acc = torch.float32 if y.element_size() < 4 else y.dtype
-    if dropped:   # a copy of y with a zero row after it: only where some pairs have no row here
-        y = torch.cat([y, y.new_zeros(1, y.shape[1])])
-    return y.index_select(0, dest).view(tokens, k, y.shape[1]).sum(1, dtype=acc).to(y.dtype)
+def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """y: [rows, H] -> [T, H]: sum over slots j = 0..k-1 of y[dest(t, j)] in float32, rounded once; a dropped
+    pair's dest (== rows) adds nothing. One pass (``gather_sum``): no [T, k, H] copy, no zero row appended."""
+    if y.shape[1] > 1 and y.stride(1) != 1:
+        y = y.contiguous()
+    return gather_sum(y, dest.view(tokens, k))
 
 
 class _Permute(torch.autograd.Function):
@@ -96,9 +96,9 @@ class _Permute(torch.autograd.Function):
     autograd of index_copy / index_select would keep [T*k, H] or scatter-add with atomics)."""
 
     @staticmethod
-    def forward(ctx, x, dest, src_row, k, values, dropped):
+    def forward(ctx, x, dest, src_row, k, values):
         ctx.save_for_backward(dest, src_row)
-        ctx.tokens, ctx.k, ctx.dropped = x.shape[0], k, dropped
+        ctx.tokens, ctx.k = x.shape[0], k
         if not values:   # the experts read their rows from x_q: only the gradient's path is needed
             return x.new_zeros(()).expand(src_row.shape[0], x.shape[1])
         return _gather_rows(x, src_row)
@@ -106,26 +106,26 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dest, _ = ctx.saved_tensors
-        return _sum_slots(g, dest, ctx.tokens, ctx.k, ctx.dropped), None, None, None, None, None
+        return _sum_slots(g, dest, ctx.tokens, ctx.k), None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, dest, src_row, tokens, k, dropped):
+    def forward(ctx, y, dest, src_row, tokens, k):
         ctx.save_for_backward(src_row)
-        return _sum_slots(y, dest, tokens, k, dropped)
+        return _sum_slots(y, dest, tokens, k)
 
     @staticmethod
     def backward(ctx, g):
         (src_row,) = ctx.saved_tensors
-        return _gather_rows(g, src_row), None, None, None, None, None
+        return _gather_rows(g, src_row), None, None, None, None
 
 
 def permute(x: torch.Tensor, routing: Routing, values: bool = True) -> torch.Tensor:
     """x: [T, H] -> [rows, H]: each (token, slot) pair's row at routing.dest, padding rows zero. With
     ``values=False`` only its gradient's path: a zero-stride [rows, H] of zeros, for experts that take
     their rows from ``x_q`` (backward is the same sum over slots)."""
-    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1], values, routing.dropped > 0)
+    return _Permute.apply(x, routing.dest, routing.src_row, routing.experts.shape[1], values)
 
 
 def row_weights(routing: Routing) -> torch.Tensor:
@@ -139,7 +139,7 @@ def row_weights(routing: Routing) -> torch.Tensor:
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """y: [rows, H] expert outputs already weighted by the experts -> [T, H]: sum over slots j of
     y[dest(t, j)] (summed in float32, rounded once). Keeps only the row map for backward."""
-    return _Unpermute.apply(y, routing.dest, routing.src_row, *routing.experts.shape, routing.dropped > 0)
+    return _Unpermute.apply(y, routing.dest, routing.src_row, *routing.experts.shape)
 
 
 def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: torch.Tensor,

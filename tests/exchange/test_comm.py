@@ -267,7 +267,7 @@ def _exchange_cases(rank: int, world: int):
 
 def _comm_cases(rank: int, world: int):
     """The case groups of this module's per-world tests in one spawn: starting the ranks costs
-    about 3, 6 and 13 s at world 2, 4 and 8 on the 2-core CI machine, more than most groups take.
+    about 3 and 6 s at world 2 and 4 (13 s at 8) on the 2-core CI machine, more than most groups take.
     The [0, H] and empty-split-list cases go first (torch's own functions, before anything is swapped);
     the errors go last: each ends in a normal exchange, so they also show nothing was left half-done."""
     return {"empty_dropin": _empty_dropin_case(rank, world), "empty_splits": _empty_split_lists_case(rank, world),
@@ -275,7 +275,8 @@ def _comm_cases(rank: int, world: int):
             "errors": _error_cases(rank, world)}
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
+# World 8 ran here until 2026-11-28; dropped for the CI machine's time (36 s of rank start-up before its cases).
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def comm_results(request):
     world = request.param
     return world, run_ranks(_comm_cases, world)

@@ -35,8 +35,8 @@ def in_band(*args, **kwargs):
     return check(*args, **kwargs)
 
 CONFIG = dict(hidden=256, ffn=128, num_experts=4, top_k=2)
-# Tokens per rank: one rank with none at every width (two at world 8, one expert per rank, E = 8).
-TOKENS = {2: [40, 0], 4: [24, 0, 40, 8], 8: [24, 0, 40, 8, 8, 16, 0, 32]}
+# Tokens per rank: one rank with none at every width; at world 4 one expert per rank (E = 4).
+TOKENS = {2: [40, 0], 4: [24, 0, 40, 8]}
 
 
 def config(world: int) -> dict:
@@ -360,12 +360,14 @@ def _ep_case(rank, world):
     out["auto"] = _auto_rule(rank, world)
     out["nvfp4_dispatch"] = _nvfp4_dispatch(rank, world)
     out["plan"] = _plan(rank, world)
-    out["recipes"] = _recipes(rank, world) if world <= 4 else None   # the tests that read these run at 2 and 4,
-    out["fused"] = _fused_combine_grad(rank, world) if world == 2 else None   # and at 2: world 8 adds minutes
+    out["recipes"] = _recipes(rank, world)
+    out["fused"] = _fused_combine_grad(rank, world) if world == 2 else None
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
+# Worlds 2 and 4 (world 4: one expert per rank). World 8 ran here until 2026-11-28 and agreed with them
+# (the measurements below); it was dropped for the CI machine's time: 37 s of rank start-up before its cases.
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def ep_results(request):
     world = request.param
     return world, run_ranks(_ep_case, world)

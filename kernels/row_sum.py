@@ -1,0 +1,118 @@
+"""Gathered row sums: the MoE layer's combine and the dispatch's gradient (sums over a token's expert rows),
+as one Triton kernel, its launcher, and the pure-torch reference with the same signature.
+
+``gather_sum(rows, slots)``: rows [N, H], slots int [M, S] -> out [M, H] with
+
+    out[m] = round(0 + rows[slots[m, 0]] + rows[slots[m, 1]] + ... + rows[slots[m, S-1]])
+
+summed in float32 from left to right, rounded once to rows' dtype; a slot outside [0, N) is empty (adds
+nothing). This replaces ``torch.zeros(M, H, float32).index_add_(0, dst, rows.float()).to(dtype)``: each row
+of ``rows`` is read once and each output row written once, with no float32 [M, H] buffer to zero and cast,
+and no atomics, so the result does not depend on the order in which the GPU's threads arrive. With each
+output's slots in ascending row order the sum is index_add_'s sequential one (as on CPU) bit for bit.
+
+NaN results are the canonical NaN of the output dtype (numerics.NAN_BITS) in both twins: the GPU's float32
+addition keeps one operand's NaN payload, and float32 -> bf16 conversions differ in what they keep.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_fp4.kernels.numerics import NAN_BITS, with_canonical_nan
+from moe_fp4.kernels.triton_numerics import bf16_rne_bits
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The twin also sums float64 rows (in float64): the routing's exact-gradient tests run in float64.
+_REF_DTYPES = _FLOAT_DTYPES + (torch.float64,)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+# The output dtype's code in the kernel (a constexpr) and the integer type its bits are stored as.
+_OUT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _check_inputs(name: str, rows: torch.Tensor, slots: torch.Tensor, dtypes=_FLOAT_DTYPES) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise ValueError(f"{name}: rows must be a 2-D tensor [N, H], got {getattr(rows, 'shape', type(rows))}")
+    if rows.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: rows must be one of {names}, got {rows.dtype}")
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        raise ValueError(f"{name}: rows' columns must be contiguous (stride 1), got strides {rows.stride()}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 2:
+        raise ValueError(f"{name}: slots must be a 2-D tensor [M, S], got {getattr(slots, 'shape', type(slots))}")
+    if slots.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: slots must be int32 or int64, got {slots.dtype}")
+    if slots.device != rows.device:
+        raise ValueError(f"{name}: rows on {rows.device} and slots on {slots.device}")
+
+
+def gather_sum_ref(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rows: bf16/fp16/fp32 [N, H] (columns contiguous, any row stride); slots: int32/int64 [M, S], any
+    strides, an entry outside [0, N) empty -> rows.dtype [M, H], out[m] = the float32 sum over j = 0..S-1 of
+    rows[slots[m, j]] from left to right, rounded once (NaN canonical). float64 rows (this twin only) are
+    summed in float64."""
+    _check_inputs("gather_sum_ref", rows, slots, _REF_DTYPES)
+    n, h = rows.shape
+    m, s = slots.shape
+    acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(m, h, dtype=acc_dtype, device=rows.device)
+    if n == 0 or m == 0 or h == 0:
+        return acc.to(rows.dtype)
+    idx = slots.long()
+    valid = (idx >= 0) & (idx < n)
+    idx = torch.where(valid, idx, 0)
+    for j in range(s):
+        x = rows.index_select(0, idx[:, j]).to(acc_dtype)
+        # where, not a product: an empty slot over a NaN or Inf row must add 0, not NaN
+        acc = acc + torch.where(valid[:, j, None], x, 0.0)
+    if acc_dtype == torch.float64:
+        return acc
+    return with_canonical_nan(acc.to(rows.dtype), torch.isnan(acc))
+
+
+@triton.jit
+def _gather_sum_kernel(x_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sm, stride_ss, stride_o,
+                       OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < M
+    cmask = cols < H
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for j in range(S):
+        idx = tl.load(s_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
+        ok = rmask & (idx >= 0) & (idx < N)
+        x = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+        acc += x.to(tl.float32)
+    nan = acc != acc
+    if OUT == 0:   # on the bits: the interpreter's float32 -> bf16 cast truncates
+        bits = (bf16_rne_bits(acc) >> 16).to(tl.int16)
+    elif OUT == 1:
+        bits = acc.to(tl.float16).to(tl.int16, bitcast=True)
+    else:
+        bits = acc.to(tl.int32, bitcast=True)
+    bits = tl.where(nan, tl.full([BLOCK_M, BLOCK_H], NAN, bits.dtype), bits)
+    tl.store(o_ptr + rows64[:, None] * stride_o + cols[None, :], bits, mask=rmask[:, None] & cmask[None, :])
+
+
+def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block_h: int = 256,
+               num_warps: int = 4) -> torch.Tensor:
+    """As :func:`gather_sum_ref` (the same arguments and result, bit for bit), in one Triton kernel."""
+    _check_inputs("gather_sum", rows, slots)
+    n, h = rows.shape
+    m, s = slots.shape
+    out = torch.empty(m, h, dtype=rows.dtype, device=rows.device)
+    if m == 0 or h == 0:
+        return out
+    if n == 0 or s == 0:
+        return out.zero_()
+    bits = out.view(_BITS_OF[rows.dtype])   # stored as bits: the canonical NaN written as an integer
+    grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
+    _gather_sum_kernel[grid](rows, slots, bits, m, n, h, s, rows.stride(0), slots.stride(0), slots.stride(1),
+                             out.stride(0), OUT=_OUT_CODE[rows.dtype], NAN=NAN_BITS[rows.dtype], BLOCK_M=block_m,
+                             BLOCK_H=block_h, num_warps=num_warps)
+    return out
