@@ -11,6 +11,12 @@ of ``rows`` is read once and each output row written once, with no float32 [M, H
 and no atomics, so the result does not depend on the order in which the GPU's threads arrive. With each
 output's slots in ascending row order the sum is index_add_'s sequential one (as on CPU) bit for bit.
 
+``gather_sum_mxfp4(data, scale, slots, dtype)`` and ``gather_sum_fp8(data, scale, slots, dtype)`` take the rows
+as they arrive on a quantized wire (MXFP4 codes and E8M0 scales, or FP8 1x128 codes and float32 scales, strided
+views of the wire buffer) and decode them in registers: the same bits as decoding the rows to ``dtype`` first
+(``dequantize_mxfp4_ref`` / ``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
+[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are quantized).
+
 NaN results are the canonical NaN of the output dtype (numerics.NAN_BITS) in both twins: the GPU's float32
 addition keeps one operand's NaN payload, and float32 -> bf16 conversions differ in what they keep.
 """
@@ -21,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.numerics import NAN_BITS, with_canonical_nan
-from moe_fp4.kernels.triton_numerics import bf16_rne_bits
+from moe_fp4.kernels.fp8 import dequantize_fp8_ref
+from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref
+from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, NAN_BITS, with_canonical_nan
+from moe_fp4.kernels.triton_numerics import bf16_rne_bits, e4m3_to_f32_bits, mxfp4_bytes_to_f32_bits
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The twin also sums float64 rows (in float64): the routing's exact-gradient tests run in float64.
@@ -88,6 +96,12 @@ def _gather_sum_kernel(x_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sm, str
         ok = rmask & (idx >= 0) & (idx < N)
         x = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
         acc += x.to(tl.float32)
+    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
+
+
+@triton.jit
+def _store_sum(ptrs, acc, mask, OUT: tl.constexpr, NAN: tl.constexpr):
+    """float32 sums -> the output dtype's bits (OUT 0 bf16, 1 fp16, 2 float32), NaN canonical, stored."""
     nan = acc != acc
     if OUT == 0:   # on the bits: the interpreter's float32 -> bf16 cast truncates
         bits = (bf16_rne_bits(acc) >> 16).to(tl.int16)
@@ -95,8 +109,18 @@ def _gather_sum_kernel(x_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sm, str
         bits = acc.to(tl.float16).to(tl.int16, bitcast=True)
     else:
         bits = acc.to(tl.int32, bitcast=True)
-    bits = tl.where(nan, tl.full([BLOCK_M, BLOCK_H], NAN, bits.dtype), bits)
-    tl.store(o_ptr + rows64[:, None] * stride_o + cols[None, :], bits, mask=rmask[:, None] & cmask[None, :])
+    bits = tl.where(nan, tl.full(acc.shape, NAN, bits.dtype), bits)
+    tl.store(ptrs, bits, mask=mask)
+
+
+@triton.jit
+def _as_out(v, OUT: tl.constexpr):
+    """float32 v -> float32 v rounded to the output dtype (what a decode to that dtype gives)."""
+    if OUT == 0:
+        v = bf16_rne_bits(v).to(tl.float32, bitcast=True)
+    elif OUT == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
 
 
 def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block_h: int = 256,
@@ -115,4 +139,142 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block
     _gather_sum_kernel[grid](rows, slots, bits, m, n, h, s, rows.stride(0), slots.stride(0), slots.stride(1),
                              out.stride(0), OUT=_OUT_CODE[rows.dtype], NAN=NAN_BITS[rows.dtype], BLOCK_M=block_m,
                              BLOCK_H=block_h, num_warps=num_warps)
+    return out
+
+
+def _check_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype,
+                     per_byte: int, block: int, scale_dtype) -> int:
+    """-> H. data [N, H / per_byte] bytes and scale [N, H / block] of scale_dtype, columns contiguous."""
+    if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.element_size() != 1:
+        raise ValueError(f"{name}: data must be a 2-D tensor of bytes [N, H/{per_byte}], got "
+                         f"{getattr(data, 'dtype', type(data))} {tuple(getattr(data, 'shape', ()))}")
+    n, nb = data.shape
+    h = nb * per_byte
+    if not isinstance(scale, torch.Tensor) or scale.dtype != scale_dtype or tuple(scale.shape) != (n, h // block):
+        raise ValueError(f"{name}: scale must be {scale_dtype} [{n}, {h // block}] for data "
+                         f"{tuple(data.shape)}, got {getattr(scale, 'dtype', type(scale))} "
+                         f"{tuple(getattr(scale, 'shape', ()))}")
+    if h % block:
+        raise ValueError(f"{name}: H = {h} must be a multiple of {block}")
+    if data.shape[1] > 1 and data.stride(1) != 1:
+        raise ValueError(f"{name}: data's columns must be contiguous (stride 1), got strides {data.stride()}")
+    for what, t in (("data", data), ("scale", scale)):
+        if t.device != slots.device:
+            raise ValueError(f"{name}: {what} on {t.device} and slots on {slots.device}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype must be bfloat16, float16 or float32, got {dtype}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 2 or slots.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}: slots must be an int32 or int64 tensor [M, S], got "
+                         f"{getattr(slots, 'dtype', type(slots))} {tuple(getattr(slots, 'shape', ()))}")
+    return h
+
+
+def gather_sum_mxfp4_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """data: uint8 [N, H/2] MXFP4 codes (element 2i in the low nibble), scale: uint8 [N, H/32] E8M0, any row
+    strides (the scales' any layout); slots: int32/int64 [M, S] -> dtype [M, H]: :func:`gather_sum_ref` of the rows
+    decoded to dtype."""
+    _check_quantized("gather_sum_mxfp4_ref", data, scale, slots, dtype, 2, MXFP4_BLOCK, torch.uint8)
+    rows = dequantize_mxfp4_ref(data.contiguous().view(torch.uint8), scale.contiguous(), dtype)
+    return gather_sum_ref(rows, slots)
+
+
+def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """data: float8_e4m3fn or uint8 [N, H] FP8 codes, scale: float32 [N, H/128] (one per 1x128 tile), any row
+    strides (the scales' any layout: row-major on the wire, M-major from the quantizer); slots: int32/int64 [M, S]
+    -> dtype [M, H]: :func:`gather_sum_ref` of the rows decoded to dtype."""
+    _check_quantized("gather_sum_fp8_ref", data, scale, slots, dtype, 1, FP8_TILE, torch.float32)
+    rows = dequantize_fp8_ref(data.contiguous().view(torch.float8_e4m3fn), scale.contiguous(), dtype)
+    return gather_sum_ref(rows, slots)
+
+
+@triton.jit
+def _gather_sum_mxfp4_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, NB, S, stride_d, stride_s, stride_s1, stride_sm, stride_ss,
+                             stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_B: tl.constexpr):
+    # one program: BLOCK_M output rows x BLOCK_B code bytes (2 * BLOCK_B columns), even and odd columns
+    # summed apart and stored interleaved
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    byts = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < M
+    bmask = byts < NB
+    rows64 = rows.to(tl.int64)
+    acc_lo = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
+    for j in range(S):
+        idx = tl.load(sl_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
+        ok = rmask & (idx >= 0) & (idx < N)
+        m2 = ok[:, None] & bmask[None, :]
+        b = tl.load(d_ptr + idx[:, None] * stride_d + byts[None, :], mask=m2, other=0).to(tl.int32)
+        # one E8M0 byte per MXFP4_BLOCK = 32 elements = 16 code bytes
+        sb = tl.load(s_ptr + idx[:, None] * stride_s + (byts // 16)[None, :] * stride_s1, mask=m2,
+                     other=0).to(tl.int32)
+        lo, hi = mxfp4_bytes_to_f32_bits(b, sb)
+        acc_lo += tl.where(m2, _as_out(lo.to(tl.float32, bitcast=True), OUT), 0.0)
+        acc_hi += tl.where(m2, _as_out(hi.to(tl.float32, bitcast=True), OUT), 0.0)
+    out = o_ptr + rows64[:, None] * stride_o + 2 * byts[None, :]
+    mask = rmask[:, None] & bmask[None, :]
+    _store_sum(out, acc_lo, mask, OUT, NAN)
+    _store_sum(out + 1, acc_hi, mask, OUT, NAN)
+
+
+@triton.jit
+def _gather_sum_fp8_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, H, S, stride_d, stride_s, stride_s1, stride_sm, stride_ss,
+                           stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < M
+    cmask = cols < H
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for j in range(S):
+        idx = tl.load(sl_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
+        ok = rmask & (idx >= 0) & (idx < N)
+        m2 = ok[:, None] & cmask[None, :]
+        b = tl.load(d_ptr + idx[:, None] * stride_d + cols[None, :], mask=m2, other=0).to(tl.int32)
+        sc = tl.load(s_ptr + idx[:, None] * stride_s + (cols // 128)[None, :] * stride_s1, mask=m2, other=1.0)  # FP8_TILE
+        v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc      # exact: sc is a power of two
+        nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        v = tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
+        acc += tl.where(m2, v, 0.0)
+    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
+
+
+def gather_sum_mxfp4(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_b: int = 128,
+                     num_warps: int = 4) -> torch.Tensor:
+    """As :func:`gather_sum_mxfp4_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
+    h = _check_quantized("gather_sum_mxfp4", data, scale, slots, dtype, 2, MXFP4_BLOCK, torch.uint8)
+    n, m, s = data.shape[0], *slots.shape
+    out = torch.empty(m, h, dtype=dtype, device=data.device)
+    if m == 0 or h == 0:
+        return out
+    if n == 0 or s == 0:
+        return out.zero_()
+    grid = (triton.cdiv(m, block_m), triton.cdiv(h // 2, block_b))
+    _gather_sum_mxfp4_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h // 2, s,
+                                   data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1), out.stride(0),
+                                   OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_B=block_b,
+                                   num_warps=num_warps)
+    return out
+
+
+def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                   dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_h: int = 256,
+                   num_warps: int = 4) -> torch.Tensor:
+    """As :func:`gather_sum_fp8_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
+    h = _check_quantized("gather_sum_fp8", data, scale, slots, dtype, 1, FP8_TILE, torch.float32)
+    n, m, s = data.shape[0], *slots.shape
+    out = torch.empty(m, h, dtype=dtype, device=data.device)
+    if m == 0 or h == 0:
+        return out
+    if n == 0 or s == 0:
+        return out.zero_()
+    grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
+    _gather_sum_fp8_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h, s,
+                                 data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1), out.stride(0),
+                                 OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_H=block_h,
+                                 num_warps=num_warps)
     return out

@@ -85,6 +85,21 @@ def main(argv=None) -> int:
           f"sum {ms['torch_gather_sum']:.3f} ms, gather_sum kernel {ms['gather_sum_kernel']:.3f} ms "
           f"({out['kernel_over_index_add']:.3f}x of index_add_, {gbs:.0f} GB/s); kernel == reference: {exact}; "
           f"largest difference to index_add_ {err:.2e} of the largest sum (its atomics' order)")
+    # The same sums over rows as a quantized wire carries them (the combine's and the dispatch gradient's
+    # received rows when those exchanges are fp8 / mxfp4): decoded to bf16 and then summed, or decoded inside
+    # the sum's pass (exchange.wire.unpack_sum).
+    from moe_fp4.exchange.wire import pack, unpack, unpack_sum
+
+    for fmt in ("bf16", "fp8", "mxfp4"):
+        wire = pack(y, fmt)
+        same = bool(torch.equal(unpack_sum(wire, fmt, h, slots).view(torch.int16),
+                                gather_sum(unpack(wire, fmt, h), slots).view(torch.int16)))
+        t_two = _timed(lambda: gather_sum(unpack(wire, fmt, h), slots), a.iters, cuda)
+        t_one = _timed(lambda: unpack_sum(wire, fmt, h, slots), a.iters, cuda)
+        out[f"wire_{fmt}"] = {"decode_then_sum_ms": t_two, "unpack_sum_ms": t_one, "ratio": t_one / t_two,
+                              "bit_identical": same}
+        print(f"  {fmt} wire rows: decode then sum {t_two:.3f} ms, decoded inside the sum {t_one:.3f} ms "
+              f"({t_one / t_two:.3f}x); identical: {same}")
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
     return 0

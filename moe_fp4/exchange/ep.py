@@ -38,7 +38,7 @@ from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 from moe_fp4.exchange.grad_rule import SQRT3, GradWireRule, grad_format
 from moe_fp4.exchange.recipes import AUTO, PRECISION_RECIPE, ROLES, WireRecipe, default_recipe, recipe
 from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat,
-                                   base_format, pack, row_bytes, unpack, views)
+                                   base_format, pack, row_bytes, unpack, unpack_sum, views)
 
 TOKEN_ALIGN = 128
 
@@ -351,7 +351,7 @@ class _Dispatch(torch.autograd.Function):
         wire[:, off:].view(torch.float32)[:] = g_w
         back = exchange_rows(wire, plan.recv_splits, plan.send_splits, plan.group, role="dispatch_grad")
         # each token's gradient: the sum of what its destination ranks sent back (float32, rounded once)
-        dx = gather_sum(unpack(back, fmt, hidden, OutputFormat.BF16, ctx.dtype), plan.token_slots)
+        dx = unpack_sum(back, fmt, hidden, plan.token_slots, ctx.dtype)
         dw = gather_sum(back[:, off:].view(torch.float32), plan.token_slots)
         return dx, dw, None, None, None, None, None, None
 
@@ -391,7 +391,7 @@ class _Combine(torch.autograd.Function):
         back = exchange_rows(pack(z, fmt), plan.recv_splits, plan.send_splits, plan.group, role="combine")
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None
-        return gather_sum(unpack(back, fmt, hidden, OutputFormat.BF16, y.dtype), plan.token_slots)
+        return unpack_sum(back, fmt, hidden, plan.token_slots, y.dtype)
 
     @staticmethod
     def backward(ctx, g):

@@ -31,11 +31,12 @@ import enum
 import torch
 
 from moe_fp4.formats._ops import _pick
-from moe_fp4.formats.conversions import _use_triton, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
+from moe_fp4.formats.conversions import _use_triton, gather_sum, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4
+from moe_fp4.kernels import row_sum as _row_sum
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref, m_major
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
@@ -265,3 +266,20 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
 
 __all__ = ["DISPATCH_FORMATS", "HIDDEN_MULTIPLE", "STOCHASTIC", "UNQUANTIZED", "OutputFormat", "WireFormat",
            "base_format", "pack", "row_bytes", "seed_stochastic_rounding", "unpack", "views", "wire_dtype"]
+
+
+def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """wire: uint8 [N, >= B] received rows; slots: int64 [M, S], an entry outside [0, N) empty -> dtype [M, H]:
+    out[m] = the float32 sum of the rows slots[m, :] picks, as ``unpack(wire, fmt, hidden, BF16, dtype)`` decodes
+    them, rounded once: bit for bit ``gather_sum(unpack(...), slots)``. MXFP4 and FP8 rows are decoded inside the
+    sum's pass (``kernels.row_sum``), and an unquantized wire of ``dtype`` is read in place: no decoded [N, H]
+    copy is written and read again. NVFP4 (rows with a tensor scale each) decodes first."""
+    base = base_format(fmt)
+    if base in (WireFormat.MXFP4, WireFormat.FP8):
+        d, s = views(wire, base, hidden)
+        name = "gather_sum_mxfp4" if base is WireFormat.MXFP4 else "gather_sum_fp8"
+        return _pick(_row_sum, name, _use_triton(wire) and dtype != torch.float64)(d, s, slots, dtype)
+    if base in UNQUANTIZED and wire_dtype(base, dtype) == dtype:
+        return gather_sum(views(wire, base, hidden, dtype)[0], slots)
+    return gather_sum(unpack(wire, fmt, hidden, OutputFormat.BF16, dtype), slots)

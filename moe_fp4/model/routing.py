@@ -60,7 +60,8 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + align - 1) // align * align
-    padded[num_experts] = 0
+    # zero_ on a view: `padded[E] = 0` copies a host scalar, a synchronous pageable copy on CUDA
+    padded[num_experts:].zero_()
     start = torch.cumsum(counts, 0) - counts
     pad_start = torch.cumsum(padded, 0) - padded      # the dropped bucket's start is the row count
     sorted_e = flat[order]

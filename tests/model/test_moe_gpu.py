@@ -94,7 +94,7 @@ def test_layer_step_syncs_the_host_once(precision, monkeypatch):
     (moe_fp4.exchange.ep.counts_to_host), which CUDA's sync debug mode does not flag; it flags every other sync."""
     import warnings
 
-    from moe_fp4.model import moe as nn_module
+    from moe_fp4.model import routing as routing_module   # make_routing reads the counts through it
 
     cfg = MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2)
     m = MoE(cfg, precision, device="cuda")
@@ -102,8 +102,8 @@ def test_layer_step_syncs_the_host_once(precision, monkeypatch):
     m(x).float().sum().backward()                      # compile the kernels first
     torch.cuda.synchronize()
     reads = []
-    real = nn_module.counts_to_host
-    monkeypatch.setattr(nn_module, "counts_to_host", lambda *a, **k: reads.append(1) or real(*a, **k))
+    real = routing_module.counts_to_host
+    monkeypatch.setattr(routing_module, "counts_to_host", lambda *a, **k: reads.append(1) or real(*a, **k))
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
