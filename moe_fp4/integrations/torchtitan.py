@@ -30,6 +30,15 @@ grouped by expert and padded, and the per-expert counts (a host sync: the engine
 and computes ``moe_fp4.model.experts.grouped_swiglu_experts`` with w13 = [w1; w3] along F. Router
 scores stay torchtitan's: its dispatchers apply them in ``combine``.
 
+Without expert parallelism the converter also makes each RoutedExperts a :class:`MoEFP4RoutedExperts`
+(``route_tokens=True``, the default): the tokens then bypass torchtitan's dispatcher and padded permute and
+take moe_fp4's own routing (``moe_fp4.model.routing.routed_swiglu_experts``, the path of moe_fp4's MoE layer
+and of the Hugging Face experts): each token quantized once and its FP8 (fp4: and MXFP4) row gathered to its
+k expert rows, the router scores applied inside the SwiGLU, the k outputs summed in float32 once. torchtitan's
+path gathers and pads k bf16 copies of every token, which the experts then quantize row by row, and scales
+and scatter-adds the outputs in bf16. Under EP (the dispatcher has an EP mesh) or with ``route_tokens=False``
+torchtitan's own forward runs, as described above.
+
 The FP8 weights. The engine reads each weight's FP8 pair (W, W^T in 128x128 blocks) from
 ``FP8_WEIGHTS`` under the tensor it is given, and a ``torch.cat([w1, w3])`` is a new tensor every
 forward. So this module makes the pairs itself, once per weight version (``FP8_PAIRS``): w13's by
@@ -84,6 +93,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, H
 
 from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, quantize_fp8_weight_pair
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
+from moe_fp4.model.routing import routed_swiglu_experts
 from moe_fp4.saved.hook import StorageFormat
 
 logger = logging.getLogger(__name__)
@@ -196,35 +206,86 @@ class MoEFP4GroupedExperts(GroupedExperts):
     def extra_repr(self) -> str:
         return f"precision={self.precision.value}, storage={self.storage.value}"
 
+    def engine_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (w13 [E, 2F, D], w2 [E, D, F]) as the engine takes them: in fp8 and fp4 zero-stride stand-ins whose
+        FP8 pairs (made once per weight version, ``FP8_PAIRS``) are put in ``FP8_WEIGHTS`` for the engine to
+        find, their gradients routed back onto w1, w3 and w2; in bf16 (or with ``FP8_WEIGHTS.enabled`` off) the
+        weights themselves, w13 a concatenation."""
+        params = {"w1_EFD": self.w1_EFD, "w2_EDF": self.w2_EDF, "w3_EFD": self.w3_EFD}
+        _check_weight_dtypes(type(self).__name__, params)
+        w1, w2, w3 = (_local(p) for p in params.values())
+        if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
+            return torch.cat([w1, w3], dim=1), w2   # the engine reads these weights' values
+        pair13 = FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3))
+        pair2 = FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,))
+        w13, w2 = _StandIn.apply(w1, w3), _StandIn.apply(w2)
+        FP8_WEIGHTS.put(w13, pair13)   # found there by the engine's FP8_WEIGHTS.get
+        FP8_WEIGHTS.put(w2, pair2)
+        return w13, w2
+
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """x_RD: [R, D] rows grouped by expert (any float dtype; computed in bf16, as torchtitan does),
         each expert's group a multiple of 128 rows, padding rows zero; R may run past the last group
         (torchao's padding dispatcher pads to a fixed length: those rows come back zero).
         num_tokens_per_expert_E: int [E_local], the groups' sizes (padding included) -> [R, D] of x_RD's dtype."""
-        params = {"w1_EFD": self.w1_EFD, "w2_EDF": self.w2_EDF, "w3_EFD": self.w3_EFD}
-        _check_weight_dtypes(type(self).__name__, params)
-        w1, w2, w3 = (_local(p) for p in params.values())
         counts = [int(c) for c in num_tokens_per_expert_E.tolist()]
         rows = sum(counts)
-        if len(counts) != w1.shape[0] or any(c % TOKEN_ALIGN for c in counts):
-            raise ValueError(f"{type(self).__name__}: each of the {w1.shape[0]} local experts needs a group of "
+        e_local = _local(self.w1_EFD).shape[0]
+        if len(counts) != e_local or any(c % TOKEN_ALIGN for c in counts):
+            raise ValueError(f"{type(self).__name__}: each of the {e_local} local experts needs a group of "
                              f"a multiple of {TOKEN_ALIGN} rows, got {counts} (convert the model config with "
                              f"GroupedExpertsConverter, which sets the token dispatcher's pad_multiple)")
         if x_RD.dim() != 2 or rows > x_RD.shape[0]:
             raise ValueError(f"{type(self).__name__}: x must be [R >= {rows}, D], got {tuple(x_RD.shape)}")
-        if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
-            w13 = torch.cat([w1, w3], dim=1)   # the engine reads these weights' values
-        else:
-            pair13 = FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3))
-            pair2 = FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,))
-            w13, w2 = _StandIn.apply(w1, w3), _StandIn.apply(w2)
-            FP8_WEIGHTS.put(w13, pair13)   # found there by the engine's FP8_WEIGHTS.get, right below
-            FP8_WEIGHTS.put(w2, pair2)
+        w13, w2 = self.engine_weights()
         y = grouped_swiglu_experts(x_RD[:rows].to(torch.bfloat16), w13, w2, counts, self.precision,
                                    storage=self.storage)
         if rows < x_RD.shape[0]:
             y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows, y.shape[1])])
         return y.type_as(x_RD)
+
+
+class MoEFP4RoutedExperts(RoutedExperts):
+    """torchtitan's RoutedExperts (dispatch, experts, combine) around :class:`MoEFP4GroupedExperts`. Without
+    expert parallelism (its dispatcher has no EP mesh) and with ``route_tokens`` the tokens take moe_fp4's own
+    routing, ``moe_fp4.model.routing.routed_swiglu_experts``: one FP8 (and, in fp4, MXFP4) quantization per
+    token gathered to its k expert rows, where torchtitan's dispatcher gathers and pads k bf16 copies of each
+    token for the experts to quantize; the router scores applied inside the experts' SwiGLU, where torchtitan
+    scales the experts' outputs in combine (the same sum, as SwiGLU's output enters w2 linearly); the k
+    outputs summed in float32 once (``gather_sum``), where torchtitan scatter-adds in bf16. With EP (or
+    ``route_tokens=False``) torchtitan's own forward runs: its dispatcher's exchanges and padded permute."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        route_tokens: bool = True
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.route_tokens = config.route_tokens
+
+    def extra_repr(self) -> str:
+        return f"route_tokens={self.route_tokens}"
+
+    def routes_tokens(self, *tensors) -> bool:
+        """Whether a forward on ``tensors`` takes moe_fp4's routing (no EP mesh, local tensors, our experts)."""
+        return (self.route_tokens and isinstance(self.inner_experts, MoEFP4GroupedExperts)
+                and getattr(self.token_dispatcher, "ep_mesh", None) is None
+                and not any(isinstance(t, DTensor) for t in tensors))
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """x_BLD: [B, L, D]; topk_scores_BLK: float [B, L, K]; topk_expert_ids_BLK: int [B, L, K];
+        num_local_tokens_per_expert_E: [E] (torchtitan's path only) -> [B, L, D] of x's dtype."""
+        if not self.routes_tokens(x_BLD, topk_scores_BLK, topk_expert_ids_BLK):
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        b, l, d = x_BLD.shape
+        k = topk_scores_BLK.shape[-1]
+        experts = self.inner_experts
+        w13, w2 = experts.engine_weights()
+        out = routed_swiglu_experts(x_BLD.reshape(b * l, d).to(torch.bfloat16), topk_expert_ids_BLK.reshape(-1, k),
+                                    topk_scores_BLK.reshape(-1, k), w13, w2, experts.precision,
+                                    storage=experts.storage)
+        return out.to(x_BLD.dtype).view(b, l, d)
 
 
 class PaddedTokenDispatcher(TorchAOTokenDispatcher):
@@ -298,6 +359,9 @@ class GroupedExpertsConverter(QuantizationConverter):
         """moe_fp4 precision of the expert GEMMs and saved activations."""
         storage: Literal["mxfp4", "nvfp4"] = "mxfp4"
         """fp4's saved-activation format (ignored by bf16 and fp8)."""
+        route_tokens: bool = True
+        """Without expert parallelism, route the tokens with moe_fp4 (quantized once per token; see
+        MoEFP4RoutedExperts) instead of torchtitan's dispatcher and padded permute."""
 
         def __post_init__(self):
             _check_choices("GroupedExpertsConverter.Config", self.precision, self.storage)
@@ -321,6 +385,10 @@ class GroupedExpertsConverter(QuantizationConverter):
             new = MoEFP4GroupedExperts.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)},
                                               precision=self.config.precision, storage=self.config.storage)
             setattr(parent, attr, new)
+        for _, cfg, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
+            if type(cfg) is RoutedExperts.Config and isinstance(cfg.inner_experts, MoEFP4GroupedExperts.Config):
+                setattr(parent, attr, MoEFP4RoutedExperts.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)},
+                                                                 route_tokens=self.config.route_tokens))
         logger.info(f"GroupedExpertsConverter: {len(found)} GroupedExperts now run moe_fp4 "
                     f"{self.config.precision}, token groups aligned to {TOKEN_ALIGN}")
         return model_config
@@ -383,5 +451,5 @@ def deepseek_v3_debugmodel_fp4_experts():
     return _debugmodel_with_experts("fp4")
 
 
-__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "PaddedTokenDispatcher",
+__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "MoEFP4RoutedExperts", "PaddedTokenDispatcher",
            "deepseek_v3_debugmodel_fp4_experts", "deepseek_v3_debugmodel_fp8_experts"]
