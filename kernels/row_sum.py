@@ -190,13 +190,15 @@ def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
 
 
 @triton.jit
-def _gather_sum_mxfp4_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, NB, S, stride_d, stride_s, stride_s1, stride_sm, stride_ss,
-                             stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gather_sum_mxfp4_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, NB, S, stride_d, stride_s, stride_s1, stride_sm,
+                             stride_ss, stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_B: tl.constexpr):
-    # one program: BLOCK_M output rows x BLOCK_B code bytes (2 * BLOCK_B columns), even and odd columns
-    # summed apart and stored interleaved
+    # one program: BLOCK_M output rows x BLOCK_B code bytes (2 * BLOCK_B columns); each MXFP4 block is 16
+    # code bytes under one E8M0 byte, loaded once per block and broadcast over its bytes
+    NS: tl.constexpr = BLOCK_B // 16
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     byts = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    blks = tl.program_id(1) * NS + tl.arange(0, NS)
     rmask = rows < M
     bmask = byts < NB
     rows64 = rows.to(tl.int64)
@@ -205,18 +207,19 @@ def _gather_sum_mxfp4_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, NB, S, stride_d,
     for j in range(S):
         idx = tl.load(sl_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
         ok = rmask & (idx >= 0) & (idx < N)
-        m2 = ok[:, None] & bmask[None, :]
-        b = tl.load(d_ptr + idx[:, None] * stride_d + byts[None, :], mask=m2, other=0).to(tl.int32)
-        # one E8M0 byte per MXFP4_BLOCK = 32 elements = 16 code bytes
-        sb = tl.load(s_ptr + idx[:, None] * stride_s + (byts // 16)[None, :] * stride_s1, mask=m2,
-                     other=0).to(tl.int32)
-        lo, hi = mxfp4_bytes_to_f32_bits(b, sb)
-        acc_lo += tl.where(m2, _as_out(lo.to(tl.float32, bitcast=True), OUT), 0.0)
-        acc_hi += tl.where(m2, _as_out(hi.to(tl.float32, bitcast=True), OUT), 0.0)
-    out = o_ptr + rows64[:, None] * stride_o + 2 * byts[None, :]
-    mask = rmask[:, None] & bmask[None, :]
-    _store_sum(out, acc_lo, mask, OUT, NAN)
-    _store_sum(out + 1, acc_hi, mask, OUT, NAN)
+        # masked-off bytes and blocks load 0: code 0 under scale byte 0 decodes to +0, which adds nothing
+        b = tl.load(d_ptr + idx[:, None] * stride_d + byts[None, :], mask=ok[:, None] & bmask[None, :],
+                    other=0).to(tl.int32)
+        sb = tl.load(s_ptr + idx[:, None] * stride_s + blks[None, :] * stride_s1,
+                     mask=ok[:, None] & (blks < NB // 16)[None, :], other=0).to(tl.int32)
+        lo, hi = mxfp4_bytes_to_f32_bits(tl.reshape(b, [BLOCK_M, NS, 16]), sb[:, :, None])
+        acc_lo += tl.reshape(_as_out(lo.to(tl.float32, bitcast=True), OUT), [BLOCK_M, BLOCK_B])
+        acc_hi += tl.reshape(_as_out(hi.to(tl.float32, bitcast=True), OUT), [BLOCK_M, BLOCK_B])
+    # even and odd columns interleaved in registers, then one contiguous store
+    acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, 2 * BLOCK_B])
+    cols = tl.program_id(1) * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
+    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & (cols < 2 * NB)[None, :],
+               OUT, NAN)
 
 
 @triton.jit
@@ -247,6 +250,8 @@ def gather_sum_mxfp4(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tenso
                      num_warps: int = 4) -> torch.Tensor:
     """As :func:`gather_sum_mxfp4_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
     h = _check_quantized("gather_sum_mxfp4", data, scale, slots, dtype, 2, MXFP4_BLOCK, torch.uint8)
+    if block_b % (MXFP4_BLOCK // 2):
+        raise ValueError(f"gather_sum_mxfp4: block_b = {block_b} must be a multiple of {MXFP4_BLOCK // 2} (whole blocks)")
     n, m, s = data.shape[0], *slots.shape
     out = torch.empty(m, h, dtype=dtype, device=data.device)
     if m == 0 or h == 0:
