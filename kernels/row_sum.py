@@ -11,11 +11,12 @@ of ``rows`` is read once and each output row written once, with no float32 [M, H
 and no atomics, so the result does not depend on the order in which the GPU's threads arrive. With each
 output's slots in ascending row order the sum is index_add_'s sequential one (as on CPU) bit for bit.
 
-``gather_sum_mxfp4(data, scale, slots, dtype)`` and ``gather_sum_fp8(data, scale, slots, dtype)`` take the rows
-as they arrive on a quantized wire (MXFP4 codes and E8M0 scales, or FP8 1x128 codes and float32 scales, strided
-views of the wire buffer) and decode them in registers: the same bits as decoding the rows to ``dtype`` first
-(``dequantize_mxfp4_ref`` / ``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
-[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are quantized).
+``gather_sum_fp8(data, scale, slots, dtype)`` takes the rows as they arrive on an FP8 wire (1x128 codes and
+float32 scales, strided views of the wire buffer) and decodes them in registers: the same bits as decoding the
+rows to ``dtype`` first (``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
+[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.27-0.28x the time
+of decode-then-sum on an H200. The same for MXFP4 rows was built and measured 1.28-1.36x slower than
+``dequantize_mxfp4`` (a Triton kernel) followed by ``gather_sum``, and removed (bench/RESULTS.md, 2026-11-28).
 
 NaN results are the canonical NaN of the output dtype (numerics.NAN_BITS) in both twins: the GPU's float32
 addition keeps one operand's NaN payload, and float32 -> bf16 conversions differ in what they keep.
@@ -28,9 +29,8 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref
-from moe_fp4.kernels.mxfp4 import dequantize_mxfp4_ref
-from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, NAN_BITS, with_canonical_nan
-from moe_fp4.kernels.triton_numerics import bf16_rne_bits, e4m3_to_f32_bits, mxfp4_bytes_to_f32_bits
+from moe_fp4.kernels.numerics import FP8_TILE, NAN_BITS, with_canonical_nan
+from moe_fp4.kernels.triton_numerics import bf16_rne_bits, e4m3_to_f32_bits
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The twin also sums float64 rows (in float64): the routing's exact-gradient tests run in float64.
@@ -169,16 +169,6 @@ def _check_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, slots: 
     return h
 
 
-def gather_sum_mxfp4_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """data: uint8 [N, H/2] MXFP4 codes (element 2i in the low nibble), scale: uint8 [N, H/32] E8M0, any row
-    strides (the scales' any layout); slots: int32/int64 [M, S] -> dtype [M, H]: :func:`gather_sum_ref` of the rows
-    decoded to dtype."""
-    _check_quantized("gather_sum_mxfp4_ref", data, scale, slots, dtype, 2, MXFP4_BLOCK, torch.uint8)
-    rows = dequantize_mxfp4_ref(data.contiguous().view(torch.uint8), scale.contiguous(), dtype)
-    return gather_sum_ref(rows, slots)
-
-
 def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """data: float8_e4m3fn or uint8 [N, H] FP8 codes, scale: float32 [N, H/128] (one per 1x128 tile), any row
@@ -187,39 +177,6 @@ def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     _check_quantized("gather_sum_fp8_ref", data, scale, slots, dtype, 1, FP8_TILE, torch.float32)
     rows = dequantize_fp8_ref(data.contiguous().view(torch.float8_e4m3fn), scale.contiguous(), dtype)
     return gather_sum_ref(rows, slots)
-
-
-@triton.jit
-def _gather_sum_mxfp4_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, NB, S, stride_d, stride_s, stride_s1, stride_sm,
-                             stride_ss, stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_B: tl.constexpr):
-    # one program: BLOCK_M output rows x BLOCK_B code bytes (2 * BLOCK_B columns); each MXFP4 block is 16
-    # code bytes under one E8M0 byte, loaded once per block and broadcast over its bytes
-    NS: tl.constexpr = BLOCK_B // 16
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    byts = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    blks = tl.program_id(1) * NS + tl.arange(0, NS)
-    rmask = rows < M
-    bmask = byts < NB
-    rows64 = rows.to(tl.int64)
-    acc_lo = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
-    for j in range(S):
-        idx = tl.load(sl_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
-        ok = rmask & (idx >= 0) & (idx < N)
-        # masked-off bytes and blocks load 0: code 0 under scale byte 0 decodes to +0, which adds nothing
-        b = tl.load(d_ptr + idx[:, None] * stride_d + byts[None, :], mask=ok[:, None] & bmask[None, :],
-                    other=0).to(tl.int32)
-        sb = tl.load(s_ptr + idx[:, None] * stride_s + blks[None, :] * stride_s1,
-                     mask=ok[:, None] & (blks < NB // 16)[None, :], other=0).to(tl.int32)
-        lo, hi = mxfp4_bytes_to_f32_bits(tl.reshape(b, [BLOCK_M, NS, 16]), sb[:, :, None])
-        acc_lo += tl.reshape(_as_out(lo.to(tl.float32, bitcast=True), OUT), [BLOCK_M, BLOCK_B])
-        acc_hi += tl.reshape(_as_out(hi.to(tl.float32, bitcast=True), OUT), [BLOCK_M, BLOCK_B])
-    # even and odd columns interleaved in registers, then one contiguous store
-    acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, 2 * BLOCK_B])
-    cols = tl.program_id(1) * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
-    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & (cols < 2 * NB)[None, :],
-               OUT, NAN)
 
 
 @triton.jit
@@ -243,27 +200,6 @@ def _gather_sum_fp8_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, H, S, stride_d, st
         v = tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
         acc += tl.where(m2, v, 0.0)
     _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
-
-
-def gather_sum_mxfp4(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_b: int = 128,
-                     num_warps: int = 4) -> torch.Tensor:
-    """As :func:`gather_sum_mxfp4_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
-    h = _check_quantized("gather_sum_mxfp4", data, scale, slots, dtype, 2, MXFP4_BLOCK, torch.uint8)
-    if block_b % (MXFP4_BLOCK // 2):
-        raise ValueError(f"gather_sum_mxfp4: block_b = {block_b} must be a multiple of {MXFP4_BLOCK // 2} (whole blocks)")
-    n, m, s = data.shape[0], *slots.shape
-    out = torch.empty(m, h, dtype=dtype, device=data.device)
-    if m == 0 or h == 0:
-        return out
-    if n == 0 or s == 0:
-        return out.zero_()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(h // 2, block_b))
-    _gather_sum_mxfp4_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h // 2, s,
-                                   data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1), out.stride(0),
-                                   OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_B=block_b,
-                                   num_warps=num_warps)
-    return out
 
 
 def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,

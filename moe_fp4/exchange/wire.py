@@ -272,14 +272,13 @@ def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Te
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """wire: uint8 [N, >= B] received rows; slots: int64 [M, S], an entry outside [0, N) empty -> dtype [M, H]:
     out[m] = the float32 sum of the rows slots[m, :] picks, as ``unpack(wire, fmt, hidden, BF16, dtype)`` decodes
-    them, rounded once: bit for bit ``gather_sum(unpack(...), slots)``. MXFP4 and FP8 rows are decoded inside the
-    sum's pass (``kernels.row_sum``), and an unquantized wire of ``dtype`` is read in place: no decoded [N, H]
-    copy is written and read again. NVFP4 (rows with a tensor scale each) decodes first."""
+    them, rounded once: bit for bit ``gather_sum(unpack(...), slots)``. FP8 rows are decoded inside the sum's
+    pass (``kernels.row_sum.gather_sum_fp8``) and an unquantized wire of ``dtype`` is read in place: no decoded
+    [N, H] copy written and read again. MXFP4 and NVFP4 rows decode first (for MXFP4 that measured faster)."""
     base = base_format(fmt)
-    if base in (WireFormat.MXFP4, WireFormat.FP8):
+    if base is WireFormat.FP8:
         d, s = views(wire, base, hidden)
-        name = "gather_sum_mxfp4" if base is WireFormat.MXFP4 else "gather_sum_fp8"
-        return _pick(_row_sum, name, _use_triton(wire) and dtype != torch.float64)(d, s, slots, dtype)
+        return _pick(_row_sum, "gather_sum_fp8", _use_triton(wire))(d, s, slots, dtype)
     if base in UNQUANTIZED and wire_dtype(base, dtype) == dtype:
         return gather_sum(views(wire, base, hidden, dtype)[0], slots)
     return gather_sum(unpack(wire, fmt, hidden, OutputFormat.BF16, dtype), slots)

@@ -145,13 +145,12 @@ def test_gpu_moe_sizes(dtype):
     assert same_bits(gather_sum(x, slots), want)
 
 
-# ---- the rows as a quantized wire carries them: decoded inside the sum ---------------------------------------
+# ---- the rows as an FP8 wire carries them: decoded inside the sum --------------------------------------------
 
 def _wire_rows(n: int, h: int, seed: int):
-    """MXFP4 and FP8 rows of the same values, each as strided views of a wider byte buffer (the wire's layout:
-    codes, then scales, then other columns), with a NaN block, a NaN FP8 tile and a zero row planted."""
+    """FP8 rows as strided views of a wider byte buffer (the wire's layout: codes, then scales, then other
+    columns), and as the quantizer returns them (M-major scales), with a NaN code and a zero row planted."""
     from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
-    from moe_fp4.kernels.mxfp4 import quantize_mxfp4_rowwise_ref
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g) * torch.exp2(torch.randint(-40, 40, (n, 1), generator=g).float())
@@ -159,36 +158,29 @@ def _wire_rows(n: int, h: int, seed: int):
     x = x.to(torch.bfloat16)
     if n > 2:
         x[2, 40] = float("nan")
-    md, ms = quantize_mxfp4_rowwise_ref(x)
     fd, fs = quantize_fp8_rowwise_ref(x)
-    mw = torch.zeros(n, h // 2 + h // 32 + 12, dtype=torch.uint8)
-    mw[:, :h // 2], mw[:, h // 2:h // 2 + h // 32] = md, ms
     fw = torch.zeros(n, h + 4 * (h // 128) + 8, dtype=torch.uint8)
     fw[:, :h] = fd.view(torch.uint8)
     fw[:, h:h + 4 * (h // 128)] = fs.contiguous().view(torch.uint8)
-    return ((mw[:, :h // 2], mw[:, h // 2:h // 2 + h // 32]),
-            (fw[:, :h].view(torch.float8_e4m3fn), fw[:, h:h + 4 * (h // 128)].view(torch.float32)), (fd, fs))
+    return (fw[:, :h].view(torch.float8_e4m3fn), fw[:, h:h + 4 * (h // 128)].view(torch.float32)), (fd, fs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 128, 1, 1), (37, 384, 23, 5), (9, 1024, 17, 8)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_quantized_rows_kernels_match_references(dtype, shape):
-    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_fp8_ref, gather_sum_mxfp4, gather_sum_mxfp4_ref
+def test_fp8_rows_kernel_matches_reference(dtype, shape):
+    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_fp8_ref
 
     n, h, m, s = shape
-    (md, ms), (fd, fs), (fd_own, fs_mmajor) = _wire_rows(n, h, seed=n + h)
-    assert md.stride(0) > md.shape[1] and fs.stride(0) * 4 > fd.shape[1]   # strided wire views
+    (fd, fs), (fd_own, fs_mmajor) = _wire_rows(n, h, seed=n + h)
+    assert fd.stride(0) > fd.shape[1] and fs.stride(0) * 4 > fd.shape[1]   # strided wire views
     sl = _slots(m, s, n, seed=m)
-    want = gather_sum_mxfp4_ref(md, ms, sl, dtype)
-    assert same_bits(gather_sum_mxfp4(md, ms, sl, dtype), want)
     want = gather_sum_fp8_ref(fd, fs, sl, dtype)
     assert same_bits(gather_sum_fp8(fd, fs, sl, dtype), want)
     # the quantizer's own M-major scales: the same sums
     assert same_bits(gather_sum_fp8(fd_own, fs_mmajor, sl, dtype), want)
-    if n > 2 and (sl == 2).any():     # the planted NaN: a NaN block (MXFP4) and a NaN code (FP8) reach the sum
-        rows = (sl == 2).any(1)
-        assert torch.isnan(want[rows]).any() and torch.isnan(gather_sum_mxfp4_ref(md, ms, sl, dtype)[rows]).any()
+    if n > 2 and (sl == 2).any():     # the planted NaN code reaches the sums that read its row
+        assert torch.isnan(want[(sl == 2).any(1)]).any()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "native", "fp8", "mxfp4", "mxfp4-sr", "nvfp4", "nvfp4-sr"])
@@ -210,38 +202,37 @@ def test_unpack_sum_is_unpack_then_sum(fmt):
         assert got.dtype == dtype and same_bits(got, want), (fmt, dtype)
 
 
-def test_quantized_bad_input():
-    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_mxfp4
+def test_fp8_rows_bad_input():
+    from moe_fp4.kernels.row_sum import gather_sum_fp8
 
     sl = torch.zeros(3, 2, dtype=torch.int64)
-    d, s = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 4, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="scale must be torch.uint8 \\[4, 4\\]"):
-        gather_sum_mxfp4(d, s[:, :3], sl)
+    d, s = torch.zeros(4, 256, dtype=torch.uint8), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="scale must be torch.float32 \\[4, 2\\]"):
+        gather_sum_fp8(d, s[:, :1], sl)
     with pytest.raises(ValueError, match="bytes"):
-        gather_sum_mxfp4(d.float(), s, sl)
+        gather_sum_fp8(d.float(), s, sl)
     with pytest.raises(TypeError, match="dtype must be"):
-        gather_sum_mxfp4(d, s, sl, torch.int32)
+        gather_sum_fp8(d, s, sl, torch.int32)
     with pytest.raises(ValueError, match="scale must be torch.float32"):
-        gather_sum_fp8(torch.zeros(4, 128, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float64), sl)
+        gather_sum_fp8(d, s.double(), sl)
     with pytest.raises(ValueError, match="multiple of 128"):
         gather_sum_fp8(torch.zeros(4, 96, dtype=torch.uint8), torch.zeros(4, 0), sl)
     with pytest.raises(ValueError, match="slots must be"):
-        gather_sum_mxfp4(d, s, sl.float())
+        gather_sum_fp8(d, s, sl.float())
 
 
 @pytest.mark.gpu
 def test_gpu_quantized_rows_and_unpack_sum():
-    """The decoding sums on the GPU at the small preset's EP shapes: bit-identical to their twins, and
-    unpack_sum to decoding on the GPU and then summing, for the summed streams' quantized formats."""
+    """The FP8 decoding sum on the GPU at the small preset's EP shapes: bit-identical to its twin, and
+    unpack_sum to decoding on the GPU and then summing, for the summed streams' formats."""
     from moe_fp4.exchange.wire import pack, row_bytes, unpack, unpack_sum
-    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_fp8_ref, gather_sum_mxfp4, gather_sum_mxfp4_ref
+    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_fp8_ref
 
     n, h, m, s = 8192, 1024, 4096, 4
-    (md, ms), (fd, fs), _ = _wire_rows(n, h, seed=9)
-    md, ms, fd, fs = (t.cuda() for t in (md, ms, fd, fs))
+    (fd, fs), _ = _wire_rows(n, h, seed=9)
+    fd, fs = fd.cuda(), fs.cuda()
     sl = _slots(m, s, n, seed=10, device="cuda")
     for dtype in DTYPES:
-        assert same_bits(gather_sum_mxfp4(md, ms, sl, dtype), gather_sum_mxfp4_ref(md, ms, sl, dtype))
         assert same_bits(gather_sum_fp8(fd, fs, sl, dtype), gather_sum_fp8_ref(fd, fs, sl, dtype))
     x = _rows(n, h, torch.bfloat16, seed=11, special=False, device="cuda")
     for fmt in ("bf16", "fp8", "mxfp4", "mxfp4-sr"):
