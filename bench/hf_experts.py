@@ -11,13 +11,13 @@ dynamic dimension byte size to be non-negative multiple of 16"), which leaves th
 unusable, so it is not in the default list. torchao's FP8 experts are measured against moe_fp4's in
 bench/experts.py (the experts alone) and bench/torchao_ep.py (torchtitan's EP block). The model is transformers'
 Qwen3-MoE built from a config (no download) with byte tokens from Python's standard library
-(:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW, a plain training loop
+(:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW (fused on CUDA, ``--adamw``), a plain training loop
 (forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168, expert ffn
 2048, 32 experts, top-8, 56 heads of 128) in ``--layers`` layers; ``--shape small``: hidden 1024, expert ffn
 512, 16 experts, top-4, 6 layers.
 
 Per variant: ``--warmup`` untimed steps, then ``--steps`` timed (each step's loss read: one sync per step in
-every variant). Memory: the peak over the timed steps (AdamW's foreach temporaries included); fwd+bwd, the peak
+every variant). Memory: the peak over the timed steps (AdamW's temporaries included); fwd+bwd, the peak
 of forward and backward less what was allocated before the forward (weights, optimizer state), which holds
 the saved activations, the gradients and, in moe_fp4's variants, the FP8 copies of the expert weights
 (``fp8 W``, made in the first forward after each optimizer step); saved, the bytes autograd keeps from one
@@ -77,9 +77,9 @@ def run(impl: str, a, data, device) -> dict:
     def measured():
         model = build(a.shape, a.layers, a.seq, impl, device)
         out = train_variant(impl, model, lambda ids: model(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
-                            fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress)
+                            fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress, adamw=a.adamw)
         if a.profile:
-            out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile)
+            out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile, a.adamw)
         return out
 
     row = guarded(impl, measured, device)

@@ -1,6 +1,11 @@
 """The training loop and measurements that bench/hf_experts.py and bench/torchtitan_experts.py share: each variant
 of one model trained on the same stdlib byte batches with torch's AdamW, timed per step, its memory split into
-the forward + backward peak, the saved activations and the FP8 weight copies, and its loss curve."""
+the forward + backward peak, the saved activations and the FP8 weight copies, and its loss curve.
+
+The AdamW is torch's fused one on CUDA (``--adamw fused``, the default), as both stacks' own loops default to
+(torchtitan 0.3's optimizer ``implementation="fused"``; transformers' ``optim="adamw_torch_fused"`` from torch
+2.8); ``--adamw foreach`` is torch's own default, which the results of 2026-11-28 up to 5689502 used. Every
+variant of a run steps with the same one."""
 
 from __future__ import annotations
 
@@ -43,14 +48,27 @@ def saved_bytes(model, loss_of) -> int:
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
+ADAMW = ("fused", "foreach")
+
+
+def make_adamw(params, lr: float, impl: str = "fused", **kw) -> torch.optim.AdamW:
+    """torch's AdamW, ``impl`` "fused" (CUDA parameters; foreach elsewhere) or "foreach"."""
+    if impl not in ADAMW:
+        raise ValueError(f"make_adamw: impl must be one of {ADAMW}, got {impl!r}")
+    params = list(params)
+    fused = impl == "fused" and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=lr, fused=fused, foreach=not fused, **kw)
+
+
 def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, steps: int, lr: float,
-                  fp8_copies=lambda: 0, progress: bool = True, tokens_per_step: int | None = None) -> dict:
+                  fp8_copies=lambda: 0, progress: bool = True, tokens_per_step: int | None = None,
+                  adamw: str = "fused") -> dict:
     """Train ``model`` for ``warmup`` + ``steps`` steps on ``data`` [count, batch, seq] (``loss_of(ids)`` -> the
     step's loss) with torch's AdamW -> the row: tokens/s over the timed steps, peak memory (AdamW's temporaries
     included), fwd_bwd (the peak of forward and backward less what was allocated before the forward), saved
     activations (:func:`saved_bytes`, one extra forward + backward at the end), ``fp8_copies()`` bytes after
     backward, the loss curve. One ``loss.item()`` per step in every variant."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = make_adamw(model.parameters(), lr, adamw, betas=(0.9, 0.95), weight_decay=0.1)
     cuda = data.device.type == "cuda"
     losses, times, act, peak, copies, before = [], [], 0, 0, 0, 0
     for step in range(warmup + steps):
@@ -63,7 +81,7 @@ def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, st
         loss = loss_of(ids)
         loss.backward()
         if step >= warmup and cuda:
-            # forward + backward only: AdamW's foreach temporaries come after, the same in every variant
+            # forward + backward only: AdamW's temporaries come after, the same in every variant
             act = max(act, torch.cuda.max_memory_allocated() - before)
             copies = max(copies, fp8_copies())
         opt.step()
@@ -85,12 +103,12 @@ def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, st
             "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
 
 
-def profile_table(model, loss_of, data: torch.Tensor, lr: float, steps: int) -> str:
+def profile_table(model, loss_of, data: torch.Tensor, lr: float, steps: int, adamw: str = "fused") -> str:
     """torch.profiler over ``steps`` training steps (``loss_of(ids)`` -> the loss) -> its table of the 30
     kernels and ops with the most GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = make_adamw(model.parameters(), lr, adamw)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for step in range(steps):
             loss_of(data[step % data.shape[0]]).backward()
@@ -140,7 +158,7 @@ def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
 
 
 def add_common_args(p, shapes) -> None:
-    """The arguments both benchmarks take: shape, layers, batch, seq, steps, warmup, lr, json, progress."""
+    """The arguments both benchmarks take: shape, layers, batch, seq, steps, warmup, lr, adamw, json, progress."""
     p.add_argument("--shape", choices=list(shapes), default="dsv3")
     p.add_argument("--layers", type=int, default=None, help="default: the shape's")
     p.add_argument("--batch", type=int, default=4)
@@ -148,6 +166,8 @@ def add_common_args(p, shapes) -> None:
     p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--adamw", choices=ADAMW, default="fused",
+                   help="torch's AdamW implementation, every variant alike (default fused: both stacks' own default)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -167,7 +187,7 @@ def bench_main(script: str, a, title: str, variants: list[str], run, bf16: str, 
     data = stdlib_batches(a.batch, a.seq + seq_extra, a.warmup + a.steps, device)
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{dev} | torch {torch.__version__} | commit {commit()} | {title}, batch {a.batch} x seq {a.seq}, "
-          f"{a.warmup} + {a.steps} steps", flush=True)
+          f"{a.warmup} + {a.steps} steps, AdamW {a.adamw}", flush=True)
     rows = [run(v, a, data, device) for v in variants]
     print_table(rows, bf16=bf16)
     if a.json:
