@@ -82,9 +82,11 @@ def gather_sum_ref(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gather_sum_kernel(x_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sm, stride_ss, stride_o,
-                       OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn
+def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sc, stride_sc1, stride_sm, stride_ss,
+                       stride_o, FP8: tl.constexpr, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn.
+    # FP8: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as dequantize_fp8_ref does.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < M
@@ -94,8 +96,17 @@ def _gather_sum_kernel(x_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sm, str
     for j in range(S):
         idx = tl.load(s_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
         ok = rmask & (idx >= 0) & (idx < N)
-        x = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
-        acc += x.to(tl.float32)
+        m2 = ok[:, None] & cmask[None, :]
+        if FP8:
+            # masked-off codes load 0 under scale 1: +0, which adds nothing
+            b = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=m2, other=0).to(tl.int32)
+            sc = tl.load(sc_ptr + idx[:, None] * stride_sc + (cols // 128)[None, :] * stride_sc1, mask=m2,
+                         other=1.0)   # 128: FP8_TILE
+            v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc      # exact: sc is a power of two
+            nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+            acc += tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
+        else:
+            acc += tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
 
 
@@ -136,9 +147,9 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block
         return out.zero_()
     bits = out.view(_BITS_OF[rows.dtype])   # stored as bits: the canonical NaN written as an integer
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
-    _gather_sum_kernel[grid](rows, slots, bits, m, n, h, s, rows.stride(0), slots.stride(0), slots.stride(1),
-                             out.stride(0), OUT=_OUT_CODE[rows.dtype], NAN=NAN_BITS[rows.dtype], BLOCK_M=block_m,
-                             BLOCK_H=block_h, num_warps=num_warps)
+    _gather_sum_kernel[grid](rows, rows, slots, bits, m, n, h, s, rows.stride(0), 0, 0, slots.stride(0),
+                             slots.stride(1), out.stride(0), FP8=False, OUT=_OUT_CODE[rows.dtype],
+                             NAN=NAN_BITS[rows.dtype], BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps)
     return out
 
 
@@ -179,29 +190,6 @@ def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     return gather_sum_ref(rows, slots)
 
 
-@triton.jit
-def _gather_sum_fp8_kernel(d_ptr, s_ptr, sl_ptr, o_ptr, M, N, H, S, stride_d, stride_s, stride_s1, stride_sm, stride_ss,
-                           stride_o, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    rmask = rows < M
-    cmask = cols < H
-    rows64 = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    for j in range(S):
-        idx = tl.load(sl_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
-        ok = rmask & (idx >= 0) & (idx < N)
-        m2 = ok[:, None] & cmask[None, :]
-        b = tl.load(d_ptr + idx[:, None] * stride_d + cols[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(s_ptr + idx[:, None] * stride_s + (cols // 128)[None, :] * stride_s1, mask=m2, other=1.0)  # FP8_TILE
-        v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc      # exact: sc is a power of two
-        nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-        v = tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
-        acc += tl.where(m2, v, 0.0)
-    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
-
-
 def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                    dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_h: int = 256,
                    num_warps: int = 4) -> torch.Tensor:
@@ -214,8 +202,8 @@ def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
     if n == 0 or s == 0:
         return out.zero_()
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
-    _gather_sum_fp8_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h, s,
-                                 data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1), out.stride(0),
-                                 OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_H=block_h,
-                                 num_warps=num_warps)
+    _gather_sum_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h, s,
+                             data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1),
+                             out.stride(0), FP8=True, OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m,
+                             BLOCK_H=block_h, num_warps=num_warps)
     return out
