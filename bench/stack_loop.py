@@ -167,7 +167,7 @@ def add_common_args(p, shapes) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--adamw", choices=ADAMW, default="fused",
-                   help="torch's AdamW implementation, every variant alike (default fused: both stacks' own default)")
+                   help="torch's AdamW, every variant alike (default fused: both stacks' own default)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
 

@@ -264,10 +264,6 @@ def unpack(wire: torch.Tensor, fmt: WireFormat, hidden: int, output: OutputForma
     return MXFP4Tensor(md, ms, (n, hidden), dtype)
 
 
-__all__ = ["DISPATCH_FORMATS", "HIDDEN_MULTIPLE", "STOCHASTIC", "UNQUANTIZED", "OutputFormat", "WireFormat",
-           "base_format", "pack", "row_bytes", "seed_stochastic_rounding", "unpack", "views", "wire_dtype"]
-
-
 def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Tensor,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """wire: uint8 [N, >= B] received rows; slots: int64 [M, S], an entry outside [0, N) empty -> dtype [M, H]:
@@ -282,3 +278,9 @@ def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Te
     if base in UNQUANTIZED and wire_dtype(base, dtype) == dtype:
         return gather_sum(views(wire, base, hidden, dtype)[0], slots)
     return gather_sum(unpack(wire, fmt, hidden, OutputFormat.BF16, dtype), slots)
+
+
+__all__ = ["DISPATCH_FORMATS", "HIDDEN_MULTIPLE", "STOCHASTIC", "UNQUANTIZED", "OutputFormat", "WireFormat",
+           "base_format", "pack", "row_bytes", "seed_stochastic_rounding", "unpack", "unpack_sum", "views",
+           "wire_dtype"]
+

@@ -261,6 +261,6 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return _ops._pick(_row_sum, "gather_sum", _use_triton(rows) and rows.dtype != torch.float64)(rows, slots)
 
 
-__all__ = ["conversion_path", "dequantize_fp8", "gather_sum", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise",
-           "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8",
+__all__ = ["conversion_path", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "fp8_to_fp8_colwise",
+           "gather_sum", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "nvfp4_to_fp8", "nvfp4_to_fp8_colwise", "quantize_fp8",
            "quantize_fp8_and_mxfp4", "quantize_mxfp4", "quantize_nvfp4"]

@@ -451,5 +451,5 @@ def deepseek_v3_debugmodel_fp4_experts():
     return _debugmodel_with_experts("fp4")
 
 
-__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "MoEFP4RoutedExperts", "PaddedTokenDispatcher",
-           "deepseek_v3_debugmodel_fp4_experts", "deepseek_v3_debugmodel_fp8_experts"]
+__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "MoEFP4RoutedExperts",
+           "PaddedTokenDispatcher", "deepseek_v3_debugmodel_fp4_experts", "deepseek_v3_debugmodel_fp8_experts"]
