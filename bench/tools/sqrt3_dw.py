@@ -10,7 +10,11 @@ adds only in variance, so the ratio ||dW2_e|| / ||noise in dW2_e|| grows with th
 Model: one MoE layer in float32 (router softmax, top-k, SwiGLU experts, the combine weighted by the router) trained
 against a fixed random linear teacher (MSE): dY_e, the gradient at expert e's output rows, is what the combine's
 gradient exchange carries to the experts. Noise estimate, the issue's "occasional second quantization": dY_e
-quantized to MXFP4 with stochastic rounding under two seeds; E||dW(q1) - dW(q2)||^2 = 2 E||noise||^2.
+quantized to MXFP4 with stochastic rounding under two seeds; E||dW(q1) - dW(q2)||^2 = 2 E||noise||^2. Beside it
+the estimate a training step could make without a second rounding or GEMM: stochastic rounding's errors are
+independent and zero-mean, so E||E^T A||^2 = sum_t E||e_t||^2 ||a_t||^2, from each row's rounding error (known to
+the sender) and each FC2 input row's norm (known to the expert); the column "cheap / two roundings" is its
+ratio to the two-rounding estimate.
 
     python3 bench/tools/sqrt3_dw.py [--tokens 256 1024 4096 16384] [--hidden 256] [--ffn 256] [--experts 8]
                                     [--top-k 2] [--pairs 4] [--json PATH]
@@ -64,18 +68,23 @@ def ratios(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, pairs: 
         if dy.shape[0] == 0:
             continue
         dw = dy.t() @ a
-        diff2, err2 = 0.0, 0.0
+        diff2, err2, cheap2 = 0.0, 0.0, 0.0
+        a2 = a.square().sum(1)                                          # ||a_t||^2 per row
         for p in range(pairs):
             q1, q2 = _sr_mxfp4(dy, 2 * p + 1 + 1000 * e), _sr_mxfp4(dy, 2 * p + 2 + 1000 * e)
             diff2 += ((q1 - q2).t() @ a).square().sum().item() / 2
-            err2 += (q1 - dy).square().sum().item()
+            err = (q1 - dy).square().sum(1)                             # ||e_t||^2 per row
+            err2 += err.sum().item()
+            cheap2 += (err * a2).sum().item()
         noise = math.sqrt(diff2 / pairs)
         rows.append({"expert": e, "tokens": dy.shape[0], "dw_ratio": dw.norm().item() / noise,
-                     "payload_ratio": dy.norm().item() / math.sqrt(err2 / pairs)})
+                     "payload_ratio": dy.norm().item() / math.sqrt(err2 / pairs),
+                     "cheap_over_two_roundings": math.sqrt(cheap2 / pairs) / noise})
     return {"tokens": tokens, "experts": rows,
             "median_tokens_per_expert": sorted(r["tokens"] for r in rows)[len(rows) // 2],
             "median_dw_ratio": sorted(r["dw_ratio"] for r in rows)[len(rows) // 2],
-            "median_payload_ratio": sorted(r["payload_ratio"] for r in rows)[len(rows) // 2]}
+            "median_payload_ratio": sorted(r["payload_ratio"] for r in rows)[len(rows) // 2],
+            "median_cheap_over_two_roundings": sorted(r["cheap_over_two_roundings"] for r in rows)[len(rows) // 2]}
 
 
 def main(argv=None) -> int:
@@ -92,12 +101,13 @@ def main(argv=None) -> int:
     out = []
     print(f"MoE layer H {a.hidden}, F {a.ffn}, {a.experts} experts, top-{a.top_k}; combine gradient in MXFP4 "
           f"(stochastic rounding); sqrt(3) = {sqrt3:.3f}")
-    print(f"{'tokens':>7} {'tok/expert':>10} {'dW2 ratio':>10} {'payload ratio':>14}  (medians over experts)")
+    print(f"{'tokens':>7} {'tok/expert':>10} {'dW2 ratio':>10} {'payload ratio':>14} {'cheap / two roundings':>22}"
+          f"  (medians over experts)")
     for t in a.tokens:
         r = ratios(t, a.hidden, a.ffn, a.experts, a.top_k, a.pairs)
         out.append(r)
         print(f"{t:>7} {r['median_tokens_per_expert']:>10} {r['median_dw_ratio']:>10.2f} "
-              f"{r['median_payload_ratio']:>14.2f}", flush=True)
+              f"{r['median_payload_ratio']:>14.2f} {r['median_cheap_over_two_roundings']:>22.3f}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "rows": out}, fh, indent=1)

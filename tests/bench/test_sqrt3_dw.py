@@ -16,7 +16,8 @@ finally:
 # Measured (CPU, 2026-11-28; H 128, F 128, 4 experts, top-2, 2 pairs of roundings, seeds 0-2): median tokens per
 # expert 128-133 -> 2047-2068 (16x); median dW2 ratio 6.39-6.53 -> 11.12-11.30, a rise of 1.70-1.76x; the payload
 # ratio 5.99-6.07 at both. Bands: the rise 1.5-2.0x (fully coherent gradients would give sqrt(16) = 4x, fully
-# incoherent 1x); the payload ratio 5.8-6.3 and equal within 3% between the two sizes.
+# incoherent 1x); the payload ratio 5.8-6.3 and equal within 3% between the two sizes. The cheap noise estimate
+# (sum_t ||e_t||^2 ||a_t||^2) over the two-rounding one, per expert: 0.979-1.012; band 0.95-1.05.
 
 
 def test_dw_ratio_grows_with_tokens_per_expert_payload_ratio_does_not(references):
@@ -28,6 +29,8 @@ def test_dw_ratio_grows_with_tokens_per_expert_payload_ratio_does_not(references
         assert 5.8 <= r["median_payload_ratio"] <= 6.3, r
         assert all(e["dw_ratio"] > sqrt3_dw.math.sqrt(3) for e in r["experts"])
     assert abs(large["median_payload_ratio"] / small["median_payload_ratio"] - 1) <= 0.03
+    for r in (small, large):
+        assert all(0.95 <= e["cheap_over_two_roundings"] <= 1.05 for e in r["experts"]), r
 
 
 def test_cli_prints_a_row_per_size(capsys, references):
