@@ -14,7 +14,7 @@ output's slots in ascending row order the sum is index_add_'s sequential one (as
 ``gather_sum_fp8(data, scale, slots, dtype)`` takes the rows as they arrive on an FP8 wire (1x128 codes and
 float32 scales, strided views of the wire buffer) and decodes them in registers: the same bits as decoding the
 rows to ``dtype`` first (``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
-[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.27-0.28x the time
+[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.23-0.28x the time
 of decode-then-sum on an H200. The same for MXFP4 rows was built and measured 1.28-1.36x slower than
 ``dequantize_mxfp4`` (a Triton kernel) followed by ``gather_sum``, and removed (bench/RESULTS.md, 2026-11-28).
 
@@ -153,20 +153,18 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block
     return out
 
 
-def _check_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype,
-                     per_byte: int, block: int, scale_dtype) -> int:
-    """-> H. data [N, H / per_byte] bytes and scale [N, H / block] of scale_dtype, columns contiguous."""
+def _check_fp8_rows(name: str, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype) -> int:
+    """-> H. data: bytes [N, H] (columns contiguous), scale: float32 [N, H/128], slots: int [M, S]."""
     if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.element_size() != 1:
-        raise ValueError(f"{name}: data must be a 2-D tensor of bytes [N, H/{per_byte}], got "
+        raise ValueError(f"{name}: data must be a 2-D tensor of bytes [N, H], got "
                          f"{getattr(data, 'dtype', type(data))} {tuple(getattr(data, 'shape', ()))}")
-    n, nb = data.shape
-    h = nb * per_byte
-    if not isinstance(scale, torch.Tensor) or scale.dtype != scale_dtype or tuple(scale.shape) != (n, h // block):
-        raise ValueError(f"{name}: scale must be {scale_dtype} [{n}, {h // block}] for data "
+    n, h = data.shape
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != (n, h // FP8_TILE):
+        raise ValueError(f"{name}: scale must be torch.float32 [{n}, {h // FP8_TILE}] for data "
                          f"{tuple(data.shape)}, got {getattr(scale, 'dtype', type(scale))} "
                          f"{tuple(getattr(scale, 'shape', ()))}")
-    if h % block:
-        raise ValueError(f"{name}: H = {h} must be a multiple of {block}")
+    if h % FP8_TILE:
+        raise ValueError(f"{name}: H = {h} must be a multiple of {FP8_TILE}")
     if data.shape[1] > 1 and data.stride(1) != 1:
         raise ValueError(f"{name}: data's columns must be contiguous (stride 1), got strides {data.stride()}")
     for what, t in (("data", data), ("scale", scale)):
@@ -185,7 +183,7 @@ def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     """data: float8_e4m3fn or uint8 [N, H] FP8 codes, scale: float32 [N, H/128] (one per 1x128 tile), any row
     strides (the scales' any layout: row-major on the wire, M-major from the quantizer); slots: int32/int64 [M, S]
     -> dtype [M, H]: :func:`gather_sum_ref` of the rows decoded to dtype."""
-    _check_quantized("gather_sum_fp8_ref", data, scale, slots, dtype, 1, FP8_TILE, torch.float32)
+    _check_fp8_rows("gather_sum_fp8_ref", data, scale, slots, dtype)
     rows = dequantize_fp8_ref(data.contiguous().view(torch.float8_e4m3fn), scale.contiguous(), dtype)
     return gather_sum_ref(rows, slots)
 
@@ -194,7 +192,7 @@ def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                    dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_h: int = 256,
                    num_warps: int = 4) -> torch.Tensor:
     """As :func:`gather_sum_fp8_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
-    h = _check_quantized("gather_sum_fp8", data, scale, slots, dtype, 1, FP8_TILE, torch.float32)
+    h = _check_fp8_rows("gather_sum_fp8", data, scale, slots, dtype)
     n, m, s = data.shape[0], *slots.shape
     out = torch.empty(m, h, dtype=dtype, device=data.device)
     if m == 0 or h == 0:
