@@ -11,10 +11,10 @@ dynamic dimension byte size to be non-negative multiple of 16"), which leaves th
 unusable, so it is not in the default list. torchao's FP8 experts are measured against moe_fp4's in
 bench/experts.py (the experts alone) and bench/torchao_ep.py (torchtitan's EP block). The model is transformers'
 Qwen3-MoE built from a config (no download) with byte tokens from Python's standard library
-(:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW (fused on CUDA, ``--adamw``), a plain training loop
-(forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168, expert ffn
-2048, 32 experts, top-8, 56 heads of 128) in ``--layers`` layers; ``--shape small``: hidden 1024, expert ffn
-512, 16 experts, top-4, 6 layers.
+(:func:`moe_fp4.compare.data.stdlib_corpus`); weights in bf16, torch's AdamW (fused on CUDA, ``--adamw``), a plain
+training loop (forward with labels, backward, step). ``--shape dsv3``: DeepSeek-V3's expert shapes (hidden 7168,
+expert ffn 2048, 32 experts, top-8, 56 heads of 128) in ``--layers`` layers; ``--shape small``: hidden 1024, expert
+ffn 512, 16 experts, top-4, 6 layers.
 
 Per variant: ``--warmup`` untimed steps, then ``--steps`` timed (each step's loss read: one sync per step in
 every variant). Memory: the peak over the timed steps (AdamW's temporaries included); fwd+bwd, the peak

@@ -8,10 +8,11 @@ torchtitan's trainer does), ``moe_fp4_fp8`` and ``moe_fp4`` (:class:`moe_fp4.int
 GroupedExpertsConverter` with precision fp8 / fp4; eager: their host syncs break a compiled graph). Each model
 is built from torchtitan's DeepSeek-V3 layer builder with its converter applied to the model config as
 ``model_registry(..., converters=[...])`` does; attention is torch's SDPA (causal) in every variant, so only the
-experts differ; byte tokens from Python's standard library (vocab 256); weights in bf16; torch's AdamW (fused on CUDA, ``--adamw``); a plain
-loop (forward, cross entropy, backward, step). ``--shape dsv3``: DeepSeek-V3's layer (hidden 7168, MLA with 128
-heads, q LoRA 1536, kv LoRA 512) with 32 experts of ffn 2048, top-8, a shared expert, ``--layers`` MoE layers;
-``--shape small``: hidden 1024, 16 heads, 16 experts of 512, top-4, 6 layers; ``--shape tiny``: a CPU smoke run.
+experts differ; byte tokens from Python's standard library (vocab 256); weights in bf16; torch's AdamW (fused on
+CUDA, ``--adamw``); a plain loop (forward, cross entropy, backward, step). ``--shape dsv3``: DeepSeek-V3's layer
+(hidden 7168, MLA with 128 heads, q LoRA 1536, kv LoRA 512) with 32 experts of ffn 2048, top-8, a shared expert,
+``--layers`` MoE layers; ``--shape small``: hidden 1024, 16 heads, 16 experts of 512, top-4, 6 layers; ``--shape
+tiny``: a CPU smoke run.
 
 Per variant as bench/hf_experts.py (bench/stack_loop.py): warmup, timed steps, the forward + backward peak,
 saved activations, FP8 weight copies (moe_fp4: ``FP8_PAIRS.nbytes``), peak with AdamW, the loss curve.

@@ -237,10 +237,6 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group, while_waiting=
                         src_token, t, got[:, 1:].sum(0), slots.view(world, t).t())
 
 
-def _cols_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
-
-
 def _meta_offset(fmt: WireFormat, hidden: int, dtype) -> int:
     return -(-row_bytes(fmt, hidden, dtype) // 4) * 4
 
@@ -342,7 +338,7 @@ class _Dispatch(torch.autograd.Function):
         t, hidden = ctx.shape
         k, r = plan.top_k, plan.received
         # each received row's gradient: the sum of its expert rows' (float32, rounded once)
-        sent = g_rows if route is None else gather_sum(_cols_contiguous(g_rows), route.row_slots)
+        sent = g_rows if route is None else gather_sum(g_rows, route.row_slots)
         off = _meta_offset(fmt, hidden, ctx.dtype)
         wire = torch.empty(r, off + 4 * k, dtype=torch.uint8, device=sent.device)
         pack(sent, fmt, out=wire, rank=plan.rank)
@@ -387,7 +383,7 @@ class _Combine(torch.autograd.Function):
                 rule: GradWireRule | None, slot: GradSlot | None):
         hidden = y.shape[1]
         # Sum each received row's expert rows (already weighted by the experts): nothing saved.
-        z = y if route is None else gather_sum(_cols_contiguous(y), route.row_slots)
+        z = y if route is None else gather_sum(y, route.row_slots)
         back = exchange_rows(pack(z, fmt), plan.recv_splits, plan.send_splits, plan.group, role="combine")
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None

@@ -257,7 +257,10 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     empty -> rows.dtype [M, H]: out[m] = the float32 sum of rows[slots[m, 0]], ..., rows[slots[m, S-1]] in
     that order, rounded once (NaN canonical). The MoE combine's and the dispatch gradient's sums over a
     token's expert rows: each row read once, no atomics (``moe_fp4.kernels.row_sum``); one Triton pass on
-    CUDA, bit-identical to its pure-torch twin. float64 rows (the routing's exact tests) go to the twin."""
+    CUDA, bit-identical to its pure-torch twin. float64 rows (the routing's exact tests) go to the twin. Rows
+    whose columns are strided (a gradient autograd hands over as a view) are made contiguous first."""
+    if rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
     return _ops._pick(_row_sum, "gather_sum", _use_triton(rows) and rows.dtype != torch.float64)(rows, slots)
 
 

@@ -87,8 +87,6 @@ def _gather_rows(x: torch.Tensor, src_row: torch.Tensor) -> torch.Tensor:
 def _sum_slots(y: torch.Tensor, dest: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
     """y: [rows, H] -> [T, H]: sum over slots j = 0..k-1 of y[dest(t, j)] in float32, rounded once; a dropped
     pair's dest (== rows) adds nothing. One pass (``gather_sum``): no [T, k, H] copy, no zero row appended."""
-    if y.shape[1] > 1 and y.stride(1) != 1:
-        y = y.contiguous()
     return gather_sum(y, dest.view(tokens, k))
 
 

@@ -239,3 +239,15 @@ def test_gpu_quantized_rows_and_unpack_sum():
         wire = torch.zeros(n, row_bytes(fmt, h) + 32, dtype=torch.uint8, device="cuda")
         pack(x, fmt, out=wire)
         assert same_bits(unpack_sum(wire, fmt, h, sl), gather_sum(unpack(wire, fmt, h), sl)), fmt
+
+
+def test_public_gather_sum_takes_strided_columns():
+    """moe_fp4.formats.conversions.gather_sum (what the layers call) makes strided columns contiguous itself (the
+    kernel and its twin refuse them): a gradient autograd hands over as a transposed view sums alike."""
+    from moe_fp4.formats.conversions import gather_sum as api_gather_sum
+
+    x = _rows(64, 40, torch.bfloat16, seed=12, special=False)
+    xt = x.t().contiguous().t()
+    assert xt.stride(1) != 1
+    sl = _slots(20, 3, 64, seed=13)
+    assert same_bits(api_gather_sum(xt, sl), gather_sum_ref(x, sl))
