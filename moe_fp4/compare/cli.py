@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--wire", default="", metavar="[RECIPE|MODE:RECIPE,...][ROLE=FMT,...]",
                    help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange. "
                         "RECIPE: a named set of the four (bf16, fp8-dispatch, fp8, paper, fp4, fp4-sr, fp4-fp8sums, "
-                        "fp4-all; docs/expert-parallel.md) for every mode, MODE:RECIPE for one mode (fp4:fp4-all); "
+                        "fp4-sr-fp8sums, fp4-all; docs/expert-parallel.md) for every mode, MODE:RECIPE for one mode (fp4:fp4-all); "
                         "ROLE=FMT then overrides one exchange, ROLE "
                         "one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, "
                         "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "

@@ -18,6 +18,7 @@ TABLE = {
     "fp4": ("mxfp4", "bf16", "bf16", "mxfp4"),
     "fp4-sr": ("mxfp4", "bf16", "bf16", "mxfp4-sr"),
     "fp4-fp8sums": ("mxfp4", "fp8", "fp8", "mxfp4"),
+    "fp4-sr-fp8sums": ("mxfp4", "fp8", "fp8", "mxfp4-sr"),
     "fp4-all": ("mxfp4", "mxfp4", "mxfp4-sr", "mxfp4-sr"),
 }
 
