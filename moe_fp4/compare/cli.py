@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                         "one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, "
                         "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "
                         "sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
-                        "quantization noise, bf16 after 10 steps below; the ratio is reported per layer). Default: "
+                        "quantization noise (the combine gradient's: the experts' FC2 weight gradient against the "
+                        "noise the payload puts into it), fp8 after 10 steps below; the ratios are reported per "
+                        "layer). Default: "
                         "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-sr)")
     c.add_argument("--simulate-wire", action="store_true",
                    help="on one process: apply the round trip of each exchange's wire format (--wire's, by default "

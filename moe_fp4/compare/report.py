@@ -78,9 +78,14 @@ def grad_wire_line(rules: dict) -> str:
             if not d["steps"]:
                 out.append(f"{layer} {g}: not measured")
                 continue
-            fell = "never below sqrt(3)" if d["fell_back_at"] is None else f"bf16 from step {d['fell_back_at']}"
+            fell = ("never below sqrt(3)" if d["fell_back_at"] is None
+                    else f"{d.get('fallback', 'bf16')} from step {d['fell_back_at']}")
+            weight = ""
+            if d.get("weight_steps"):
+                weight = (f", FC2 weight gradient norm/noise {d['weight_ratio_first']:.2f} -> "
+                          f"{d['weight_ratio_last']:.2f} (min {d['weight_ratio_min']:.2f})")
             out.append(f"{layer} {g} {d['format']} norm/noise {d['ratio_first']:.2f} -> {d['ratio_last']:.2f} "
-                       f"(min {d['ratio_min']:.2f}), {fell}")
+                       f"(min {d['ratio_min']:.2f}){weight}, {fell}")
     return "sqrt(3) rule: " + "; ".join(out)
 
 
@@ -160,7 +165,7 @@ def saved_format(mode: str, storage: str = "mxfp4") -> str:
 
 def wire_text(wire: dict, mode: str) -> str:
     """meta["wire"] -> the formats of ``mode``'s four exchanges: "recipe fp8: dispatch fp8, combine bf16,
-    dispatch_grad bf16, combine_grad fp8", an "auto" gradient as "auto (nvfp4-sr, bf16 after 10 steps
+    dispatch_grad bf16, combine_grad fp8", an "auto" gradient as "auto (nvfp4-sr, fp8 after 10 steps
     below sqrt(3))", and "(simulated on one process)" under --simulate-wire."""
     from moe_fp4.exchange.recipes import PRECISION_RECIPE, RECIPES
 
@@ -169,7 +174,9 @@ def wire_text(wire: dict, mode: str) -> str:
     parts = []
     for role, fmt in roles.items():
         if fmt == "auto" and auto:
-            fmt = f"auto ({auto['format']}, bf16 after {auto['patience']} steps below sqrt(3))"
+            # compare.json files from before the fallback was named fell back to bf16
+            fallback = auto.get("fallback", "bf16")
+            fmt = f"auto ({auto['format']}, {fallback} after {auto['patience']} steps below sqrt(3))"
         parts.append(f"{role} {fmt}")
     # The recipe's name when the four formats are a named recipe's.
     named = [n for n, r in RECIPES.items() if r.as_dict() == roles]

@@ -80,6 +80,7 @@ from moe_fp4.compare.train import (
     train_mode,
 )
 from moe_fp4.formats.conversions import conversion_path
+from moe_fp4.exchange.grad_rule import next_format_up
 from moe_fp4.model.decoder import DecoderLM, parameter_count
 from moe_fp4.model.planner import (
     micro_batch,
@@ -97,7 +98,9 @@ def wire_meta(env: Env, modes) -> dict | None:
     wire = {"recipe": dict(given) if isinstance(given, tuple) else given,
             "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES}, "simulated": env.ep.simulate}
     if env.ep.grad_rules():
-        wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience}
+        fallback = env.ep.auto_fallback or next_format_up(env.ep.auto_format)
+        wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience,
+                        "fallback": fallback.value}
     return wire
 
 

@@ -75,12 +75,14 @@ class Trainer:
             part = self.loss_fn(self.model, part_ids, part_targets) * (part_ids.shape[0] / n)
             part.backward()
             loss = part.detach() if loss is None else loss + part.detach()
+        if self.env.ep is not None:
+            # Gradient wires on "auto": the sqrt(3) rule's step, on the gradients as backward left them
+            # (its weight ratio reads the experts' FC2 gradient before the clip scales it).
+            end_grad_wire_step(self.model)
         self._sync_and_clip()
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.env.ep is not None:
-            end_grad_wire_step(self.model)   # gradient wires on "auto": the sqrt(3) rule's step
         return loss
 
     def _sync_and_clip(self, max_norm: float = 1.0) -> None:

@@ -58,10 +58,13 @@ class EPConfig:
     combine, or mxfp4-sr / nvfp4-sr (stochastic rounding, unbiased: for gradients only).
     combine_grad: wire format of the combine's gradient (backward, to the experts' ranks); as
     dispatch_grad. Either gradient may be ``"auto"``: the sqrt(3) rule (:class:`GradWireRule`) sends it
-    in ``auto_format`` while the payload's norm stays at least sqrt(3) times its quantization noise's,
-    and in bf16 from the optimizer step after ``auto_patience`` consecutive steps below; each MoE layer
-    keeps its own rule per gradient, and :func:`moe_fp4.model.moe.end_grad_wire_step` (once per optimizer
-    step) closes the step's measurement.
+    in ``auto_format`` while its norm stays at least sqrt(3) times its quantization noise's (for the
+    combine's gradient in fp8 and fp4 layers: the norm of the experts' FC2 weight gradient against the
+    noise the payload puts into it; otherwise the payload's own), and in ``auto_fallback`` (default the
+    next format up: a 4-bit format -> fp8 -> bf16) from the optimizer step after ``auto_patience``
+    consecutive steps below; each MoE layer keeps its own rule per gradient, and
+    :func:`moe_fp4.model.moe.end_grad_wire_step` (once per optimizer step, after the backward passes and
+    before the gradients are clipped or zeroed) closes the step's measurement.
     simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and
     applies each exchange's round trip where EP would send it (the dispatch on the expert input, its
     experts taking the received rows as EP's receiver does, :func:`simulate_dispatch_rows`; its
@@ -84,6 +87,7 @@ class EPConfig:
     auto_format: WireFormat = WireFormat.NVFP4_SR
     auto_patience: int = 10
     recipe: str | dict | None = None
+    auto_fallback: WireFormat | None = None
 
     def __post_init__(self):
         if isinstance(self.recipe, dict):
@@ -107,8 +111,10 @@ class EPConfig:
                 object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
         object.__setattr__(self, "auto_format", WireFormat(self.auto_format))
         if self.auto_format in UNQUANTIZED:
-            raise ValueError(f"EPConfig.auto_format: the sqrt(3) rule chooses between a quantized format and bf16, "
+            raise ValueError(f"EPConfig.auto_format: the sqrt(3) rule starts from a quantized format, "
                              f"got {self.auto_format.value}")
+        if self.auto_fallback is not None:
+            object.__setattr__(self, "auto_fallback", WireFormat(self.auto_fallback))
         if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
             raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
         # Each precision's formats, resolved once: the layer reads them every forward.
@@ -133,8 +139,8 @@ class EPConfig:
 
     def grad_rules(self) -> dict[str, "GradWireRule"]:
         """A fresh :class:`GradWireRule` for each gradient set to "auto" (one set per MoE layer)."""
-        return {n: GradWireRule(self.auto_format, self.auto_patience) for n in ("dispatch_grad", "combine_grad")
-                if getattr(self, n) == AUTO}
+        return {n: GradWireRule(self.auto_format, self.auto_patience, self.auto_fallback)
+                for n in ("dispatch_grad", "combine_grad") if getattr(self, n) == AUTO}
 
     @property
     def process_group(self):
@@ -368,13 +374,23 @@ class GradSlot:
 
     def __init__(self):
         self.rows = None
+        self.noise = None
 
-    def put(self, rows) -> None:
+    def put(self, rows, row_err2: torch.Tensor | None = None, rule: GradWireRule | None = None) -> None:
+        """rows: the gradient rows in expert order; row_err2: float32 [Rp], each row's squared rounding error
+        as its sender measured it (0 for padding rows), with the ``rule`` the experts report the FC2 weight
+        gradient's noise to (:meth:`GradWireRule.record_weight_noise`)."""
         self.rows = rows
+        self.noise = None if row_err2 is None or rule is None else (row_err2, rule)
 
     def take(self):
         rows, self.rows = self.rows, None
         return rows
+
+    def take_noise(self):
+        """-> (row_err2, rule) put with the rows, or None."""
+        noise, self.noise = self.noise, None
+        return noise
 
 
 class _Combine(torch.autograd.Function):
@@ -387,6 +403,8 @@ class _Combine(torch.autograd.Function):
         back = exchange_rows(pack(z, fmt), plan.recv_splits, plan.send_splits, plan.group, role="combine")
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None
+        # The sqrt(3) rule's weight noise travels through the slot whatever the format.
+        ctx.noise_slot = slot if route is not None and rule is not None else None
         return unpack_sum(back, fmt, hidden, plan.token_slots, y.dtype)
 
     @staticmethod
@@ -395,15 +413,27 @@ class _Combine(torch.autograd.Function):
         hidden, r = g.shape[1], plan.received
         g_send = g.index_select(0, plan.src_token).contiguous()
         wire = pack(g_send, fmt, rank=plan.rank)
+        err2 = None
         if ctx.rule is not None:
-            ctx.rule.record(g_send, unpack(wire, fmt, hidden, OutputFormat.BF16, g.dtype))
+            err2 = ctx.rule.record(g_send, unpack(wire, fmt, hidden, OutputFormat.BF16, g.dtype))
         none = (None,) * 6
+        row_err2 = None
+        if err2 is not None and ctx.noise_slot is not None:
+            # The sqrt(3) rule on the experts' FC2 weight gradient: each sent row's squared rounding error
+            # goes to its expert rank beside it (4 bytes a row, not counted as the payload's), in
+            # expert-row order there (0 for padding rows), for the experts to weigh by their FC2 input.
+            e = torch.zeros(r + 1, dtype=torch.float32, device=g.device)
+            exchange_rows(err2.contiguous().view(-1, 1), plan.send_splits, plan.recv_splits, plan.group,
+                          out=e[:r].view(-1, 1))
+            row_err2 = e.index_select(0, route.src_row)
         if ctx.slot is not None:
             got = torch.empty(r + 1, wire.shape[1], dtype=torch.uint8, device=g.device)
             got[r].zero_()
             exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group, out=got[:r], role="combine_grad")
-            ctx.slot.put(_gathered(got, fmt, hidden, route.src_row, g.dtype))
+            ctx.slot.put(_gathered(got, fmt, hidden, route.src_row, g.dtype), row_err2, ctx.rule)
             return (grad_carrier(plan.rows, hidden, g.dtype, g.device), *none)
+        if row_err2 is not None:
+            ctx.noise_slot.put(None, row_err2, ctx.rule)    # the rows go through autograd as bf16
         got = exchange_rows(wire, plan.send_splits, plan.recv_splits, plan.group, role="combine_grad")
         recv = unpack(got, fmt, hidden, OutputFormat.BF16, g.dtype)
         if route is None:

@@ -292,6 +292,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         row_w = kept["row_w"]
         # The combine's gradient as it arrived (moe_fp4.exchange.ep.GradSlot): MXFP4 or FP8 rows in expert order.
         dy_q = None if ctx.grad_slot is None else ctx.grad_slot.take()
+        # With it, for the sqrt(3) rule: each row's rounding error and the rule to tell the FC2 weight
+        # gradient's noise, sum_r ||a_r||^2 ||e_r||^2 (a_r: the FC2 input row the weight gradient reads).
+        noise = None if ctx.grad_slot is None or not need_dw2 else ctx.grad_slot.take_noise()
         if dy_q is not None and precision is Precision.BF16:
             dy = dy_q.dequantize(torch.bfloat16)
         elif dy_q is None:
@@ -304,6 +307,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
             w13c, w2c = w13.to(dy.dtype), w2.to(dy.dtype)
             da = _bf16_mm(dy, w2c, counts, offs)
             dw2 = _bf16_wgrad(dy, a, counts, offs).to(w2.dtype) if need_dw2 else None
+            if noise is not None:
+                _tell_weight_noise(noise, a)
             del a
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
@@ -323,6 +328,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, torch.bfloat16)
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
+        if noise is not None:
+            _tell_weight_noise(noise, a_kept)
         del dyt, a_kept
         dh, d_row = _swiglu_backward(h, da, row_w)
         del h, da
@@ -382,6 +389,14 @@ def prefetch_fp8_weights(*weights) -> None:
         for w in weights:
             if w is not None:
                 FP8_WEIGHTS.get(w)
+
+
+def _tell_weight_noise(noise, a) -> None:
+    """noise: (row_err2 float32 [Rp], rule) from the GradSlot; a: the FC2 input [Rp, F] as the weight gradient
+    reads it (bf16, FP8BlockTensor, MXFP4Tensor or NVFP4Tensor) -> the rule's weight-noise sum for this pass."""
+    row_err2, rule = noise
+    af = a.float() if isinstance(a, torch.Tensor) else a.dequantize(torch.float32)
+    rule.record_weight_noise((af.square().sum(dim=1) * row_err2).sum())
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",

@@ -330,13 +330,19 @@ class MoE(nn.Module):
 def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
     """Close one optimizer step of every sqrt(3) rule in ``model``'s MoE layers (gradient wires set to
     "auto", :class:`moe_fp4.exchange.ep.GradWireRule`): call it once per optimizer step, after the step's
-    backward passes, on every rank of the EP group (it sums each rule's measurement over the group).
-    -> {layer name: {gradient: this step's norm / noise ratio}} for the rules that measured one."""
+    backward passes and before the gradients are clipped, scaled or zeroed, on every rank of the EP group
+    (it sums each rule's measurement over the group). The combine gradient's rule reads the layer's FC2
+    weight gradient (``w2.grad``) for its weight ratio; where that is None (called after zero_grad) the
+    step decides on the payload's ratio alone.
+    -> {layer name: {gradient: this step's payload norm / noise ratio}} for the rules that measured one."""
     out: dict[str, dict[str, float]] = {}
     for name, m in model.named_modules():
         if isinstance(m, MoE) and m.grad_rules:
             group = None if m.ep.simulate else m.ep.process_group
-            got = {g: rule.end_step(group) for g, rule in m.grad_rules.items()}
+            g2 = m.w2.grad
+            w_sq = None if g2 is None else g2.detach().float().square().sum()
+            got = {g: rule.end_step(group, w_sq if g == "combine_grad" else None)
+                   for g, rule in m.grad_rules.items()}
             got = {g: r for g, r in got.items() if r is not None}
             if got:
                 out[name] = got

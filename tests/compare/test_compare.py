@@ -149,20 +149,33 @@ def test_cli_writes_plots(one_process):
 @pytest.mark.parametrize("nproc", [2])
 def test_cli_ep_torchrun(tmp_path, nproc):
     run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
-                "--no-progress", "--no-plots", "--profile", "--wire", "combine=mxfp4,dispatch_grad=fp8"],
+                "--no-progress", "--no-plots", "--profile",
+                "--wire", "combine=mxfp4,dispatch_grad=fp8,combine_grad=auto"],
                nproc=nproc, MOE_FP4_COMMIT="test-commit")
     _ok(run)
     # the formats in use, before each mode trains
     assert "[fp4] training 3 steps at batch 4 x 64 per rank; activations saved in mxfp4; all-to-all dispatch mxfp4, " \
-           "combine mxfp4, dispatch_grad fp8, combine_grad mxfp4-sr" in run.stdout, run.stdout
+           "combine mxfp4, dispatch_grad fp8, combine_grad auto (nvfp4-sr, fp8 after 10 steps below sqrt(3))" \
+           in run.stdout, run.stdout
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
-    # --wire's roles over each mode's own recipe (the combine's gradient: fp8's fp8, fp4's mxfp4-sr).
+    # --wire's roles over each mode's own recipe (the dispatch: fp8's fp8, fp4's mxfp4).
     assert report["meta"]["wire"] == {
-        "recipe": None, "simulated": False,
-        "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "fp8"},
+        "recipe": None, "simulated": False, "auto": {"format": "nvfp4-sr", "patience": 10, "fallback": "fp8"},
+        "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "auto"},
                      "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "fp8",
-                             "combine_grad": "mxfp4-sr"}}}
+                             "combine_grad": "auto"}}}
+    # The sqrt(3) rule on the combine gradient: per layer, the payload's ratio and the FC2 weight gradient's,
+    # measured in every step (the 3 timed ones and the untimed ones before them), printed in each "done" line.
+    for mode, row in report["modes"].items():
+        rules = row["grad_wire_auto"]
+        # the tiny preset's one MoE layer
+        assert list(rules) == ["blocks.1.mlp"] and set(rules["blocks.1.mlp"]) == {"combine_grad"}, rules
+        for r in rules.values():
+            d = r["combine_grad"]
+            assert d["format"] == "nvfp4-sr" and d["fallback"] == "fp8" and d["steps"] == d["weight_steps"] >= 3, d
+            assert 3 < d["ratio_min"] and d["ratio_first"] < d["weight_ratio_first"] < math.inf, d
+    assert run.stdout.count("FC2 weight gradient norm/noise") == 2, run.stdout   # one per mode
     # The bytes each exchange sent to other ranks per step, recorded and printed (exact per row: test_ep.py).
     assert "all-to-all bytes sent per step and rank (to other ranks):" in run.stdout, run.stdout
     for mode, row in report["modes"].items():

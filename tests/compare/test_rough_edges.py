@@ -217,10 +217,29 @@ def test_mode_lines_name_the_saved_format_and_the_wire():
                          "fp4": {"dispatch": "mxfp4", "combine": "bf16", "dispatch_grad": "auto",
                                  "combine_grad": "nvfp4-sr"}}}
     assert wire_text(wire, "fp4") == "dispatch mxfp4, combine bf16, dispatch_grad auto (nvfp4-sr, bf16 after 10 " \
-                                     "steps below sqrt(3)), combine_grad nvfp4-sr"
+                                     "steps below sqrt(3)), combine_grad nvfp4-sr"   # a compare.json from before
+    wire["auto"]["fallback"] = "fp8"                                                      # the fallback was named
+    assert "dispatch_grad auto (nvfp4-sr, fp8 after 10 steps below sqrt(3))" in wire_text(wire, "fp4")
     # Four formats that are a named recipe's are called by its name.
     assert wire_text(wire, "fp8") == "recipe fp8: dispatch fp8, combine bf16, dispatch_grad bf16, combine_grad fp8"
     assert mode_line("fp8", 4, 4, 64, None, "none", "mxfp4", wire).endswith("; all-to-all " + wire_text(wire, "fp8"))
+
+
+def test_the_sqrt3_line_names_the_weight_ratio_and_the_fallback():
+    from moe_fp4.exchange.ep import GradWireRule
+    from moe_fp4.compare.report import grad_wire_line
+
+    rule = GradWireRule("mxfp4-sr", patience=1)
+    x = torch.ones(2, 32)
+    for noise, w_noise in ((0.1, 1.0), (1.0, 100.0)):     # step 1: payload 10, weight 3; step 2: 1 and 0.3
+        rule.record(x, x + noise)
+        rule.record_weight_noise(torch.tensor(w_noise))
+        rule.end_step(weight_grad_sq=torch.tensor(9.0))
+    line = grad_wire_line({"layers.0.moe": {"combine_grad": rule.summary()}})
+    assert line == ("sqrt(3) rule: layers.0.moe combine_grad mxfp4-sr norm/noise 10.00 -> 1.00 (min 1.00), FC2 weight "
+                    "gradient norm/noise 3.00 -> 0.30 (min 0.30), fp8 from step 2"), line
+    empty = GradWireRule("nvfp4-sr").summary()
+    assert grad_wire_line({"m": {"dispatch_grad": empty}}) == "sqrt(3) rule: m dispatch_grad: not measured"
 
 
 # ---------------------------------------------------------------------------------------------------

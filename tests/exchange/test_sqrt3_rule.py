@@ -1,9 +1,10 @@
 """The sqrt(3) rule for gradient wires (issue 27): EPConfig(dispatch_grad="auto" / combine_grad="auto").
 
 The rule's arithmetic on synthetic rows (the ratio sqrt(sum x^2 / sum noise^2), the patience, the switch
-to bf16 and that nothing is measured after it), its configuration checks, and the MoE layer with the
-simulated wire: the ratio it measures is the round trip's, and after the switch the gradients are those of
-a bf16 gradient wire bit for bit. The EP group's shared decision is tested in test_ep.py (2, 4, 8 ranks).
+to the next format up and that nothing is measured after it; the weight ratio deciding where it is measured),
+its configuration checks, and the MoE layer with the simulated wire: the ratio it measures is the round
+trip's, and after the switch the gradients are those of the fallback's gradient wire bit for bit. The EP
+group's shared decision and the FC2 weight gradient's noise are tested in test_ep.py (2 and 4 ranks).
 """
 
 import math
@@ -13,6 +14,7 @@ import torch
 
 from moe_fp4.exchange import wire as W
 from moe_fp4.exchange.ep import AUTO, SQRT3, EPConfig, GradWireRule, grad_format
+from moe_fp4.exchange.grad_rule import next_format_up
 from moe_fp4.model.moe import MoE, MoEConfig, end_grad_wire_step
 from moe_fp4.exchange.wire import WireFormat
 
@@ -27,12 +29,58 @@ def test_rule_ratio_patience_and_fallback():
     for step in range(2):                         # ratio 1 < sqrt(3), twice: the patience runs out
         rule.record(x, x + 1.0)
         assert rule.end_step() == pytest.approx(1.0)
-        assert (rule.format is WireFormat.BF16) == (step == 1)
+        assert (rule.format is WireFormat.FP8) == (step == 1)      # nvfp4-sr's next format up
     assert rule.fell_back_at == 3
     rule.record(x, x + 5.0)                       # after the switch nothing is measured
     assert rule.end_step() is None and len(rule.ratios) == 3
     s = rule.summary()
     assert s["fell_back_at"] == 3 and s["ratio_min"] == pytest.approx(1.0) and s["steps"] == 3
+    assert s["fallback"] == "fp8" and s["weight_steps"] == 0 and s["weight_ratio_min"] is None
+
+
+def test_next_format_up_and_a_chosen_fallback():
+    assert [next_format_up(f).value for f in ("mxfp4", "mxfp4-sr", "nvfp4", "nvfp4-sr", "fp8")] == \
+        ["fp8", "fp8", "fp8", "fp8", "bf16"]
+    for f in ("bf16", "native"):
+        with pytest.raises(ValueError, match="not a quantized gradient format"):
+            next_format_up(f)
+    rule = GradWireRule(WireFormat.MXFP4_SR, patience=1, fallback="bf16")
+    x = torch.ones(2, 32)
+    rule.record(x, x + 1.0)
+    rule.end_step()
+    assert rule.format is WireFormat.BF16
+    ep = EPConfig(simulate=True, combine_grad="auto", auto_format="mxfp4", auto_fallback="bf16")
+    assert ep.grad_rules()["combine_grad"].fallback is WireFormat.BF16
+    assert EPConfig(simulate=True, combine_grad="auto").grad_rules()["combine_grad"].fallback is WireFormat.FP8
+
+
+def test_the_weight_ratio_decides_where_it_is_measured():
+    # Payload ratio 4 (above sqrt(3)) with a weight ratio of 1 (below): the weight ratio decides, the rule
+    # falls back; a weight ratio of 10 over a payload ratio of 1 keeps the 4-bit wire.
+    x = torch.ones(4, 16)
+    rule = GradWireRule(WireFormat.MXFP4_SR, patience=2)
+    for step in range(2):
+        err = rule.record(x, x + 0.25)
+        assert err.shape == (4,) and torch.equal(err, torch.full((4,), 1.0))   # each row's squared error
+        rule.record_weight_noise(torch.tensor(2.0))
+        rule.record_weight_noise(torch.tensor(2.0))        # a second backward (micro-batch) adds to the step
+        assert rule.end_step(weight_grad_sq=torch.tensor(4.0)) == pytest.approx(4.0)
+        assert rule.weight_ratios[-1] == pytest.approx(1.0)
+    assert rule.fell_back_at == 2 and rule.format is WireFormat.FP8
+    assert rule.record(x, x) is None                       # nothing measured after the switch
+    rule = GradWireRule(WireFormat.MXFP4_SR, patience=1)
+    rule.record(x, x + 1.0)
+    rule.record_weight_noise(torch.tensor(1.0))
+    rule.end_step(weight_grad_sq=torch.tensor(100.0))
+    assert rule.ratios == [pytest.approx(1.0)] and rule.weight_ratios == [pytest.approx(10.0)]
+    assert rule.fell_back_at is None
+    # Without the weight gradient (called after zero_grad) or without noise, the payload ratio decides.
+    rule.record(x, x + 1.0)
+    rule.record_weight_noise(torch.tensor(1.0))
+    rule.end_step()
+    assert rule.weight_ratios[-1] is None and rule.fell_back_at == 2
+    s = rule.summary()
+    assert s["weight_steps"] == 1 and s["weight_ratio_first"] == pytest.approx(10.0)
 
 
 def test_one_step_above_resets_the_count():
@@ -54,7 +102,7 @@ def test_auto_configuration_is_checked():
     rules = ep.grad_rules()
     assert set(rules) == {"dispatch_grad"} and rules["dispatch_grad"].fmt is WireFormat.MXFP4_SR
     assert rules["dispatch_grad"].patience == 3 and ep.grad_rules()["dispatch_grad"] is not rules["dispatch_grad"]
-    with pytest.raises(ValueError, match="between a quantized format and bf16"):
+    with pytest.raises(ValueError, match="starts from a quantized format"):
         EPConfig(dispatch_grad="auto", auto_format="bf16")
     with pytest.raises(ValueError, match="auto_patience"):
         EPConfig(dispatch_grad="auto", auto_patience=0)
@@ -67,7 +115,8 @@ def test_auto_configuration_is_checked():
 def _layers(**formats):
     cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2, shared_ffn=0)
     torch.manual_seed(0)
-    ref = MoE(cfg, precision="fp8", ep=EPConfig(simulate=True, combine="bf16"))
+    # The reference sends both gradients in fp8, nvfp4-sr's next format up: what the rule falls back to.
+    ref = MoE(cfg, precision="fp8", ep=EPConfig(simulate=True, combine="bf16", dispatch_grad="fp8", combine_grad="fp8"))
     m = MoE(cfg, precision="fp8", ep=EPConfig(simulate=True, **formats))
     m.load_state_dict(ref.state_dict())
     return ref, m
@@ -79,7 +128,7 @@ def _grad(m, x, g):
     return x.grad
 
 
-def test_moe_layer_measures_the_round_trip_and_switches_to_bf16(references):
+def test_moe_layer_measures_the_round_trip_and_switches_to_the_next_format_up(references):
     ref, m = _layers(dispatch_grad="auto", combine_grad="auto")
     x = torch.randn(24, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     g = torch.randn(24, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -94,7 +143,7 @@ def test_moe_layer_measures_the_round_trip_and_switches_to_bf16(references):
     assert set(ratios) == {"dispatch_grad", "combine_grad"}
     assert ratios["combine_grad"] == pytest.approx(want, rel=1e-6)
     assert ratios["dispatch_grad"] > SQRT3
-    # After a switch the layer's gradients are those of bf16 gradient wires, bit for bit.
+    # After a switch the layer's gradients are those of fp8 gradient wires, bit for bit.
     for rule in m.grad_rules.values():
         rule.fell_back_at = 1
     W.seed_stochastic_rounding(0)
