@@ -59,10 +59,10 @@ class EPConfig:
     combine_grad: wire format of the combine's gradient (backward, to the experts' ranks); as
     dispatch_grad. Either gradient may be ``"auto"``: the sqrt(3) rule (:class:`GradWireRule`) sends it
     in ``auto_format`` while its norm stays at least sqrt(3) times its quantization noise's (for the
-    combine's gradient in fp8 and fp4 layers: the norm of the experts' FC2 weight gradient against the
-    noise the payload puts into it; otherwise the payload's own), and in ``auto_fallback`` (default the
-    next format up: a 4-bit format -> fp8 -> bf16) from the optimizer step after ``auto_patience``
-    consecutive steps below; each MoE layer keeps its own rule per gradient, and
+    combine's gradient of the MoE layer: the norm of the experts' FC2 weight gradient against the noise
+    the payload puts into it; otherwise the payload's own), and in ``auto_fallback``
+    (default the next format up: a 4-bit format -> fp8 -> bf16) from the optimizer step after
+    ``auto_patience`` consecutive steps below; each MoE layer keeps its own rule per gradient, and
     :func:`moe_fp4.model.moe.end_grad_wire_step` (once per optimizer step, after the backward passes and
     before the gradients are clipped or zeroed) closes the step's measurement.
     simulate: no exchange: with one process (no group needed), the MoE layer keeps every expert and

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4.exchange.a2a import check_value_formats
-from moe_fp4.exchange.ep import GradWireRule, _check_hidden, grad_format
+from moe_fp4.exchange.ep import GradSlot, GradWireRule, _check_hidden, grad_format
 from moe_fp4.exchange.wire import UNQUANTIZED, OutputFormat, WireFormat, pack, unpack
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
 from moe_fp4.kernels.fp8 import m_major
@@ -15,8 +15,9 @@ from moe_fp4.kernels.numerics import FP8_EXP_MIN
 
 class _Simulated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat, rule: GradWireRule | None):
-        ctx.grad_fmt, ctx.rule = grad_fmt, rule
+    def forward(ctx, x, fmt: WireFormat, grad_fmt: WireFormat, rule: GradWireRule | None, slot: GradSlot | None,
+                src_row: torch.Tensor | None):
+        ctx.grad_fmt, ctx.rule, ctx.slot, ctx.src_row = grad_fmt, rule, slot, src_row
         return unpack(pack(x.contiguous(), fmt), fmt, x.shape[1], OutputFormat.BF16, x.dtype)
 
     @staticmethod
@@ -25,19 +26,30 @@ class _Simulated(torch.autograd.Function):
         g = g.contiguous()
         arrived = unpack(pack(g, fmt), fmt, g.shape[1], OutputFormat.BF16, g.dtype)
         if ctx.rule is not None:
-            ctx.rule.record(g, arrived)
-        return arrived, None, None, None
+            err2 = ctx.rule.record(g, arrived)
+            if err2 is not None and ctx.slot is not None:
+                # Each row's squared rounding error at its expert rows (0 for padding rows), for the experts'
+                # FC2 weight-gradient noise: what EP's combine backward sends beside the rows.
+                ctx.slot.put(None, torch.cat([err2, err2.new_zeros(1)]).index_select(0, ctx.src_row), ctx.rule)
+        return arrived, None, None, None, None, None
 
 
 def simulate_exchange(x: torch.Tensor, fmt: WireFormat, grad_fmt: WireFormat | str,
-                      rule: GradWireRule | None = None) -> torch.Tensor:
+                      rule: GradWireRule | None = None, slot: GradSlot | None = None,
+                      src_row: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, H] -> x as it arrives through the ``fmt`` wire, its gradient as it arrives through
     ``grad_fmt`` (EPConfig.simulate: an exchange's numerics without a second process); ``grad_fmt``
-    "auto" takes its format from ``rule``, which measures the gradient's norm over its noise."""
+    "auto" takes its format from ``rule``, which measures the gradient's norm over its noise. With
+    ``slot`` (a :class:`GradSlot` the experts read) and ``src_row`` (int64 [Rp], the row of x each
+    expert row came from, N for padding rows), a measuring rule also gets the experts' FC2 weight
+    gradient noise, as under EP."""
     fmt, grad_fmt = WireFormat(fmt), grad_format(grad_fmt, rule)
     check_value_formats("simulate_exchange", fmt=fmt)
     _check_hidden(x.shape[1], (fmt, grad_fmt), "simulate_exchange")
-    return _Simulated.apply(x, fmt, grad_fmt, rule if rule is not None and grad_fmt is rule.fmt else None)
+    rule = rule if rule is not None and grad_fmt is rule.fmt else None
+    if (slot is None) != (src_row is None):
+        raise ValueError("simulate_exchange: slot and src_row go together")
+    return _Simulated.apply(x, fmt, grad_fmt, rule, slot, src_row)
 
 
 def simulate_dispatch_rows(x: torch.Tensor, fmt: WireFormat, src_row: torch.Tensor):

@@ -294,13 +294,18 @@ class MoE(nn.Module):
                 x_q = simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
                 fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
                 xd = simulate_exchange(x2, fmt, sim.dispatch_grad, self.grad_rules.get("dispatch_grad"))
+            # The combine gradient's sqrt(3) rule tells the experts its rows' rounding errors (EP's GradSlot).
+            c_rule = None if sim is None else self.grad_rules.get("combine_grad")
+            slot = GradSlot() if c_rule is not None else None
             y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
                                             routing.padded_counts, self.precision, x_q=x_q,
                                             row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
-                                            storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows)
+                                            storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows,
+                                            grad_slot=slot)
             y = unpermute(y_perm, routing)
             if sim is not None:
-                y = simulate_exchange(y, sim.combine, sim.combine_grad, self.grad_rules.get("combine_grad"))
+                y = simulate_exchange(y, sim.combine, sim.combine_grad, c_rule, slot,
+                                      None if slot is None else routing.src_row)
         if self.shared_w13 is not None:
             y = y + self._shared(x2)
         return y
