@@ -3,8 +3,8 @@
 # wire round trip applied where expert parallelism would send it; held-out loss without any wire, the same
 # eval for every run), STEPS steps of the small preset at BATCH sequences, for SEEDS seeds each:
 #   s<seed>_fp8: --modes fp8 (the fp8 baseline, its recipe fp8)
-#   s<seed>_<recipe>: --modes fp4 --wire fp4:<recipe> per recipe in RECIPES (default: fp4-sr fp4-fp8sums fp4-all fp4
-#   paper); PRESET (default small) for a smoke test. Every run is one mode, so the runs take equal time.
+#   s<seed>_fp4_<recipe>: --modes fp4 --wire fp4:<recipe> per recipe in RECIPES (default: fp4-sr fp4-fp8sums
+#   fp4-all fp4 paper); PRESET (default small) for a smoke test. Every run is one mode: the runs take equal time.
 # Jobs go round-robin over NGPU x PER_GPU workers (PER_GPU processes share a GPU: default 1; at small batches one
 # process leaves the GPU idle between kernels), each worker running its share in order; every run writes
 # OUT/<job>/compare.json.
@@ -20,7 +20,8 @@ recipes=${RECIPES:-fp4-sr fp4-fp8sums fp4-all fp4 paper}
 mkdir -p "$out"
 jobs=()
 for s in $seeds; do jobs+=("s${s}_fp8:$s:fp8:fp8:fp8"); done
-for r in $recipes; do for s in $seeds; do jobs+=("s${s}_${r}:$s:fp4:fp4:$r"); done; done
+# A recipe may carry per-role overrides ("fp8,combine_grad=mxfp4-sr": fp8's wire with an MXFP4 combine gradient).
+for r in $recipes; do for s in $seeds; do jobs+=("s${s}_fp4_${r}:$s:fp4:fp4:$r"); done; done
 per_gpu=${PER_GPU:-1}
 workers=$((ngpu * per_gpu))
 work() {
