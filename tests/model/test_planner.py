@@ -201,6 +201,30 @@ def test_cli_plan_auto(tmp_path):
     assert "plan per mode in 0.0135 GiB per device at global batch 8" in run.stdout
 
 
+def test_cli_plan_auto_under_expert_parallelism(tmp_path):
+    """--plan auto under torchrun (EP on 2 gloo ranks, the global batch split over the ranks): every rank
+    plans the same (the probes are maxima over the ranks), and where fp8 must recompute to fit its 4
+    sequences a rank in one pass, fp4 need not (CPU estimates, 2026-11-28: fp8 13.40 MB in one pass, fp4
+    12.88 MB, budget 0.0122 GiB = 13.10 MB)."""
+    gib = 0.0122
+    run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--warmup", 1, "--modes", "fp8", "fp4",
+                "--budget-gib", gib, "--global-batch", 8, "--plan", "auto", "--allow-cpu-budget", "--data", "random",
+                "--out", tmp_path, "--no-progress", "--no-plots"], nproc=2)
+    _ok(run)
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["meta"]["world"] == 2
+    plans = report["plans"]
+    for mode, p in plans.items():
+        row = report["modes"][mode]
+        assert (row["recompute"], row["micro_batch"], row["batch"]) == (p["policy"], p["micro_batch"], 4), (row, p)
+        none = p["candidates"][0]
+        assert none["policy"] == "none" and none["probes"]["4 in one pass"] > 0, p
+    assert plans["fp8"]["candidates"][0]["probes"]["4 in one pass"] > gib * GIB >= \
+        plans["fp4"]["candidates"][0]["probes"]["4 in one pass"], plans
+    assert (plans["fp8"]["policy"], plans["fp4"]["policy"]) != ("none", "none"), plans
+    assert plans["fp4"]["policy"] == "none" and plans["fp4"]["micro_batch"] == 4, plans["fp4"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--plan", "auto", "--global-batch", "8"], "give --budget-gib and --global-batch"),
     (["--plan", "auto", "--budget-gib", "1"], "give --budget-gib and --global-batch"),
