@@ -368,7 +368,9 @@ class GradSlot:
     ``put``s them here, returning a zero-stride gradient for y; the experts (``grouped_swiglu_experts(...,
     grad_slot=)``) ``take`` them and convert them to their two GEMM operands directly, bit for bit what
     they would make of the decoded rows. Other formats leave the slot empty (the bf16 gradient then
-    travels as usual). Valid only where the experts' output goes to :func:`combine` alone."""
+    travels as usual). Valid only where the experts' output goes to :func:`combine` alone. It also carries
+    the combine gradient's sqrt(3) rule and each expert row's rounding error to the experts (with or
+    without rows; the simulated wire puts the errors alone), for the FC2 weight gradient's noise."""
 
     FORMATS = (WireFormat.MXFP4, WireFormat.MXFP4_SR, WireFormat.FP8)
 

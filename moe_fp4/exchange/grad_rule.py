@@ -70,11 +70,6 @@ class GradWireRule:
         """The format the next exchange sends: ``fmt``, or ``fallback`` once the rule has fallen back."""
         return self.fmt if self.fell_back_at is None else self.fallback
 
-    @property
-    def measuring(self) -> bool:
-        """True while the rule measures (it has not fallen back)."""
-        return self.fell_back_at is None
-
     def record(self, sent: torch.Tensor, arrived: torch.Tensor) -> torch.Tensor | None:
         """sent, arrived: [N, H] the rows before packing and as they decode on arrival -> float32 [N], each
         row's squared rounding error ||arrived - sent||^2 (None once fallen back)."""

@@ -304,6 +304,7 @@ def _weight_noise(rank, world):
     (more than _tokens' so that each expert sums many rows) -> per case: this rank's ||dW2(auto) - dW2(bf16)||^2
     (the noise the payload put into the FC2 weight gradient, one draw), ||dW2(auto)||^2, and the weight ratio
     the rule measured over the group (None if not measured)."""
+    import moe_fp4
     from moe_fp4.exchange.wire import seed_stochastic_rounding
     from moe_fp4.model.moe import end_grad_wire_step
 
@@ -311,7 +312,7 @@ def _weight_noise(rank, world):
     x = torch.randn(96 if rank == 0 else 64, CONFIG["hidden"], generator=g).to(torch.bfloat16)
     out = {}
     for precision, fmt in WEIGHT_NOISE_CASES:
-        xs = x if precision != "fp4" else __import__("moe_fp4").quantize_mxfp4(x).dequantize()
+        xs = x if precision != "fp4" else moe_fp4.quantize_mxfp4(x).dequantize()   # on the grid, as _tokens
         base = {"recipe": EXACT_RECIPE[precision]}
         seed_stochastic_rounding(1)
         _, m, _ = _layers(rank, world, precision, {**base, "combine_grad": "auto", "auto_format": fmt})

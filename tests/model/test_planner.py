@@ -203,8 +203,8 @@ def test_cli_plan_auto(tmp_path):
 
 def test_cli_plan_auto_under_expert_parallelism(tmp_path):
     """--plan auto under torchrun (EP on 2 gloo ranks, the global batch split over the ranks): every rank
-    plans the same (the probes are maxima over the ranks), and where fp8 must recompute to fit its 4
-    sequences a rank in one pass, fp4 need not (CPU estimates, 2026-11-28: fp8 13.40 MB in one pass, fp4
+    plans the same (the probes are maxima over the ranks), and where fp8 must recompute or split to fit its
+    4 sequences a rank, fp4 need do neither (CPU estimates, 2026-11-28: fp8 13.40 MB in one pass, fp4
     12.88 MB, budget 0.0122 GiB = 13.10 MB)."""
     gib = 0.0122
     run = _cli(["compare", "--preset", "tiny", "--steps", 2, "--warmup", 1, "--modes", "fp8", "fp4",
@@ -221,7 +221,8 @@ def test_cli_plan_auto_under_expert_parallelism(tmp_path):
         assert none["policy"] == "none" and none["probes"]["4 in one pass"] > 0, p
     assert plans["fp8"]["candidates"][0]["probes"]["4 in one pass"] > gib * GIB >= \
         plans["fp4"]["candidates"][0]["probes"]["4 in one pass"], plans
-    assert (plans["fp8"]["policy"], plans["fp4"]["policy"]) != ("none", "none"), plans
+    # fp8 recomputes or splits (which of the two is faster is timed, on CPU either); fp4 does neither.
+    assert (plans["fp8"]["policy"], plans["fp8"]["micro_batch"]) != ("none", 4), plans["fp8"]
     assert plans["fp4"]["policy"] == "none" and plans["fp4"]["micro_batch"] == 4, plans["fp4"]
 
 
