@@ -369,8 +369,7 @@ class GradSlot:
     grad_slot=)``) ``take`` them and convert them to their two GEMM operands directly, bit for bit what
     they would make of the decoded rows. Other formats leave the slot empty (the bf16 gradient then
     travels as usual). Valid only where the experts' output goes to :func:`combine` alone. It also carries
-    the combine gradient's sqrt(3) rule and each expert row's rounding error to the experts (with or
-    without rows; the simulated wire puts the errors alone), for the FC2 weight gradient's noise."""
+    the sqrt(3) rule's per-row rounding errors to the experts, whatever the format (``put(None, ...)``)."""
 
     FORMATS = (WireFormat.MXFP4, WireFormat.MXFP4_SR, WireFormat.FP8)
 
@@ -380,8 +379,7 @@ class GradSlot:
 
     def put(self, rows, row_err2: torch.Tensor | None = None, rule: GradWireRule | None = None) -> None:
         """rows: the gradient rows in expert order; row_err2: float32 [Rp], each row's squared rounding error
-        as its sender measured it (0 for padding rows), with the ``rule`` the experts report the FC2 weight
-        gradient's noise to (:meth:`GradWireRule.record_weight_noise`)."""
+        (0 for padding rows), with the ``rule`` the experts tell the FC2 weight gradient's noise."""
         self.rows = rows
         self.noise = None if row_err2 is None or rule is None else (row_err2, rule)
 
@@ -405,7 +403,6 @@ class _Combine(torch.autograd.Function):
         back = exchange_rows(pack(z, fmt), plan.recv_splits, plan.send_splits, plan.group, role="combine")
         ctx.route, ctx.plan, ctx.grad_fmt, ctx.rule = route, plan, grad_fmt, rule
         ctx.slot = slot if route is not None and grad_fmt in GradSlot.FORMATS else None
-        # The sqrt(3) rule's weight noise travels through the slot whatever the format.
         ctx.noise_slot = slot if route is not None and rule is not None else None
         return unpack_sum(back, fmt, hidden, plan.token_slots, y.dtype)
 
@@ -421,9 +418,8 @@ class _Combine(torch.autograd.Function):
         none = (None,) * 6
         row_err2 = None
         if err2 is not None and ctx.noise_slot is not None:
-            # The sqrt(3) rule on the experts' FC2 weight gradient: each sent row's squared rounding error
-            # goes to its expert rank beside it (4 bytes a row, not counted as the payload's), in
-            # expert-row order there (0 for padding rows), for the experts to weigh by their FC2 input.
+            # The sqrt(3) rule on the FC2 weight gradient: each row's squared rounding error goes beside it
+            # (4 bytes a row, not counted as the payload's), for the experts to weigh by their FC2 input.
             e = torch.zeros(r + 1, dtype=torch.float32, device=g.device)
             exchange_rows(err2.contiguous().view(-1, 1), plan.send_splits, plan.recv_splits, plan.group,
                           out=e[:r].view(-1, 1))
