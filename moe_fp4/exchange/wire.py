@@ -283,4 +283,3 @@ def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Te
 __all__ = ["DISPATCH_FORMATS", "HIDDEN_MULTIPLE", "STOCHASTIC", "UNQUANTIZED", "OutputFormat", "WireFormat",
            "base_format", "pack", "row_bytes", "seed_stochastic_rounding", "unpack", "unpack_sum", "views",
            "wire_dtype"]
-
