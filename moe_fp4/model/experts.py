@@ -395,8 +395,8 @@ def _tell_weight_noise(noise, a) -> None:
     """noise: (row_err2 float32 [Rp], rule) from the GradSlot; a: the FC2 input [Rp, F] as the weight gradient
     reads it (bf16, FP8BlockTensor, MXFP4Tensor or NVFP4Tensor) -> the rule's weight-noise sum for this pass."""
     row_err2, rule = noise
-    af = a.float() if isinstance(a, torch.Tensor) else a.dequantize(torch.float32)
-    rule.record_weight_noise((af.square().sum(dim=1) * row_err2).sum())
+    af = a if isinstance(a, torch.Tensor) else a.dequantize(torch.float32)
+    rule.record_weight_noise((torch.linalg.vector_norm(af, dim=1, dtype=torch.float32).square() * row_err2).sum())
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, precision="fp8",

@@ -344,8 +344,11 @@ def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
     for name, m in model.named_modules():
         if isinstance(m, MoE) and m.grad_rules:
             group = None if m.ep.simulate else m.ep.process_group
-            g2 = m.w2.grad
-            w_sq = None if g2 is None else g2.detach().float().square().sum()
+            c_rule, g2 = m.grad_rules.get("combine_grad"), m.w2.grad
+            w_sq = None
+            if c_rule is not None and c_rule.weight_noise is not None and g2 is not None:
+                # ||dW2||^2 accumulated in float32 by the reduction: no float32 copy of the gradient
+                w_sq = torch.linalg.vector_norm(g2.detach(), dtype=torch.float32).square()
             got = {g: rule.end_step(group, w_sq if g == "combine_grad" else None)
                    for g, rule in m.grad_rules.items()}
             got = {g: r for g, r in got.items() if r is not None}
