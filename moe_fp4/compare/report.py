@@ -149,7 +149,8 @@ def table(report: dict) -> str:
         lines.append(f"plan per mode in {cfg['budget_gib']:g} GiB per device at global batch {cfg['global_batch']} "
                      f"(the measured fastest policy and micro-batch that fit):")
         for mode, p in report["plans"].items():
-            tried = ", ".join(f"{c['policy']} {c['tokens_per_s']:,.0f}" for c in p["candidates"]
+            tried = ", ".join(f"{c['policy']} {c['micro_batch']} x {c['passes']} {c['tokens_per_s']:,.0f}"
+                              + (" (over the budget)" if c["why"] else "") for c in p["candidates"]
                               if c["tokens_per_s"] is not None)
             lines.append(f"  {mode:<8} recompute {p['policy']}, micro-batch {p['micro_batch']} x {p['passes']} "
                          f"passes (tokens/s while planning: {tried})")
@@ -226,7 +227,8 @@ def plan_table(plan: dict) -> str:
         split = f"{c['micro_batch']} x {c['passes']}" if c["passes"] else "-"
         peak = "-" if c["peak_bytes"] is None else _gib(c["peak_bytes"])
         tps = "-" if c["tokens_per_s"] is None else f"{c['tokens_per_s']:,.0f}"
-        mark = "  <- chosen" if c["policy"] == plan["policy"] else ""
+        chosen = (c["policy"], c["micro_batch"], c["passes"]) == (plan["policy"], plan["micro_batch"], plan["passes"])
+        mark = "  <- chosen" if chosen and c["tokens_per_s"] is not None and not c["why"] else ""
         rows.append(f"{c['policy']:<8} {largest:>9} {split:>15} {peak:>10} {tps:>12}  {c['why']}{mark}".rstrip())
     return "\n".join(rows)
 

@@ -83,6 +83,7 @@ from moe_fp4.formats.conversions import conversion_path
 from moe_fp4.exchange.grad_rule import next_format_up
 from moe_fp4.model.decoder import DecoderLM, parameter_count
 from moe_fp4.model.planner import (
+    NothingFits,
     micro_batch,
     search_largest_batch,
 )
@@ -245,7 +246,13 @@ def _batches_per_mode(cfg: CompareConfig, env: Env, corpus, report: dict, log) -
         for m in cfg.modes:
             log(f"[{m}] planning {per_rank} sequences per rank per step in {cfg.budget_gib:g} GiB per device",
                 flush=True)
-            chosen = plan_mode(cfg, m, env, corpus, per_rank, log)
+            try:
+                chosen = plan_mode(cfg, m, env, corpus, per_rank, log)
+            except NothingFits as e:
+                # This mode is not trained; the others are planned and trained (issue 49: nothing lost).
+                report["failed"][m] = f"mode {m}: {e}"
+                log(f"  {m} failed: {report['failed'][m]}", flush=True)
+                continue
             report["plans"][m] = asdict(chosen)
             log("  " + plan_table(report["plans"][m]).replace("\n", "\n  "), flush=True)
             batch[m], micro[m], policy[m] = per_rank, chosen.micro_batch, chosen.policy

@@ -37,6 +37,9 @@ GiB = 2**30
 # the next budget's same-split pair gave 0.99x: too few for a host-bound step.
 PLAN_WARMUP_STEPS = 2
 PLAN_TIMED_STEPS = 6
+# A timed split that peaked above the budget is retimed at most this many micro-batch sizes down per policy.
+MAX_SIZES_DOWN = 3
+OVER_BUDGET = "over the budget in its timed steps"
 
 
 def gib_digits(v: float) -> str:
@@ -231,7 +234,8 @@ class Plan:
             split = f"{c.micro_batch} x {c.passes}" if c.passes else "-"
             peak = "-" if c.peak_bytes is None else f"{gib_digits(c.peak_bytes)} GiB"
             tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
-            mark = "  <- chosen" if c.policy == self.policy else ""
+            chosen = (c.policy, c.micro_batch, c.passes) == (self.policy, self.micro_batch, self.passes)
+            mark = "  <- chosen" if chosen and c.tokens_per_s is not None and not c.why else ""
             # an untried policy has no largest micro-batch (its 0 would read as "nothing fits")
             largest = "not tried" if c.why.startswith("not tried") else str(c.largest)
             rows.append(f"{c.policy:<8} {largest:>9} {split:>15} {peak:>11} {tps:>12}  {c.why}{mark}")
@@ -273,21 +277,42 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None) 
         first = cap   # a costlier policy fits at least this much
         micro = micro_batch(batch, cap)
         passes = -(-batch // micro)
-        if passes in by_passes:
-            out.append(Candidate(policy, cap, micro, passes, why=f"not timed: same passes as {by_passes[passes]}, "
-                                 f"which recomputes less", probes=probes))
-        else:
+        for size_down in range(MAX_SIZES_DOWN + 1):
+            if passes in by_passes:
+                out.append(Candidate(policy, cap, micro, passes, why=f"not timed: same passes as "
+                                     f"{by_passes[passes]}, which recomputes less", probes=probes))
+                break
             tps, peak = timed(policy, micro, passes)
-            by_passes[passes] = policy
-            out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes))
             log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s"
                 + ("" if peak is None else f", peak {peak / GiB:.2f} GiB"), flush=True)
-        if passes == 1:
+            if peak is None or peak <= budget_bytes:
+                by_passes[passes] = policy
+                out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes))
+                break
+            # The probes measure a fresh model's second step; the timed steps come after it, and under expert
+            # parallelism a rank's rows follow the routing, which drifts from its first balance (dsv3-layers,
+            # EP 2, H200s: one pass of 16 sequences probed 51.76 GiB and peaked at 55.11 GiB in the timed
+            # steps). A split that ran over the budget is no plan: the next smaller one, timed again.
+            last = size_down == MAX_SIZES_DOWN or micro == 1
+            out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes,
+                                 why=OVER_BUDGET + ("" if not last else "; no smaller split tried")))
+            log(f"  {policy}: {OVER_BUDGET} ({peak / GiB:.2f} GiB)"
+                + ("" if last else ": one micro-batch size down"), flush=True)
+            if last:
+                break
+            cap = micro - 1
+            micro = micro_batch(batch, cap)
+            passes = -(-batch // micro)
+        fitted = out[-1].tokens_per_s is not None and not out[-1].why
+        if fitted and out[-1].passes == 1:
             done = policy
-    timed_ = [c for c in out if c.tokens_per_s is not None]
+    timed_ = [c for c in out if c.tokens_per_s is not None and not c.why]
     if not timed_:
+        over = [c for c in out if c.why.startswith(OVER_BUDGET)]
         raise NothingFits(f"not even one sequence fits in {budget_bytes / GiB:g} GiB under any recomputation policy "
-                          f"({', '.join(c.policy for c in out)})")
+                          f"({', '.join(dict.fromkeys(c.policy for c in out))})"
+                          + ("" if not over else f"; {len(over)} split(s) fit the probes but ran over the budget "
+                             f"in their timed steps"))
     best = max(timed_, key=lambda c: c.tokens_per_s)
     return Plan(best.policy, best.micro_batch, best.passes, best.tokens_per_s, best.peak_bytes, budget_bytes, batch,
                 tuple(out))

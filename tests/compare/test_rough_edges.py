@@ -391,6 +391,41 @@ def test_out_of_memory_in_the_only_mode_is_one_line_and_exit_2(monkeypatch, caps
     assert not (tmp_path / "compare.json").exists()
 
 
+def test_plan_with_nothing_that_fits_one_mode_trains_the_others(monkeypatch, capsys, tmp_path):
+    """--plan auto where one mode fits no sequence under any policy (dsv3-layers, EP 2, 44 GiB: fp8 needs 44.44
+    GiB for one sequence with every layer recomputed): that mode is named as failed, the others are planned
+    and trained (it used to end the whole run)."""
+    import moe_fp4.compare.cli
+    import moe_fp4.compare.runner
+    from helpers import torch_references
+    from moe_fp4.model.planner import NothingFits
+
+    planned = []
+
+    def plan_or_not(cfg, mode, *a, **k):
+        planned.append(mode)
+        if mode == "fp8":
+            raise NothingFits("not even one sequence fits in 0.05 GiB under any recomputation policy (none, layer)")
+        return real(cfg, mode, *a, **k)
+
+    real = moe_fp4.compare.runner.plan_mode
+    monkeypatch.setattr(moe_fp4.compare.runner, "plan_mode", plan_or_not)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with torch_references():
+        code = moe_fp4.compare.cli.main(["compare", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+                                         "--modes", "fp8", "fp4", "--budget-gib", "0.05", "--global-batch", "2",
+                                         "--plan", "auto", "--allow-cpu-budget", "--data", "random",
+                                         "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    assert code == 1 and planned == ["fp8", "fp4"]
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert list(report["modes"]) == ["fp4"] and list(report["plans"]) == ["fp4"]
+    assert report["failed"]["fp8"].startswith("mode fp8: not even one sequence fits in 0.05 GiB"), report["failed"]
+    out = capsys.readouterr().out
+    assert re.search(r"^fp8      failed: mode fp8: not even one sequence", out, re.M), out
+    assert re.search(r"^fp4 +[\d,]+ ", out, re.M), out
+
+
 def test_interrupted_run_writes_the_modes_done(monkeypatch, capsys, tmp_path):
     import os
     import signal

@@ -119,6 +119,47 @@ def test_choose_nothing_fits():
         choose(POLICIES, measure, timed, 0, 5 * GIB)
 
 
+def _drifting(measure, timed, drift_per_seq):
+    """timed() of _model whose peak grows by drift_per_seq a sequence after the probes (under EP a rank's rows
+    follow the routing, which drifts from balanced after the first steps)."""
+    def later(policy, micro, passes):
+        tps, peak = timed(policy, micro, passes)
+        return tps, peak + drift_per_seq * micro
+    return measure, later
+
+
+def test_choose_steps_down_when_the_timed_steps_run_over_the_budget():
+    """The dsv3-layers EP 2 case: the whole batch probes within the budget, its timed steps peak above it.
+    That split is no plan: the next smaller one is timed, and nothing over the budget is chosen."""
+    from moe_fp4.model.planner import OVER_BUDGET, choose
+
+    budget = 27 * GIB    # none: one pass of 16 probes 26 GiB, peaks 30 timed; two passes of 8 peak 20
+    measure, timed, calls = _model(budget, 16)
+    measure, timed = _drifting(measure, timed, 0.25 * GIB)
+    lines = []
+    plan = choose(POLICIES, measure, timed, 16, budget, log=lambda m, **k: lines.append(m))
+    c = {(x.policy, x.micro_batch, x.passes): x for x in plan.candidates}
+    assert c[("none", 16, 1)].why == OVER_BUDGET and c[("none", 16, 1)].peak_bytes == 30 * GIB
+    assert c[("none", 8, 2)].why == "" and c[("none", 8, 2)].peak_bytes == 20 * GIB
+    # swiglu: one pass of 16 over too (28.4 GiB); its next size down is none's split, not timed again
+    assert c[("swiglu", 16, 1)].why == OVER_BUDGET and "same passes as none" in c[("swiglu", 8, 2)].why
+    assert c[("moe", 16, 1)].why == "" and c[("layer", 0, 0)].why.startswith("not tried")
+    assert plan.peak_bytes <= budget and plan.table().count("<- chosen") == 1
+    assert (plan.policy, plan.micro_batch, plan.passes) in {("none", 8, 2), ("moe", 16, 1)}
+    assert any("over the budget in its timed steps (30.00 GiB): one micro-batch size down" in m for m in lines)
+    assert calls["timed"] == [("none", 16, 1), ("none", 8, 2), ("swiglu", 16, 1), ("moe", 16, 1)]
+
+
+def test_choose_when_every_split_runs_over_says_so():
+    from moe_fp4.model.planner import MAX_SIZES_DOWN, NothingFits, choose
+
+    measure, timed, calls = _model(27 * GIB, 16)
+    measure, timed = _drifting(measure, timed, 100 * GIB)
+    with pytest.raises(NothingFits, match=r"fit the probes but ran over the budget in their timed steps"):
+        choose(("none",), measure, timed, 16, 27 * GIB)
+    assert len(calls["timed"]) == MAX_SIZES_DOWN + 1      # bounded: the first split and three sizes down
+
+
 def test_search_never_probes_above_most():
     from moe_fp4.model.planner import search_largest_batch
 
