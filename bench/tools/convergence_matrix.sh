@@ -8,7 +8,8 @@
 # Jobs go round-robin over NGPU x PER_GPU workers (PER_GPU processes share a GPU: default 1; at small batches one
 # process leaves the GPU idle between kernels), each worker running its share in order; every run writes
 # OUT/<job>/compare.json.
-# Usage: bench/tools/convergence_matrix.sh OUT_DIR [NGPU] [STEPS] [BATCH]; SEEDS="0 1 2", RECIPES select.
+# Usage: bench/tools/convergence_matrix.sh OUT_DIR [NGPU] [STEPS] [BATCH]; SEEDS="0 1 2", RECIPES select,
+# BASELINE=0 skips the fp8 runs.
 # Then: python3 bench/tools/convergence_matrix.py OUT_DIR (the table, the verdicts and the plot).
 set -euo pipefail
 out=${1:?usage: bench/tools/convergence_matrix.sh OUT_DIR [NGPU] [STEPS] [BATCH]}
@@ -19,7 +20,8 @@ seeds=${SEEDS:-0 1 2}
 recipes=${RECIPES:-fp4-sr fp4-fp8sums fp4-all fp4 paper}
 mkdir -p "$out"
 jobs=()
-for s in $seeds; do jobs+=("s${s}_fp8:$s:fp8:fp8:fp8"); done
+# BASELINE=0 leaves the fp8 runs out (their seeds' runs from another job pair with these: convergence_matrix.py).
+if [ "${BASELINE:-1}" != 0 ]; then for s in $seeds; do jobs+=("s${s}_fp8:$s:fp8:fp8:fp8"); done; fi
 # A recipe may carry per-role overrides ("fp8,combine_grad=mxfp4-sr": fp8's wire with an MXFP4 combine gradient).
 for r in $recipes; do for s in $seeds; do jobs+=("s${s}_fp4_${r}:$s:fp4:fp4:$r"); done; done
 per_gpu=${PER_GPU:-1}

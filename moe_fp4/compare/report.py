@@ -64,10 +64,19 @@ def done_line(r: dict, world: int = 1) -> str:
     parts.append(f"memory{largest}: {peak}activation {_gib(r['activation_bytes'])}")
     if r["a2a_share"] is not None:
         parts.append(f"all-to-all {100 * r['a2a_share']:.1f}% of the step")
+    if r.get("dispatch_rows"):
+        parts.append(dispatch_rows_line(r["dispatch_rows"]))
     if r.get("grad_wire_auto"):
         parts.append(grad_wire_line(r["grad_wire_auto"]))
     parts.append(f"loss {r['loss_final']:.4f}, eval loss {r['loss_eval']:.4f}{mean}")
     return f"{r['mode']} done: " + ", ".join(parts)
+
+
+def dispatch_rows_line(d: dict) -> str:
+    """The routing's balance over the steps: the most loaded rank's dispatched rows against the mean."""
+    imb = d["imbalance"]
+    return (f"dispatched rows, largest rank / mean {imb[0]:.2f} at step 1 -> {imb[-1]:.2f} (max {max(imb):.2f}, "
+            f"{max(d['max_rank']):,.0f} rows)")
 
 
 def grad_wire_line(rules: dict) -> str:
@@ -149,9 +158,10 @@ def table(report: dict) -> str:
         lines.append(f"plan per mode in {cfg['budget_gib']:g} GiB per device at global batch {cfg['global_batch']} "
                      f"(the measured fastest policy and micro-batch that fit):")
         for mode, p in report["plans"].items():
-            tried = ", ".join(f"{c['policy']} {c['micro_batch']} x {c['passes']} {c['tokens_per_s']:,.0f}"
-                              + (" (over the budget)" if c["why"] else "") for c in p["candidates"]
-                              if c["tokens_per_s"] is not None)
+            # (compare.json files written before 2026-11-28 may lack the split and the reason)
+            tried = ", ".join(f"{c['policy']} " + (f"{c['micro_batch']} x {c['passes']} " if "passes" in c else "")
+                              + f"{c['tokens_per_s']:,.0f}" + (" (over the budget)" if c.get("why") else "")
+                              for c in p["candidates"] if c["tokens_per_s"] is not None)
             lines.append(f"  {mode:<8} recompute {p['policy']}, micro-batch {p['micro_batch']} x {p['passes']} "
                          f"passes (tokens/s while planning: {tried})")
     lines += ["note: " + n for n in report["notes"]]
@@ -227,11 +237,13 @@ def plan_table(plan: dict) -> str:
         split = f"{c['micro_batch']} x {c['passes']}" if c["passes"] else "-"
         peak = "-" if c["peak_bytes"] is None else _gib(c["peak_bytes"])
         tps = "-" if c["tokens_per_s"] is None else f"{c['tokens_per_s']:,.0f}"
-        chosen = (c["policy"], c["micro_batch"], c["passes"]) == (plan["policy"], plan["micro_batch"], plan["passes"])
+        chosen = (c["policy"], c.get("micro_batch"), c.get("passes")) == (plan["policy"], plan.get("micro_batch"),
+                                                                          plan.get("passes"))
         mark = "  <- chosen" if chosen and c["tokens_per_s"] is not None and not c["why"] else ""
         rows.append(f"{c['policy']:<8} {largest:>9} {split:>15} {peak:>10} {tps:>12}  {c['why']}{mark}".rstrip())
     return "\n".join(rows)
 
 
-__all__ = ["CPU_NOTE", "banner_lines", "done_line", "grad_wire_line", "mode_line", "plan_table", "ranks_legend",
+__all__ = ["CPU_NOTE", "banner_lines", "dispatch_rows_line", "done_line", "grad_wire_line", "mode_line", "plan_table",
+           "ranks_legend",
            "ratios", "row_line", "saved_format", "table", "wire_bytes_lines", "wire_text"]

@@ -245,6 +245,21 @@ def _wire_bytes_per_step(steps: int, env: Env) -> dict[str, float] | None:
     return {r: x / env.world / steps for r, x in zip(roles, v.tolist())}
 
 
+def _dispatch_rows(rows: list[int], env: Env) -> dict | None:
+    """rows[s]: the most rows one dispatch delivered to this rank in step s (over layers and micro-batches)
+    -> {"max_rank": [per step, the largest rank's], "mean_rank": [per step, the mean over ranks],
+    "imbalance": [max / mean per step]}; None without expert parallelism. A rank's expert activations grow
+    with its rows: the memory of a step follows the most loaded rank (issue 49: probes of a fresh model's
+    second step under-read the peak of later steps)."""
+    if env.world == 1:
+        return None
+    v = torch.tensor(rows, dtype=torch.float64, device=env.device)
+    most = _all_reduce(v.clone(), env, dist.ReduceOp.MAX)
+    mean = _all_reduce(v, env) / env.world
+    return {"max_rank": most.tolist(), "mean_rank": mean.tolist(),
+            "imbalance": [a / b if b else 1.0 for a, b in zip(most.tolist(), mean.tolist())]}
+
+
 def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=print,
                micro_batch: int | None = None) -> dict:
     """Train one mode for cfg.steps steps at ``batch`` sequences per rank per optimizer step, in
@@ -263,6 +278,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     loss_label = "loss" if env.world == 1 else "rank 0 loss"
     losses, events, t_cpu = [], [], []
     WIRE_BYTES.take()                         # the counts of what ran before this mode are not its own
+    WIRE_BYTES.take_rows_max()
+    rows = []                                 # per step: the most rows one dispatch delivered (host ints)
     t0 = time.perf_counter()
     for s in range(cfg.steps):
         ids, targets = data.next(batch)
@@ -273,6 +290,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
             else:
                 t_cpu.append(time.perf_counter())
         losses.append(trainer.step(ids, targets))
+        rows.append(WIRE_BYTES.take_rows_max().get("dispatch", 0))
         if bar is not None:
             bar.update(1)
             if s % every == 0 or s == cfg.steps - 1:
@@ -293,6 +311,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     step_ms = _max_over_ranks(statistics.median(times), env)
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
     wire_bytes = _wire_bytes_per_step(cfg.steps, env)
+    dispatch_rows = _dispatch_rows(rows, env) if wire_bytes is not None else None
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
         ev = torch.stack([loss_fn(model, *held.next(micro)).float() for _ in range(cfg.eval_batches)]).mean()
@@ -310,6 +329,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
            "loss_final": statistics.fmean(tail), "loss_eval": ev, "loss_curve": curve, "wall_s": wall}
     if wire_bytes is not None:
         row["wire_bytes_per_step"] = wire_bytes
+    if dispatch_rows is not None:
+        row["dispatch_rows"] = dispatch_rows
     if prof:
         row["profile_table"] = prof
     rules = {name: {g: r.summary() for g, r in m.grad_rules.items()} for name, m in model.named_modules()

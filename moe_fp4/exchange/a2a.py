@@ -86,18 +86,27 @@ class WireBytes:
     """Bytes this process sent to other ranks, per role (``exchange_rows(..., role=...)``): host ints from
     the shapes and splits, so counting costs no sync. The EP layer counts "count", "dispatch",
     "combine", "dispatch_grad" and "combine_grad"; rows a rank keeps for itself are not counted (they
-    cross no link). :meth:`take` reads and resets."""
+    cross no link). :meth:`take` reads and resets. Beside the bytes, the most rows one exchange of each role
+    delivered to this rank, its own included (:meth:`take_rows_max`): under expert parallelism the dispatch's
+    rows are what this rank's experts hold activations for, and they follow the routing's balance."""
 
     def __init__(self):
         self.sent: dict[str, int] = {}
+        self.rows_max: dict[str, int] = {}
 
-    def add(self, role: str, send: torch.Tensor, input_splits, group) -> None:
+    def add(self, role: str, send: torch.Tensor, input_splits, group, output_splits=()) -> None:
         rows = sum(input_splits) - input_splits[dist.get_rank(group)]
         row = send[0].numel() * send.element_size() if send.shape[0] else 0
         self.sent[role] = self.sent.get(role, 0) + rows * row
+        self.rows_max[role] = max(self.rows_max.get(role, 0), sum(output_splits))
 
     def take(self) -> dict[str, int]:
         out, self.sent = self.sent, {}
+        return out
+
+    def take_rows_max(self) -> dict[str, int]:
+        """-> {role: the most rows one exchange of that role received here} since the last call; resets."""
+        out, self.rows_max = self.rows_max, {}
         return out
 
 
@@ -114,7 +123,7 @@ def exchange_rows(send: torch.Tensor, input_splits, output_splits, group, out: t
     if out is None:
         out = send.new_empty((sum(output_splits), *send.shape[1:]))
     if role is not None:
-        WIRE_BYTES.add(role, send, input_splits, group)
+        WIRE_BYTES.add(role, send, input_splits, group, output_splits)
     _original(_TORCH_C10D, "all_to_all_single")(out, send.contiguous(), list(output_splits), list(input_splits),
                                                 group=group)
     return out

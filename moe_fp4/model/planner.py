@@ -13,8 +13,10 @@ before, so it fits at least as large a micro-batch):
 2. split the step's batch into the fewest near-equal micro-batches of at most that size
    (:func:`micro_batch`);
 3. time that split, unless a cheaper policy already runs the same number of passes (same launches,
-   less recomputation: it is faster), and stop after the first policy that takes the whole batch in
-   one pass (no later policy can take fewer).
+   less recomputation: it is faster); a split whose timed steps peak above the budget is no plan (the
+   probes measure a fresh model's second step, later steps can need more), so the next smaller split is
+   timed instead, at most ``MAX_SIZES_DOWN`` times per policy; stop after the first policy whose whole
+   batch runs in one pass within the budget (no later policy can take fewer).
 
 The plan is the timed candidate with the highest tokens/s; every candidate, timed or not and why, is
 in ``Plan.candidates``. Probing trains the model it measures: plan on a copy, or reload the weights.
@@ -200,8 +202,9 @@ def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None
 class Candidate:
     """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does);
     micro_batch / passes: the split of the step's batch it runs; peak_bytes: the step's measured peak at
-    that split; tokens_per_s: measured (None: not timed, ``why`` says why); probes: {micro-batch:
-    peak bytes (inf: out of memory)} of the search."""
+    that split; tokens_per_s: measured (None: not timed, ``why`` says why); a timed candidate with a
+    ``why`` ran over the budget in its timed steps and is not chosen; probes: {micro-batch: peak bytes
+    (inf: out of memory)} of the search."""
 
     policy: str
     largest: int
@@ -409,5 +412,5 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
     return result
 
 
-__all__ = ["MAX_SEARCH_PROBES", "PLAN_TIMED_STEPS", "PLAN_WARMUP_STEPS", "Candidate", "NothingFits", "Plan", "choose",
-           "largest_micro_batch", "micro_batch", "plan", "search_largest_batch"]
+__all__ = ["MAX_SEARCH_PROBES", "MAX_SIZES_DOWN", "OVER_BUDGET", "PLAN_TIMED_STEPS", "PLAN_WARMUP_STEPS", "Candidate",
+           "NothingFits", "Plan", "choose", "largest_micro_batch", "micro_batch", "plan", "search_largest_batch"]

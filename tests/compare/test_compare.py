@@ -191,6 +191,15 @@ def test_cli_ep_torchrun(tmp_path, nproc):
         assert "profile_table" not in row           # --profile writes it to its own file instead
         assert (tmp_path / f"profile_{mode}.txt").stat().st_size > 0
     assert report["modes"]["fp4"]["saved_bytes"] < report["modes"]["fp8"]["saved_bytes"]
+    # The routing's balance per step: each rank's T = 4 x 64 tokens go to one rank at least and to each rank at
+    # most once, so the mean over ranks of the rows a dispatch delivers lies in [T, world x T], the largest
+    # rank's at or above it (the tiny preset's one MoE layer, one pass: one dispatch a step).
+    for mode, row in report["modes"].items():
+        d, t = row["dispatch_rows"], row["tokens_per_step_per_rank"]
+        assert len(d["max_rank"]) == len(d["mean_rank"]) == len(d["imbalance"]) == 3, d
+        for most, mean, imb in zip(d["max_rank"], d["mean_rank"], d["imbalance"]):
+            assert t <= mean <= most <= nproc * t and imb == most / mean, d
+    assert run.stdout.count("dispatched rows, largest rank / mean") == 2, run.stdout
     # rank 0 alone prints the table
     assert sum(line.startswith("mode ") and "tokens/s/GPU" in line for line in run.stdout.splitlines()) == 1
 

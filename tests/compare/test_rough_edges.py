@@ -188,16 +188,20 @@ def test_plan_table_says_not_tried():
     from moe_fp4.compare.report import plan_table
 
     cand = {"micro_batch": 0, "passes": 0, "peak_bytes": None, "tokens_per_s": None, "probes": {}}
-    plan = {"policy": "swiglu", "candidates": [
+    plan = {"policy": "swiglu", "micro_batch": 8, "passes": 1, "candidates": [
         {**cand, "policy": "none", "largest": 0, "why": "not even one sequence fits"},
+        {**cand, "policy": "swiglu", "largest": 16, "micro_batch": 16, "passes": 1, "peak_bytes": 5 * 2**20,
+         "tokens_per_s": 1300.0, "why": "over the budget in its timed steps"},
         {**cand, "policy": "swiglu", "largest": 8, "micro_batch": 8, "passes": 1, "peak_bytes": 3 * 2**20,
          "tokens_per_s": 1234.0, "why": ""},
         {**cand, "policy": "moe", "largest": 0, "why": "not tried: swiglu already takes the batch in one pass"}]}
     rows = plan_table(plan).splitlines()
     assert rows[0].split()[:2] == ["policy", "largest"]
     assert rows[1].split()[:2] == ["none", "0"]
-    assert rows[2].split()[:3] == ["swiglu", "8", "8"] and rows[2].endswith("<- chosen")
-    assert rows[3].split()[:3] == ["moe", "not", "tried"], rows[3]
+    # the faster split that ran over the budget is listed, not chosen
+    assert rows[2].split()[:3] == ["swiglu", "16", "16"] and rows[2].endswith("over the budget in its timed steps")
+    assert rows[3].split()[:3] == ["swiglu", "8", "8"] and rows[3].endswith("<- chosen")
+    assert rows[4].split()[:3] == ["moe", "not", "tried"], rows[4]
 
 
 # ---------------------------------------------------------------------------------------------------
