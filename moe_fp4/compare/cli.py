@@ -222,6 +222,20 @@ def _distributed(slow_link: bool):
     return device, dist.get_rank(), dist.get_world_size()
 
 
+def launch_env(wire: str = "", slow_link: bool = False, simulate_wire: bool = False):
+    """The :class:`moe_fp4.compare.config.Env` of this process: one device, or under torchrun its rank in a new
+    process group (NCCL on GPUs, gloo on CPU) with expert parallelism over every rank, its exchanges set by
+    ``wire`` (``--wire``'s text: each mode's own recipe where empty). ``simulate_wire``: one process applies
+    the exchanges' round trips where EP would send them. Call ``torch.distributed.destroy_process_group()``
+    when done where the world is more than one."""
+    from moe_fp4.compare.config import Env
+    from moe_fp4.exchange.ep import EPConfig
+
+    device, rank, world = _distributed(slow_link)
+    ep = EPConfig(**parse_wire(wire), simulate=world == 1) if world > 1 or simulate_wire else None
+    return Env(device, rank, world, ep)
+
+
 def _rank_from_env() -> int:
     """This process's rank under torchrun (RANK), 0 otherwise; known before any process group exists."""
     return int(os.environ.get("RANK", "0"))
@@ -333,11 +347,9 @@ def _check(a: argparse.Namespace, cuda: bool):
 def compare(a: argparse.Namespace, err) -> int:
     import torch
 
-    from moe_fp4.compare.config import Env
     from moe_fp4.compare.memory import prefer_expandable_segments
     from moe_fp4.compare.preflight import optional_notes
     from moe_fp4.compare.runner import run   # looked up here: tests replace runner.run
-    from moe_fp4.exchange.ep import EPConfig
 
     prefer_expandable_segments()   # before anything allocates on the GPU: budgets measure what the card holds
     try:
@@ -351,11 +363,8 @@ def compare(a: argparse.Namespace, err) -> int:
     if _rank_from_env() == 0:
         for note in optional_notes(plots=not a.no_plots, progress=not a.no_progress):
             print("note: " + note, flush=True)
-    device, rank, world = _distributed(a.slow_link)
-    ep = None
-    if world > 1 or a.simulate_wire:
-        ep = EPConfig(**parse_wire(a.wire), simulate=world == 1)
-    env = Env(device, rank, world, ep)
+    env = launch_env(a.wire, a.slow_link, a.simulate_wire)
+    rank, world = env.rank, env.world
     try:
         report = run(cfg, env)
     except ValueError as e:
