@@ -200,7 +200,8 @@ def largest_micro_batch(measure, budget: float, batch: int, first: int, log=None
 
 @dataclass(frozen=True)
 class Candidate:
-    """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does);
+    """One policy's measured outcome. largest: the largest micro-batch that fits (0: none does; for a split
+    sized after one that ran over the budget, the cap it was sized from: one less than that split's);
     micro_batch / passes: the split of the step's batch it runs; peak_bytes: the step's measured peak at
     that split; tokens_per_s: measured (None: not timed, ``why`` says why); a timed candidate with a
     ``why`` ran over the budget in its timed steps and is not chosen; probes: {micro-batch: peak bytes
