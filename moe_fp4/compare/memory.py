@@ -18,7 +18,7 @@ import torch
 
 from moe_fp4.compare.config import GiB, CompareConfig, Env
 from moe_fp4.compare.train import Trainer, _batches, _free, _max_over_ranks, _sync, activation_bytes, build
-from moe_fp4.model.moe import Recompute
+from moe_fp4.model.moe import Recompute, same_policy
 from moe_fp4.model.planner import PLAN_TIMED_STEPS, PLAN_WARMUP_STEPS, gib_digits, probe_verdict, search_largest_batch
 
 
@@ -186,7 +186,9 @@ def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, lo
         if not msg.rstrip().endswith((" GiB budget", "out of memory, does not fit")):
             log(f"  {mode}" + msg[1:], **k)
 
-    return choose([p.value for p in Recompute], measure, timed, per_rank, budget, planner_line)
+    policies = [p.value for p in Recompute]
+    same = {p: q.value for p in policies for q in [same_policy(mode, p)] if q is not None}
+    return choose(policies, measure, timed, per_rank, budget, planner_line, same)
 
 
 __all__ = ["gib_digits", "largest_accumulated_batch", "largest_batch", "measure_steps", "plan_mode", "probe_verdict",

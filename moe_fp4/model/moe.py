@@ -61,6 +61,16 @@ class Recompute(str, enum.Enum):
     LAYER = "layer"
 
 
+def same_policy(precision, policy) -> Recompute | None:
+    """The cheaper policy that keeps exactly what ``policy`` keeps in ``precision`` ("bf16" | "fp8" | "fp4"),
+    or None where none does: fp4 keeps its SwiGLU output in MXFP4 whatever the policy (recomputing it from the
+    MXFP4 SwiGLU input would change the FC2 weight gradient, experts.py), so its SWIGLU is its NONE. A planner
+    need not measure such a policy (issue 49: a dsv3-layers probe builds a 3.9-billion-parameter model)."""
+    if Precision(precision) is Precision.FP4 and Recompute(policy) is Recompute.SWIGLU:
+        return Recompute.NONE
+    return None
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """hidden H, ffn F (per expert), num_experts E, top_k; H and F multiples of 128 (FP8 tiles and
@@ -358,4 +368,4 @@ def end_grad_wire_step(model: nn.Module) -> dict[str, dict[str, float]]:
 
 
 __all__ = ["DISPATCH_FORMAT", "MoE", "MoEConfig", "Recompute", "Routing", "ScoreFunction", "checkpoint",
-           "end_grad_wire_step", "make_routing", "once", "permute", "row_weights", "unpermute"]
+           "end_grad_wire_step", "make_routing", "once", "permute", "row_weights", "same_policy", "unpermute"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_fp4.model.moe import MoE, Recompute
+from moe_fp4.model.moe import MoE, Recompute, same_policy
 
 GiB = 2**30
 # Steps per timed candidate: untimed first (kernels compile, the allocator settles), then timed (median).
@@ -250,12 +250,14 @@ class NothingFits(ValueError):
     """Not even one sequence fits the budget under any policy."""
 
 
-def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None) -> Plan:
+def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, same=None) -> Plan:
     """The planning rule over measurements supplied by the caller.
 
     policies: names in order of cost. measure(policy, micro_batch, passes) -> peak bytes of one optimizer
     step of ``passes`` micro-batches (inf: out of memory). timed(policy, micro_batch, passes) ->
-    (tokens/s, peak bytes). batch: sequences per step (per rank). -> :class:`Plan`.
+    (tokens/s, peak bytes). batch: sequences per step (per rank). same: {policy: a cheaper policy that keeps
+    exactly what it keeps} (:func:`moe_fp4.model.moe.same_policy`): not measured, listed as not tried.
+    -> :class:`Plan`.
 
     Per policy: the whole batch in one pass is measured first; if it does not fit, the largest
     micro-batch of an accumulated step (two passes, which hold the first pass's gradients: more memory
@@ -268,9 +270,13 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None) 
     by_passes: dict[int, str] = {}
     first = max(1, batch // 4)
     done = None
+    same = same or {}
     for policy in policies:
         if done is not None:
             out.append(Candidate(policy, 0, why=f"not tried: {done} already takes the batch in one pass"))
+            continue
+        if policy in same:
+            out.append(Candidate(policy, 0, why=f"not tried: it keeps what {same[policy]} keeps"))
             continue
         found = largest_micro_batch(lambda b, passes: measure(policy, b, passes), budget_bytes, batch, first,
                                     log=lambda msg, **k: log(f"  {policy}" + msg[1:], **k))
@@ -408,7 +414,10 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
         _free(model)
         return micro * passes * seq / statistics.median(times), peak
 
-    result = choose(policies, measure, timed, batch, budget, log)
+    precisions = {m.precision for m in model.modules() if isinstance(m, MoE)}
+    same = {p: q.value for p in policies if len(precisions) == 1
+            for q in [same_policy(next(iter(precisions)), p)] if q is not None and q.value in policies}
+    result = choose(policies, measure, timed, batch, budget, log, same)
     apply(model, Recompute(result.policy))
     return result
 

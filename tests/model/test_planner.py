@@ -109,6 +109,22 @@ def test_choose_sees_the_one_pass_step_off_the_two_pass_curve():
     assert (plan.policy, plan.micro_batch, plan.passes) == ("none", 16, 1)
 
 
+def test_choose_skips_a_policy_that_keeps_what_a_cheaper_one_keeps():
+    """fp4's SWIGLU keeps what its NONE keeps (its SwiGLU output stays in MXFP4): the planner does not measure it."""
+    from moe_fp4.model.moe import Recompute, same_policy
+    from moe_fp4.model.planner import choose
+
+    assert same_policy("fp4", "swiglu") is Recompute.NONE
+    assert [same_policy(p, r) for p in ("bf16", "fp8") for r in POLICIES] == [None] * 8
+    assert [same_policy("fp4", r) for r in ("none", "moe", "layer")] == [None] * 3
+    measure, timed, calls = _model(45 * GIB, 64)
+    plan = choose(POLICIES, measure, timed, 64, 45 * GIB, same={"swiglu": "none"})
+    swiglu = next(c for c in plan.candidates if c.policy == "swiglu")
+    assert swiglu.why == "not tried: it keeps what none keeps" and "not tried" in plan.table()
+    assert all(p != "swiglu" for p, _, _ in calls["measure"] + calls["timed"])
+    assert [c.policy for c in plan.candidates] == list(POLICIES)
+
+
 def test_choose_nothing_fits():
     from moe_fp4.model.planner import NothingFits, choose
 
@@ -239,6 +255,9 @@ def test_cli_plan_auto(tmp_path):
                 assert c["probes"][str(c["largest"])] <= gib * GIB, c
                 assert c["largest"] == 7 or c["probes"][str(c["largest"] + 1)] > gib * GIB, c
         assert [c["policy"] for c in p["candidates"]] == list(POLICIES)
+    # fp4's swiglu keeps what its none keeps: not measured; fp8's is (its none does not take the batch in one pass)
+    assert report["plans"]["fp4"]["candidates"][1]["why"] == "not tried: it keeps what none keeps"
+    assert report["plans"]["fp8"]["candidates"][1]["probes"], report["plans"]["fp8"]
     assert "plan per mode in 0.0135 GiB per device at global batch 8" in run.stdout
 
 
