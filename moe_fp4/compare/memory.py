@@ -9,6 +9,7 @@ optimizer state and saved activations; there is no allocator to ask), so CPU bud
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -131,7 +132,8 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
                   warmup: int = PLAN_WARMUP_STEPS, steps: int = PLAN_TIMED_STEPS) -> tuple[float, float | None]:
     """Time ``steps`` training steps of ``batch`` sequences per rank in micro-batches of at most ``micro``
     (after ``warmup`` untimed ones) on a freshly built model -> (tokens/s per GPU of the slowest rank,
-    peak bytes of the largest rank; None on CPU). The model is freed afterwards."""
+    peak bytes of the largest rank; None on CPU), or (0.0, inf) when the steps run out of memory (a split that
+    fit its probe: the planner takes it as over the budget and steps down). The model is freed afterwards."""
     _free(env)
     model, loss_fn, sharded, handle = build(cfg, mode, env)
     trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro,
@@ -153,6 +155,9 @@ def measure_steps(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, m
             times.append(time.perf_counter() - t0)
         peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
         step_s = _max_over_ranks(statistics.median(times), env)
+    except torch.OutOfMemoryError:
+        # (As in step_bytes: an out-of-memory on some ranks only would leave the others in a collective.)
+        return 0.0, math.inf
     finally:
         if handle is not None:
             handle.remove()

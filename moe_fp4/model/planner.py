@@ -255,9 +255,9 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, 
 
     policies: names in order of cost. measure(policy, micro_batch, passes) -> peak bytes of one optimizer
     step of ``passes`` micro-batches (inf: out of memory). timed(policy, micro_batch, passes) ->
-    (tokens/s, peak bytes). batch: sequences per step (per rank). same: {policy: a cheaper policy that keeps
-    exactly what it keeps} (:func:`moe_fp4.model.moe.same_policy`): not measured, listed as not tried.
-    -> :class:`Plan`.
+    (tokens/s, peak bytes; inf: out of memory). batch: sequences per step (per rank). same: {policy: a cheaper
+    policy that keeps exactly what it keeps} (:func:`moe_fp4.model.moe.same_policy`): not measured, listed as
+    not tried. -> :class:`Plan`.
 
     Per policy: the whole batch in one pass is measured first; if it does not fit, the largest
     micro-batch of an accumulated step (two passes, which hold the first pass's gradients: more memory
@@ -293,8 +293,9 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, 
                                      f"{by_passes[passes]}, which recomputes less", probes=probes))
                 break
             tps, peak = timed(policy, micro, passes)
-            log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s"
-                + ("" if peak is None else f", peak {peak / GiB:.2f} GiB"), flush=True)
+            if peak is None or math.isfinite(peak):
+                log(f"  {policy}: micro-batch {micro} x {passes} passes (largest {cap}), {tps:,.0f} tokens/s"
+                    + ("" if peak is None else f", peak {peak / GiB:.2f} GiB"), flush=True)
             if peak is None or peak <= budget_bytes:
                 by_passes[passes] = policy
                 out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes))
@@ -306,8 +307,8 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, 
             last = size_down == MAX_SIZES_DOWN or micro == 1
             out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes,
                                  why=OVER_BUDGET + ("" if not last else "; no smaller split tried")))
-            log(f"  {policy}: {OVER_BUDGET} ({peak / GiB:.2f} GiB)"
-                + ("" if last else ": one micro-batch size down"), flush=True)
+            over = f"{peak / GiB:.2f} GiB" if math.isfinite(peak) else "out of memory"
+            log(f"  {policy}: {OVER_BUDGET} ({over})" + ("" if last else ": one micro-batch size down"), flush=True)
             if last:
                 break
             cap = micro - 1
@@ -400,19 +401,22 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
         apply(model, Recompute(policy))
         _free(model)
         torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(warmup_steps):
-            step(micro, passes)
         times = []
-        for _ in range(timed_steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(micro, passes)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        peak = float(torch.cuda.max_memory_allocated(device))
-        _free(model)
-        return micro * passes * seq / statistics.median(times), peak
+        try:
+            for _ in range(warmup_steps):
+                step(micro, passes)
+            for _ in range(timed_steps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                step(micro, passes)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+        except torch.OutOfMemoryError:
+            return 0.0, math.inf          # fit its probe, not its timed steps: choose() steps down
+        finally:
+            _free(model)
+        return micro * passes * seq / statistics.median(times), float(torch.cuda.max_memory_allocated(device))
 
     precisions = {m.precision for m in model.modules() if isinstance(m, MoE)}
     same = {p: q.value for p in policies if len(precisions) == 1

@@ -166,6 +166,23 @@ def test_choose_steps_down_when_the_timed_steps_run_over_the_budget():
     assert calls["timed"] == [("none", 16, 1), ("none", 8, 2), ("swiglu", 16, 1), ("moe", 16, 1)]
 
 
+def test_choose_steps_down_when_the_timed_steps_run_out_of_memory():
+    """A split whose timed steps run out of memory (timed -> (0, inf)) counts as over the budget: one size down."""
+    from moe_fp4.model.planner import OVER_BUDGET, choose
+
+    measure, timed, calls = _model(27 * GIB, 16)
+
+    def oom_in_one_pass(policy, micro, passes):
+        return (0.0, math.inf) if passes == 1 else timed(policy, micro, passes)
+
+    lines = []
+    plan = choose(("none",), measure, oom_in_one_pass, 16, 27 * GIB, log=lambda m, **k: lines.append(m))
+    assert (plan.policy, plan.micro_batch, plan.passes) == ("none", 8, 2)
+    assert plan.candidates[0].why == OVER_BUDGET and plan.candidates[0].peak_bytes == math.inf
+    assert any(f"{OVER_BUDGET} (out of memory): one micro-batch size down" in m for m in lines), lines
+    assert not any(", 0 tokens/s" in m for m in lines), lines    # no timing line for the failed split
+
+
 def test_choose_when_every_split_runs_over_says_so():
     from moe_fp4.model.planner import MAX_SIZES_DOWN, NothingFits, choose
 
