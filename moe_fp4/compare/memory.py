@@ -19,7 +19,7 @@ import torch
 
 from moe_fp4.compare.config import GiB, CompareConfig, Env
 from moe_fp4.compare.train import Trainer, _batches, _free, _max_over_ranks, _sync, activation_bytes, build
-from moe_fp4.model.moe import Recompute, same_policy
+from moe_fp4.model.moe import Recompute
 from moe_fp4.model.planner import PLAN_TIMED_STEPS, PLAN_WARMUP_STEPS, gib_digits, probe_verdict, search_largest_batch
 
 
@@ -171,7 +171,7 @@ def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, lo
     """:func:`moe_fp4.model.planner.choose` for one mode: each policy's exact largest micro-batch in
     ``cfg.budget_gib`` (every probe a fresh model, :func:`step_bytes`), each distinct split timed by
     :func:`measure_steps` -> the Plan."""
-    from moe_fp4.model.planner import choose
+    from moe_fp4.model.planner import choose, kept_alike
 
     budget = cfg.budget_gib * GiB
 
@@ -192,8 +192,7 @@ def plan_mode(cfg: CompareConfig, mode: str, env: Env, corpus, per_rank: int, lo
             log(f"  {mode}" + msg[1:], **k)
 
     policies = [p.value for p in Recompute]
-    same = {p: q.value for p in policies for q in [same_policy(mode, p)] if q is not None}
-    return choose(policies, measure, timed, per_rank, budget, planner_line, same)
+    return choose(policies, measure, timed, per_rank, budget, planner_line, kept_alike(mode, policies))
 
 
 __all__ = ["gib_digits", "largest_accumulated_batch", "largest_batch", "measure_steps", "plan_mode", "probe_verdict",

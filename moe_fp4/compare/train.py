@@ -311,7 +311,7 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
     step_ms = _max_over_ranks(statistics.median(times), env)
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(env.device), env) if env.cuda else None
     wire_bytes = _wire_bytes_per_step(cfg.steps, env)
-    dispatch_rows = _dispatch_rows(rows, env) if wire_bytes is not None else None
+    dispatch_rows = _dispatch_rows(rows, env)
     curve = _all_reduce(torch.stack(losses).float(), env) / env.world
     with torch.no_grad():
         ev = torch.stack([loss_fn(model, *held.next(micro)).float() for _ in range(cfg.eval_batches)]).mean()

@@ -250,6 +250,13 @@ class NothingFits(ValueError):
     """Not even one sequence fits the budget under any policy."""
 
 
+def kept_alike(precision, policies) -> dict[str, str]:
+    """{policy: the cheaper policy of ``policies`` that keeps exactly what it keeps in ``precision``}
+    (:func:`moe_fp4.model.moe.same_policy`): what :func:`choose` need not measure."""
+    same = {p: same_policy(precision, p) for p in policies}
+    return {p: q.value for p, q in same.items() if q is not None and q.value in policies}
+
+
 def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, same=None) -> Plan:
     """The planning rule over measurements supplied by the caller.
 
@@ -419,12 +426,12 @@ def plan(model: torch.nn.Module, step, *, budget_gib: float, batch: int, seq: in
         return micro * passes * seq / statistics.median(times), float(torch.cuda.max_memory_allocated(device))
 
     precisions = {m.precision for m in model.modules() if isinstance(m, MoE)}
-    same = {p: q.value for p in policies if len(precisions) == 1
-            for q in [same_policy(next(iter(precisions)), p)] if q is not None and q.value in policies}
+    same = kept_alike(precisions.pop(), policies) if len(precisions) == 1 else {}
     result = choose(policies, measure, timed, batch, budget, log, same)
     apply(model, Recompute(result.policy))
     return result
 
 
 __all__ = ["MAX_SEARCH_PROBES", "MAX_SIZES_DOWN", "OVER_BUDGET", "PLAN_TIMED_STEPS", "PLAN_WARMUP_STEPS", "Candidate",
-           "NothingFits", "Plan", "choose", "largest_micro_batch", "micro_batch", "plan", "search_largest_batch"]
+           "NothingFits", "Plan", "choose", "kept_alike", "largest_micro_batch", "micro_batch", "plan",
+           "search_largest_batch"]

@@ -112,8 +112,10 @@ def test_choose_sees_the_one_pass_step_off_the_two_pass_curve():
 def test_choose_skips_a_policy_that_keeps_what_a_cheaper_one_keeps():
     """fp4's SWIGLU keeps what its NONE keeps (its SwiGLU output stays in MXFP4): the planner does not measure it."""
     from moe_fp4.model.moe import Recompute, same_policy
-    from moe_fp4.model.planner import choose
+    from moe_fp4.model.planner import choose, kept_alike
 
+    assert kept_alike("fp4", POLICIES) == {"swiglu": "none"} and kept_alike("fp8", POLICIES) == {}
+    assert kept_alike("fp4", ("swiglu", "moe")) == {}          # none is not among them: swiglu is measured
     assert same_policy("fp4", "swiglu") is Recompute.NONE
     assert [same_policy(p, r) for p in ("bf16", "fp8") for r in POLICIES] == [None] * 8
     assert [same_policy("fp4", r) for r in ("none", "moe", "layer")] == [None] * 3
