@@ -17,6 +17,7 @@ import tempfile
 
 from moe_fp4.compare.config import PRESET_LR
 from moe_fp4.model.decoder import PRESETS
+from moe_fp4.model.moe import Recompute
 
 # Sequences per rank. small: 64 x 1024 tokens keep an H200 busy; at 16 the step is bound by the host
 # (kernel launches), which hides what the modes change.
@@ -91,9 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",
                    help="fail early if --batch needs more than GIB GiB per device; with --plan auto, the budget "
                         "to plan for")
-    c.add_argument("--recompute", choices=["none", "swiglu", "moe", "layer"], default="none",
+    c.add_argument("--recompute", choices=[p.value for p in Recompute], default="none",
                    help="what backward recomputes instead of keeping: the experts' SwiGLU output, the MoE block, "
-                        "or the whole decoder layer (gradients identical to none)")
+                        "everything but the MoE blocks (dense: attention and dense MLPs), or the whole decoder "
+                        "layer (gradients identical to none)")
     c.add_argument("--plan", choices=["auto"], default=None,
                    help="auto: per mode, the recomputation and micro-batch with the highest measured tokens/s "
                         "that fit --budget-gib at --global-batch (each candidate measured), then train with it")

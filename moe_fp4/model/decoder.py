@@ -11,7 +11,7 @@ attention, the dense MLP, norms, embeddings and the head stay bf16 in every mode
 this package implements (FP4 for the experts' stored activations and the dispatch, FP8 GEMMs in the
 experts).
 
-Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "layer", :class:`moe_fp4.model.moe.Recompute`) trades
+Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "dense" | "layer", :class:`moe_fp4.model.moe.Recompute`) trades
 what a forward keeps for backward for compute, with gradients identical to "none" in the same precision.
 
 Expert parallelism: with an :class:`~moe_fp4.exchange.ep.EPConfig` each rank holds E / world experts per MoE
@@ -141,16 +141,27 @@ class Block(nn.Module):
         self.mlp = DenseMLP(c.hidden, c.dense_ffn, device) if dense else \
             MoE(c.moe, precision=precision, dtype=torch.float32, device=device, ep=ep)
 
-        self.recompute_layer = False   # DecoderLM.recompute = "layer": the whole block is recomputed
+        self.dense = dense
+        self.recompute = Recompute.NONE   # set by DecoderLM.recompute; the block applies DENSE and LAYER
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(F.rms_norm(x, x.shape[-1:], self.attn_norm.weight.to(x.dtype), 1e-6), cos, sin)
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(F.rms_norm(x, x.shape[-1:], self.attn_norm.weight.to(x.dtype), 1e-6), cos, sin)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(F.rms_norm(x, x.shape[-1:], self.mlp_norm.weight.to(x.dtype), 1e-6))
 
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._mlp(self._attention(x, cos, sin))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.recompute_layer and torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.recompute not in (Recompute.DENSE, Recompute.LAYER):
+            return self._forward(x, cos, sin)
+        if self.recompute is Recompute.LAYER:
             return checkpoint(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+        # DENSE: the attention sub-block (and a dense layer's MLP) keeps its input only; the MoE block runs
+        # outside any checkpoint and keeps its own activations (MXFP4 in fp4).
+        x = checkpoint(self._attention, x, cos, sin)
+        return checkpoint(self._mlp, x) if self.dense else self._mlp(x)
 
 
 class DecoderLM(nn.Module):
@@ -189,16 +200,17 @@ class DecoderLM(nn.Module):
     @property
     def recompute(self) -> Recompute:
         """The recomputation policy (:class:`moe_fp4.model.moe.Recompute`): "swiglu" and "moe" apply to the MoE
-        layers, "layer" recomputes every decoder block (dense ones too) from its input."""
+        layers, "dense" recomputes every block's attention and the dense blocks' MLP from their inputs (the MoE
+        layers keep everything), "layer" recomputes every decoder block (dense ones too) from its input."""
         return self._recompute
 
     @recompute.setter
     def recompute(self, value) -> None:
         self._recompute = value = Recompute(value)
         for b in self.blocks:
-            b.recompute_layer = value is Recompute.LAYER
+            b.recompute = value
         for m in self.moe_layers():
-            m.recompute = Recompute.NONE if value is Recompute.LAYER else value
+            m.recompute = Recompute.NONE if value in (Recompute.DENSE, Recompute.LAYER) else value
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' weights: sharded over the EP group (every other parameter is replicated)."""

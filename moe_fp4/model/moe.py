@@ -52,12 +52,20 @@ class Recompute(str, enum.Enum):
     NONE: keep everything. SWIGLU: the experts keep the SwiGLU input, not its output (bf16, fp8; fp4
     keeps its MXFP4 output, see ``grouped_swiglu_experts``). MOE: the MoE block keeps its input (and,
     under expert parallelism, the received rows and the combined output) and recomputes router, experts
-    and shared expert. LAYER: the decoder layer (attention + MoE) keeps its input only; a decoder
-    applies it (:class:`moe_fp4.model.decoder.DecoderLM`), or wrap your own layer in :func:`checkpoint`."""
+    and shared expert. DENSE: everything but the MoE blocks is recomputed: each decoder layer's attention
+    sub-block and the dense layers' MLP keep their inputs only, while the MoE blocks keep what NONE keeps
+    (in fp4 that is MXFP4, so fp4 recomputes only what it cannot compress; the bf16 attention and dense MLP
+    hold most of a layer's activations at DeepSeek-V3 shapes under expert parallelism). LAYER: the decoder
+    layer (attention + MoE) keeps its input only. DENSE and LAYER are a decoder's to apply
+    (:class:`moe_fp4.model.decoder.DecoderLM`), or wrap your own sub-blocks in :func:`checkpoint`.
+
+    In order of recomputation cost, which the planner relies on: MOE recomputes the experts' FP8 GEMMs,
+    DENSE the bf16 attention and dense MLP (more FLOPs at half the rate), LAYER both."""
 
     NONE = "none"
     SWIGLU = "swiglu"
     MOE = "moe"
+    DENSE = "dense"
     LAYER = "layer"
 
 
@@ -193,10 +201,10 @@ class MoE(nn.Module):
     @recompute.setter
     def recompute(self, value) -> None:
         value = Recompute(value)
-        if value is Recompute.LAYER:
-            raise ValueError("MoE: recompute='layer' recomputes the whole decoder layer, which the layer must "
-                             "do: use moe_fp4.model.decoder.DecoderLM(recompute='layer') or wrap your layer in "
-                             "moe_fp4.model.moe.checkpoint")
+        if value in (Recompute.DENSE, Recompute.LAYER):
+            raise ValueError(f"MoE: recompute='{value.value}' recomputes parts of the decoder layer outside the MoE "
+                             f"block, which the layer must do: use moe_fp4.model.decoder.DecoderLM(recompute="
+                             f"'{value.value}') or wrap those parts in moe_fp4.model.moe.checkpoint")
         self._recompute = value
 
     def reset_parameters(self) -> None:

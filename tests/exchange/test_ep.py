@@ -546,7 +546,7 @@ def _ep_policies(rank, world):
     out = {}
     for precision in ("bf16", "fp8", "fp4"):
         ref = None
-        for policy in ("none", "moe", "layer"):
+        for policy in ("none", "moe", "dense", "layer"):
             # fp4's recipe rounds the combine gradient stochastically: the same random bits for every policy.
             seed_stochastic_rounding(0)
             model = DecoderLM(cfg, precision, ep=EPConfig(), seed=0, recompute=policy)
@@ -567,7 +567,7 @@ def test_ep_recompute_repeats_no_exchange_and_matches():
         for precision in ("bf16", "fp8", "fp4"):
             fwd0, bwd0, _, _ = rank_out[f"{precision} none"]
             assert fwd0 > 0 and bwd0 > 0
-            for policy in ("moe", "layer"):
+            for policy in ("moe", "dense", "layer"):
                 fwd, bwd, same_loss, differ = rank_out[f"{precision} {policy}"]
                 assert (fwd, bwd) == (fwd0, bwd0), (rank, precision, policy, (fwd, bwd), (fwd0, bwd0))
                 assert same_loss and not differ, (rank, precision, policy, differ)

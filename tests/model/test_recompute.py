@@ -1,4 +1,4 @@
-"""Recomputation policies (issue 30): none, swiglu, moe, layer (moe_fp4.model.moe.Recompute).
+"""Recomputation policies (issues 30, 49): none, swiglu, moe, dense, layer (moe_fp4.model.moe.Recompute).
 
 Each policy must give the loss and every gradient of "none" bit for bit in the same precision (the
 recomputation runs the same kernels on the same inputs), keep less for backward than the policy
@@ -67,6 +67,22 @@ def test_each_policy_keeps_less(policy_runs, precision):
     else:
         assert kept["swiglu"] < kept["none"]
     assert kept["moe"] < kept["swiglu"] and kept["layer"] < kept["moe"], kept
+    # dense drops what moe keeps outside the MoE block; layer drops both.
+    assert kept["dense"] < kept["none"] and kept["layer"] < kept["dense"], kept
+
+
+def test_dense_policy_keeps_the_experts_activations(policy_runs):
+    """Under recompute="dense" the MoE blocks keep exactly what they keep under "none" (their records, MXFP4 in
+    fp4) and the attention and dense MLP keep nothing but their inputs; so fp4, whose kept MoE activations are
+    the smaller, keeps less than fp8 under it."""
+    for precision in PRECISIONS:
+        none_moe = [(r.label, r.nbytes) for r in policy_runs[precision]["none"][2].records
+                    if r.label != "autograd" and not r.parameter]
+        dense_moe = [(r.label, r.nbytes) for r in policy_runs[precision]["dense"][2].records
+                     if r.label != "autograd" and not r.parameter]
+        assert dense_moe == none_moe and {"fc1_input", "fc2_input"} & {lab for lab, _ in dense_moe}, precision
+    kept = {p: policy_runs[p]["dense"][2].total for p in PRECISIONS}
+    assert kept["fp4"] < kept["fp8"] < kept["bf16"], kept
 
 
 def test_moe_policy_keeps_no_expert_activation(policy_runs):
@@ -138,10 +154,15 @@ def test_policy_names_and_misuse():
     with pytest.raises(ValueError, match="layer"):
         MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1), "fp8", recompute="layer")
     model = DecoderLM(TINY, "fp8", device="meta", recompute="layer")
-    assert all(b.recompute_layer for b in model.blocks)
+    assert all(b.recompute is Recompute.LAYER for b in model.blocks)
+    assert all(m.recompute is Recompute.NONE for m in model.moe_layers())
+    with pytest.raises(ValueError, match="dense"):
+        MoE(MoEConfig(hidden=128, ffn=128, num_experts=2, top_k=1), "fp8", recompute="dense")
+    model.recompute = "dense"
+    assert all(b.recompute is Recompute.DENSE for b in model.blocks)
     assert all(m.recompute is Recompute.NONE for m in model.moe_layers())
     model.recompute = "swiglu"
-    assert not any(b.recompute_layer for b in model.blocks)
+    assert all(b.recompute is Recompute.SWIGLU for b in model.blocks)
     assert all(m.recompute is Recompute.SWIGLU for m in model.moe_layers())
 
 
