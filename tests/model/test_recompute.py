@@ -198,3 +198,26 @@ def test_policies_bit_identical_on_gpu(precision):
         m.zero_grad(set_to_none=True)
     for policy in ("swiglu", "moe", "layer"):
         assert all(torch.equal(a, b) for a, b in zip(out[policy], out["none"])), (precision, policy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_decoder_policies_bit_identical_on_gpu(precision):
+    """The decoder-level policies (dense, layer: checkpoints around attention, the dense MLP and whole blocks)
+    on the GPU kernels: the loss and every gradient equal those without recomputation."""
+    torch.manual_seed(4)
+    cfg = PRESETS["tiny"]
+    ids = torch.randint(0, cfg.vocab, (4, cfg.seq), device="cuda")
+    targets = torch.randint(0, cfg.vocab, (4, cfg.seq), device="cuda")
+    out = {}
+    for policy in POLICIES:
+        model = DecoderLM(cfg, precision, device="cuda", recompute=policy)
+        loss = model(ids, targets)
+        loss.backward()
+        out[policy] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    loss0, grads0 = out["none"]
+    for policy in POLICIES[1:]:
+        loss, grads = out[policy]
+        assert torch.equal(loss, loss0), (precision, policy)
+        differ = [n for n in grads0 if not torch.equal(grads[n], grads0[n])]
+        assert not differ, (precision, policy, differ)
