@@ -11,8 +11,8 @@ attention, the dense MLP, norms, embeddings and the head stay bf16 in every mode
 this package implements (FP4 for the experts' stored activations and the dispatch, FP8 GEMMs in the
 experts).
 
-Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "dense" | "layer", :class:`moe_fp4.model.moe.Recompute`) trades
-what a forward keeps for backward for compute, with gradients identical to "none" in the same precision.
+Recomputation: ``recompute`` ("none" | "swiglu" | "moe" | "dense" | "layer", :class:`moe_fp4.model.moe.Recompute`)
+trades what a forward keeps for backward for compute, with gradients identical to "none" in the same precision.
 
 Expert parallelism: with an :class:`~moe_fp4.exchange.ep.EPConfig` each rank holds E / world experts per MoE
 layer and every other parameter is replicated. :meth:`DecoderLM.init_weights` gives every rank the

@@ -60,7 +60,7 @@ class Recompute(str, enum.Enum):
     (:class:`moe_fp4.model.decoder.DecoderLM`), or wrap your own sub-blocks in :func:`checkpoint`.
 
     In order of recomputation cost, which the planner relies on: MOE recomputes the experts' FP8 GEMMs,
-    DENSE the bf16 attention and dense MLP (more FLOPs at half the rate), LAYER both."""
+    DENSE the bf16 attention and dense MLP (at DeepSeek-V3 shapes more FLOPs, at half FP8's rate), LAYER both."""
 
     NONE = "none"
     SWIGLU = "swiglu"
