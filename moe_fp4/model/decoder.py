@@ -141,7 +141,6 @@ class Block(nn.Module):
         self.mlp = DenseMLP(c.hidden, c.dense_ffn, device) if dense else \
             MoE(c.moe, precision=precision, dtype=torch.float32, device=device, ep=ep)
 
-        self.dense = dense
         self.recompute = Recompute.NONE   # set by DecoderLM.recompute; the block applies DENSE and LAYER
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,7 +160,7 @@ class Block(nn.Module):
         # DENSE: the attention sub-block (and a dense layer's MLP) keeps its input only; the MoE block runs
         # outside any checkpoint and keeps its own activations (MXFP4 in fp4).
         x = checkpoint(self._attention, x, cos, sin)
-        return checkpoint(self._mlp, x) if self.dense else self._mlp(x)
+        return checkpoint(self._mlp, x) if isinstance(self.mlp, DenseMLP) else self._mlp(x)
 
 
 class DecoderLM(nn.Module):

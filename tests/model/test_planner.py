@@ -278,7 +278,7 @@ def test_cli_plan_auto(tmp_path):
                 assert c["probes"][str(c["largest"])] <= gib * GIB, c
                 assert c["largest"] == 7 or c["probes"][str(c["largest"] + 1)] > gib * GIB, c
         assert [c["policy"] for c in p["candidates"]] == [r.value for r in Recompute]
-        assert (p["policy"], p["micro_batch"]) == ("dense", 8), p
+        # which fitting split is chosen follows CPU timings: only what the memory estimates decide is asserted
         assert p["candidates"][-1]["why"] == "not tried: dense already takes the batch in one pass", p
     # fp4's swiglu keeps what its none keeps: not measured; fp8's is (its none does not take the batch in one pass)
     assert report["plans"]["fp4"]["candidates"][1]["why"] == "not tried: it keeps what none keeps"

@@ -73,8 +73,8 @@ def test_each_policy_keeps_less(policy_runs, precision):
 
 def test_dense_policy_keeps_the_experts_activations(policy_runs):
     """Under recompute="dense" the MoE blocks keep exactly what they keep under "none" (their records, MXFP4 in
-    fp4) and the attention and dense MLP keep nothing but their inputs; so fp4, whose kept MoE activations are
-    the smaller, keeps less than fp8 under it."""
+    fp4) while the rest is recomputed (test_each_policy_keeps_less); so fp4, whose kept MoE activations are the
+    smaller, keeps less than fp8 under it."""
     for precision in PRECISIONS:
         none_moe = [(r.label, r.nbytes) for r in policy_runs[precision]["none"][2].records
                     if r.label != "autograd" and not r.parameter]
