@@ -654,11 +654,13 @@ def test_mxfp4_to_fp8_colwise_of_gathered_rows(m, t):
     g = torch.Generator().manual_seed(m)
     rows = torch.randint(0, t, (m,), generator=g).to(DEVICE)
     want = KT.mxfp4_to_fp8_colwise_ref(data[rows], scale[rows])
-    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows), want)
-    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows.int()), want)
+    # int32 row indices at one size, int64 at the others (the interpreter takes seconds a launch)
+    _check(KT.mxfp4_to_fp8_colwise(data, scale, rows=rows.int() if m == 130 else rows), want)
     _check(KT.mxfp4_to_fp8_colwise_ref(data, scale, rows=rows), want)
-    narrow = torch.full_like(scale, 127)                        # every tile on the SWAR path
-    _check(KT.mxfp4_to_fp8_colwise(data, narrow, rows=rows), KT.mxfp4_to_fp8_colwise_ref(data[rows], narrow[rows]))
+    if m == 128:
+        narrow = torch.full_like(scale, 127)                    # every tile on the SWAR path
+        _check(KT.mxfp4_to_fp8_colwise(data, narrow, rows=rows),
+               KT.mxfp4_to_fp8_colwise_ref(data[rows], narrow[rows]))
 
 
 def test_mxfp4_to_fp8_colwise_zero_blocks_keep_the_word_path():
