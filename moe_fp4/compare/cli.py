@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-cpu-budget", action="store_true",
                    help="allow --max-batch and --plan on CPU (memory estimated; for tests)")
     c.add_argument("--slow-link", action="store_true",
-                   help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network")
+                   help="NCCL_P2P_DISABLE=1: NCCL via host memory, like a network (fp4's default wire recipe "
+                        "follows: fp4-all)")
     c.add_argument("--wire", default="", metavar="[RECIPE|MODE:RECIPE,...][ROLE=FMT,...]",
                    help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange. "
                         "RECIPE: a named set of the four (bf16, fp8-dispatch, fp8, paper, fp4, fp4-sr, fp4-fp8sums, "
@@ -114,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                         "quantization noise (the combine gradient's: the experts' FC2 weight gradient against the "
                         "noise the payload puts into it), fp8 after 10 steps below; the ratios are reported per "
                         "layer). Default: "
-                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-sr)")
+                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-sr on one host with NCCL's "
+                        "peer-to-peer path on, fp4-all across hosts or with --slow-link; --simulate-wire: fp4-sr)")
     c.add_argument("--simulate-wire", action="store_true",
                    help="on one process: apply the round trip of each exchange's wire format (--wire's, by default "
                         "each mode's own recipe) where expert parallelism would send it, to study the wire's numerics "

@@ -177,8 +177,9 @@ def saved_format(mode: str, storage: str = "mxfp4") -> str:
 def wire_text(wire: dict, mode: str) -> str:
     """meta["wire"] -> the formats of ``mode``'s four exchanges: "recipe fp8: dispatch fp8, combine bf16,
     dispatch_grad bf16, combine_grad fp8", an "auto" gradient as "auto (nvfp4-sr, fp8 after 10 steps
-    below sqrt(3))", and "(simulated on one process)" under --simulate-wire."""
-    from moe_fp4.exchange.recipes import PRECISION_RECIPE, RECIPES
+    below sqrt(3))", "(simulated on one process)" under --simulate-wire, and "(fp4's default on a network
+    link)" where the mode's default recipe followed the link."""
+    from moe_fp4.exchange.recipes import PRECISION_RECIPE, RECIPES, default_recipe_name, follows_link
 
     auto = wire.get("auto") or {}
     roles = wire["per_mode"][mode]
@@ -192,10 +193,17 @@ def wire_text(wire: dict, mode: str) -> str:
     # The recipe's name when the four formats are a named recipe's.
     named = [n for n, r in RECIPES.items() if r.as_dict() == roles]
     given = wire.get("recipe")
-    base = (given.get(mode) if isinstance(given, dict) else given) or PRECISION_RECIPE.get(mode)
+    # compare.json files from before the defaults followed the link have no "link": the peer defaults.
+    link = wire.get("link")
+    default = default_recipe_name(mode, link) if mode in PRECISION_RECIPE else None
+    chosen = given.get(mode) if isinstance(given, dict) else given
+    base = chosen or default
     name = base if base in named else (named[0] if named else None)
     head = f"recipe {name}: " if name else ""
-    return head + ", ".join(parts) + (" (simulated on one process)" if wire.get("simulated") else "")
+    tail = " (simulated on one process)" if wire.get("simulated") else ""
+    if link and not chosen and name == default and follows_link(mode):
+        tail += f" ({mode}'s default on a {link} link)"
+    return head + ", ".join(parts) + tail
 
 
 def banner_lines(cfg, mc, meta: dict, counts: dict | None, world: int) -> list[str]:

@@ -91,13 +91,15 @@ from moe_fp4.model.planner import (
 
 def wire_meta(env: Env, modes) -> dict | None:
     """What each exchange sends under expert parallelism (None without): per mode, the format of each
-    role (EPConfig.wire: the recipe, or the mode's default one, with the roles set in its place); "auto"
-    with the sqrt(3) rule's settings."""
+    role (EPConfig.wire: the recipe, or the mode's default one on the group's link, with the roles set in
+    its place); the link the defaults followed ("peer" | "network": EPConfig.wire_link, detected over the
+    ranks, so every rank calls this); "auto" with the sqrt(3) rule's settings."""
     if env.ep is None:
         return None
     given = env.ep.recipe
     wire = {"recipe": dict(given) if isinstance(given, tuple) else given,
-            "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES}, "simulated": env.ep.simulate}
+            "per_mode": {m: env.ep.wire(m).as_dict() for m in modes if m in MODES}, "simulated": env.ep.simulate,
+            "link": env.ep.wire_link().value}
     if env.ep.grad_rules():
         fallback = env.ep.auto_fallback or next_format_up(env.ep.auto_format)
         wire["auto"] = {"format": env.ep.auto_format.value, "patience": env.ep.auto_patience,

@@ -36,6 +36,7 @@ from moe_fp4.formats.conversions import gather_sum
 from moe_fp4.kernels.fp8 import m_major
 from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 from moe_fp4.exchange.grad_rule import SQRT3, GradWireRule, grad_format
+from moe_fp4.exchange.link import Link, detect_link
 from moe_fp4.exchange.recipes import AUTO, PRECISION_RECIPE, ROLES, WireRecipe, default_recipe, recipe
 from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat,
                                    base_format, pack, row_bytes, unpack, unpack_sum, views)
@@ -50,8 +51,12 @@ class EPConfig:
     group: the EP process group (None: the default group); its size must divide the expert count.
     recipe: a named wire recipe (:data:`moe_fp4.exchange.recipes.RECIPES`: "fp8", "fp4", "fp4-all", ...)
     for every layer precision, or a dict {precision: name} for some ({"fp4": "fp4-all"}); a precision
-    without one takes its own (:data:`PRECISION_RECIPE`: bf16 -> "bf16", fp8 -> "fp8", fp4 -> "fp4-sr").
-    The four role fields below, when set, override the recipe's for every precision.
+    without one takes its default on the group's link (:data:`moe_fp4.exchange.recipes.LINK_RECIPE`: bf16 ->
+    "bf16", fp8 -> "fp8", fp4 -> "fp4-sr" within one peer-to-peer host, "fp4-all" across hosts or with NCCL's
+    peer-to-peer path off). The four role fields below, when set, override the recipe's for every precision.
+    link: the :class:`~moe_fp4.exchange.link.Link` the default recipes follow ("peer" | "network"); None
+    (default): detected over the group when a layer first needs it (:meth:`wire_link`), or "peer" with
+    ``simulate``.
     combine: wire format of the combine (expert outputs back to their tokens): bf16, fp8, mxfp4, nvfp4
     or native.
     dispatch_grad: wire format of the dispatch's gradient (backward, to the tokens' ranks); those of
@@ -88,8 +93,15 @@ class EPConfig:
     auto_patience: int = 10
     recipe: str | dict | None = None
     auto_fallback: WireFormat | None = None
+    link: Link | str | None = None
 
     def __post_init__(self):
+        if self.link is not None:
+            try:
+                object.__setattr__(self, "link", Link(self.link))
+            except ValueError:
+                raise ValueError(f"EPConfig.link: one of {', '.join(k.value for k in Link)} (or None: detected), "
+                                 f"got {self.link!r}") from None
         if isinstance(self.recipe, dict):
             # Kept as sorted (precision, name) pairs: the config stays hashable.
             bad = [p for p in self.recipe if p not in PRECISION_RECIPE]
@@ -117,25 +129,51 @@ class EPConfig:
             object.__setattr__(self, "auto_fallback", WireFormat(self.auto_fallback))
         if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
             raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
-        # Each precision's formats, resolved once: the layer reads them every forward.
+        # Each precision's formats on each link, resolved once: the layer reads them every forward.
         given = {} if isinstance(self.recipe, str) else dict(self.recipe or ())
         wires = {}
-        for precision in PRECISION_RECIPE:
-            name = self.recipe if isinstance(self.recipe, str) else given.get(precision)
-            base = recipe(name) if name is not None else default_recipe(precision)
-            wires[precision] = base.with_(**{r: getattr(self, r) for r in ROLES})
-            if wires[precision].dispatch not in DISPATCH_FORMATS:
-                raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
-                                 f"got {wires[precision].dispatch.value}")
+        for link in Link:
+            for precision in PRECISION_RECIPE:
+                name = self.recipe if isinstance(self.recipe, str) else given.get(precision)
+                base = recipe(name) if name is not None else default_recipe(precision, link)
+                wires[link, precision] = w = base.with_(**{r: getattr(self, r) for r in ROLES})
+                if w.dispatch not in DISPATCH_FORMATS:
+                    raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
+                                     f"got {w.dispatch.value}")
         object.__setattr__(self, "_wires", wires)
 
     def wire(self, precision) -> WireRecipe:
         """The formats a layer of ``precision`` ("bf16" | "fp8" | "fp4") sends: the recipe (or the
-        precision's default recipe), with the roles set here in its place."""
+        precision's default recipe on :meth:`wire_link`), with the roles set here in its place. Where the
+        precision's formats differ between links and ``link`` is None, the first call detects the link (a
+        collective over the group; see :meth:`wire_link`)."""
         key = getattr(precision, "value", precision)
-        if key not in self._wires:
-            raise ValueError(f"EPConfig.wire: no precision {precision!r}; one of {', '.join(self._wires)}")
-        return self._wires[key]
+        if key not in PRECISION_RECIPE:
+            raise ValueError(f"EPConfig.wire: no precision {precision!r}; one of {', '.join(PRECISION_RECIPE)}")
+        if self.follows_link(key):
+            return self._wires[self.wire_link(), key]
+        return self._wires[Link.PEER, key]
+
+    def follows_link(self, precision) -> bool:
+        """Whether the formats of ``precision`` depend on the link (its default recipe does, and no recipe or
+        role set here pins them)."""
+        key = getattr(precision, "value", precision)
+        return self._wires[Link.PEER, key] != self._wires[Link.NETWORK, key]
+
+    def wire_link(self) -> Link:
+        """The link the default recipes follow: ``link`` when set; Link.PEER with ``simulate`` (nothing
+        crosses a link; give ``link="network"`` to simulate the network's defaults); otherwise
+        :func:`~moe_fp4.exchange.link.detect_link` over the group, once. That is a collective: every rank of
+        the group must reach its first call together (the MoE layer's first forward does)."""
+        if self.link is not None:
+            return self.link
+        if self.simulate:
+            return Link.PEER
+        detected = self.__dict__.get("_detected_link")
+        if detected is None:
+            detected = detect_link(self.group)
+            object.__setattr__(self, "_detected_link", detected)
+        return detected
 
     def grad_rules(self) -> dict[str, "GradWireRule"]:
         """A fresh :class:`GradWireRule` for each gradient set to "auto" (one set per MoE layer)."""

@@ -149,21 +149,25 @@ def test_cli_writes_plots(one_process):
 @pytest.mark.parametrize("nproc", [2])
 def test_cli_ep_torchrun(tmp_path, nproc):
     run = _cli(["compare", "--preset", "tiny", "--steps", 3, "--modes", "fp8", "fp4", "--out", tmp_path,
-                "--no-progress", "--no-plots", "--profile",
-                "--wire", "combine=mxfp4,dispatch_grad=fp8,combine_grad=auto"],
+                "--no-progress", "--no-plots", "--profile", "--slow-link",
+                "--wire", "combine=mxfp4,combine_grad=auto"],
                nproc=nproc, MOE_FP4_COMMIT="test-commit")
     _ok(run)
     # the formats in use, before each mode trains
     assert "[fp4] training 3 steps at batch 4 x 64 per rank; activations saved in mxfp4; all-to-all dispatch mxfp4, " \
-           "combine mxfp4, dispatch_grad fp8, combine_grad auto (nvfp4-sr, fp8 after 10 steps below sqrt(3))" \
+           "combine mxfp4, dispatch_grad mxfp4-sr, combine_grad auto (nvfp4-sr, fp8 after 10 steps below sqrt(3))" \
            in run.stdout, run.stdout
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["meta"]["world"] == nproc and report["meta"]["commit"] == "test-commit"
-    # --wire's roles over each mode's own recipe (the dispatch: fp8's fp8, fp4's mxfp4).
+    # --wire's roles over each mode's own recipe on the link: --slow-link turns NCCL's (here: the environment's)
+    # peer-to-peer path off, so the ranks detect a network link and fp4's default is fp4-all (fp8's is fp8 on
+    # every link).
+    assert report["meta"]["slow_link"] is True
     assert report["meta"]["wire"] == {
         "recipe": None, "simulated": False, "auto": {"format": "nvfp4-sr", "patience": 10, "fallback": "fp8"},
-        "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "fp8", "combine_grad": "auto"},
-                     "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "fp8",
+        "link": "network",
+        "per_mode": {"fp8": {"dispatch": "fp8", "combine": "mxfp4", "dispatch_grad": "bf16", "combine_grad": "auto"},
+                     "fp4": {"dispatch": "mxfp4", "combine": "mxfp4", "dispatch_grad": "mxfp4-sr",
                              "combine_grad": "auto"}}}
     # The sqrt(3) rule on the combine gradient: per layer, the payload's ratio and the FC2 weight gradient's,
     # measured in every step (the 3 timed ones and the untimed ones before them), printed in each "done" line.

@@ -345,6 +345,48 @@ def _recipes(rank, world):
     return out
 
 
+def _link_defaults(rank, world):
+    """The fp4 layer with no recipe set (EPConfig(): fp4's default follows the link), one step each: on this
+    gloo group as it is (one host, peer-to-peer on); with NCCL_P2P_DISABLE=1 on the last rank only; with each
+    rank claiming its own host -> {case: (the link the layer's config detected, the wire log)}. Every rank
+    must reach the same link (the last rank's setting is the group's), or the exchanges would disagree."""
+    import os
+
+    from moe_fp4.exchange import link as link_mod
+
+    x = _tokens(world, "fp8")[rank]
+    out = {}
+    real_host = link_mod.host_id
+    for case in ("as is", "p2p off on the last rank", "a host per rank"):
+        saved = os.environ.pop("NCCL_P2P_DISABLE", None)
+        if case == "p2p off on the last rank" and rank == world - 1:
+            os.environ["NCCL_P2P_DISABLE"] = "1"
+        if case == "a host per rank":
+            link_mod.host_id = lambda: f"host{rank}"
+        try:
+            _, m, _ = _layers(rank, world, "fp4")
+            with _wire_log() as wire:
+                _step(m, x)
+            out[case] = (m.ep.wire_link().value, wire)
+        finally:
+            link_mod.host_id = real_host
+            os.environ.pop("NCCL_P2P_DISABLE", None)
+            if saved is not None:
+                os.environ["NCCL_P2P_DISABLE"] = saved
+    if world == 4:
+        # Subgroups: even ranks on one host, odd on another; group ranks (not global ones) are gathered.
+        import torch.distributed as dist
+
+        link_mod.host_id = lambda: "even" if rank % 2 == 0 else "odd"
+        try:
+            groups = {"0,2": dist.new_group([0, 2]), "0,1": dist.new_group([0, 1])}   # every rank makes both
+            out["subgroups"] = {name: link_mod.detect_link(g).value for name, g in groups.items()
+                                if rank in map(int, name.split(","))}
+        finally:
+            link_mod.host_id = real_host
+    return out
+
+
 FUSED_CASES = (("fp8", "fp8"), ("fp4", "fp4"), ("fp4", "fp4-sr"), ("fp4", "fp4-all"), ("bf16", "fp8"))
 
 
@@ -394,6 +436,7 @@ def _ep_case(rank, world):
     out["nvfp4_dispatch"] = _nvfp4_dispatch(rank, world)
     out["plan"] = _plan(rank, world)
     out["recipes"] = _recipes(rank, world)
+    out["link"] = _link_defaults(rank, world)
     out["fused"] = _fused_combine_grad(rank, world) if world == 2 else None
     out["weight_noise"] = _weight_noise(rank, world) if world == 2 else None
     return out
@@ -486,6 +529,28 @@ def test_ep_recipes_send_their_formats_and_count_their_bytes(ep_results):
             for role, n in sent.items():
                 total[role] += n
         assert total["dispatch"] == total["combine"] > 0, (name, total)
+
+
+def test_ep_fp4_default_follows_the_link(ep_results):
+    """EPConfig() with no recipe: on one host with peer-to-peer on, fp4 sends fp4-sr's formats; when any rank
+    has NCCL's peer-to-peer path off, or the ranks sit on different hosts, every rank detects a network link
+    and sends fp4-all's (checked on the wire, per exchange, with the bytes of each row)."""
+    from moe_fp4.exchange.recipes import RECIPES
+
+    world, results = ep_results
+    want = {"as is": ("peer", "fp4-sr"), "p2p off on the last rank": ("network", "fp4-all"),
+            "a host per rank": ("network", "fp4-all")}
+    for rank, res in enumerate(results):
+        links = dict(res["link"])
+        if world == 4:
+            subgroups = links.pop("subgroups")
+            assert subgroups == {k: v for k, v in {"0,2": "peer", "0,1": "network"}.items()
+                                 if rank in map(int, k.split(","))}, (rank, subgroups)
+        assert set(links) == set(want)
+        for case, (link, name) in want.items():
+            got_link, wire = links[case]
+            assert got_link == link, (rank, case, got_link)
+            check_wire(wire, expected_wire(world, **RECIPES[name].as_dict()), (rank, case))
 
 
 @pytest.mark.parametrize("ep_results", [2], indirect=True, ids=lambda w: f"world{w}")
