@@ -115,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                         "quantization noise (the combine gradient's: the experts' FC2 weight gradient against the "
                         "noise the payload puts into it), fp8 after 10 steps below; the ratios are reported per "
                         "layer). Default: "
-                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-sr on one host with NCCL's "
-                        "peer-to-peer path on, fp4-all across hosts or with --slow-link; --simulate-wire: fp4-sr)")
+                        "each mode's own recipe (bf16: bf16, fp8: fp8, fp4: fp4-fp8sums on one host with NCCL's "
+                        "peer-to-peer path on, fp4-all across hosts or with --slow-link; --simulate-wire: "
+                        "fp4-fp8sums)")
     c.add_argument("--simulate-wire", action="store_true",
                    help="on one process: apply the round trip of each exchange's wire format (--wire's, by default "
                         "each mode's own recipe) where expert parallelism would send it, to study the wire's numerics "

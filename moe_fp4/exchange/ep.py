@@ -52,8 +52,8 @@ class EPConfig:
     recipe: a named wire recipe (:data:`moe_fp4.exchange.recipes.RECIPES`: "fp8", "fp4", "fp4-all", ...)
     for every layer precision, or a dict {precision: name} for some ({"fp4": "fp4-all"}); a precision
     without one takes its default on the group's link (:data:`moe_fp4.exchange.recipes.LINK_RECIPE`: bf16 ->
-    "bf16", fp8 -> "fp8", fp4 -> "fp4-sr" within one peer-to-peer host, "fp4-all" across hosts or with NCCL's
-    peer-to-peer path off). The four role fields below, when set, override the recipe's for every precision.
+    "bf16", fp8 -> "fp8", fp4 -> "fp4-fp8sums" within one peer-to-peer host, "fp4-all" across hosts or with
+    NCCL's peer-to-peer path off). The four role fields below, when set, override the recipe's for every precision.
     link: the :class:`~moe_fp4.exchange.link.Link` the default recipes follow ("peer" | "network"); None
     (default): detected over the group when a layer first needs it (:meth:`wire_link`), or "peer" with
     ``simulate``.

@@ -7,8 +7,8 @@
 | `fp8`            | fp8      | bf16    | bf16          | fp8          | DeepEP-class systems; the fp8 mode's default |
 | `paper`          | mxfp4    | bf16    | bf16          | bf16         | arXiv 2603.02731; fp4's until 2026-11-28     |
 | `fp4`            | mxfp4    | bf16    | bf16          | mxfp4        | both GEMM-feeding streams in 4 bits          |
-| `fp4-sr`         | mxfp4    | bf16    | bf16          | mxfp4-sr     | stochastic rounding; fp4's default, one host |
-| `fp4-fp8sums`    | mxfp4    | fp8     | fp8           | mxfp4        | the summed streams in FP8 1x128              |
+| `fp4-sr`         | mxfp4    | bf16    | bf16          | mxfp4-sr     | the same, stochastic rounding                |
+| `fp4-fp8sums`    | mxfp4    | fp8     | fp8           | mxfp4        | summed streams in FP8; fp4's on one host     |
 | `fp4-sr-fp8sums` | mxfp4    | fp8     | fp8           | mxfp4-sr     | the same, stochastic rounding                |
 | `fp4-all`        | mxfp4    | mxfp4   | mxfp4-sr      | mxfp4-sr     | every exchange in 4 bits; fp4's across hosts |
 
@@ -19,8 +19,8 @@ experts' dX) feed no GEMM on arrival; no shipped system sends them below 16 bits
 (``shared/lowprec-ep-survey.md``), and bench/RESULTS.md holds our convergence runs of each recipe.
 
 A precision's default recipe follows the link its exchanges cross (:data:`LINK_RECIPE`, per
-:class:`moe_fp4.exchange.link.Link`: fp4 sends fp4-sr within one host whose GPUs reach each other directly,
-fp4-all across hosts or with NCCL's peer-to-peer path off); :class:`moe_fp4.exchange.ep.EPConfig` takes a
+:class:`moe_fp4.exchange.link.Link`: fp4 sends fp4-fp8sums within one host whose GPUs reach each other
+directly, fp4-all across hosts or with NCCL's peer-to-peer path off); :class:`moe_fp4.exchange.ep.EPConfig` takes a
 ``recipe`` name and per-role overrides, and ``moe-fp4 compare --wire`` the same (``--wire fp4-all`` or
 ``--wire fp4,combine=fp8``).
 """
@@ -90,17 +90,20 @@ RECIPES: dict[str, WireRecipe] = {
 }
 
 # Each layer precision's default recipe on each kind of link (keys: moe_fp4.exchange.link.Link values, then
-# moe_fp4.model.experts.Precision values). fp4's follows the link, from the 2026-11-28 measurements (bench/RESULTS.md):
+# moe_fp4.model.experts.Precision values). fp4's is issue 47's rule: the fastest lossless recipe on each link, from
+# the 2026-11-28 measurements (bench/RESULTS.md, 2x and 4x H200):
 # - Lossless: over nine seeds of the small preset (1000 steps, paired by seed with fp8) fp4-sr, fp4-fp8sums and
 #   fp4-all read +0.46 / +0.39 / +0.36% held-out and +0.48 / +0.60 / +0.54% training (s.e. 0.10-0.35): within
-#   issue 47's bound (the fp8 seeds' spread, 2.65%, or 0.5%) and not told apart from each other.
-# - Where bytes pay (a network, or NCCL through host memory) the most compressed is the fastest: fp4-all 1.19x fp8
-#   at EP 2 and 1.375x at EP 4 (fp4-sr 1.02x and 1.06x).
-# - Within a peer-to-peer host no MXFP4 recipe beat fp8 (0.90-1.01x, fp8's own runs spread 7%); there the default
-#   is the one that changes fewest exchanges, fp4-sr: the summed streams stay bf16, and at dsv3-layers (one seed
-#   each) fp4-sr read -0.07% held-out where fp4-all read +1.14%.
+#   the issue's bound (the fp8 seeds' spread, 2.65%, or 0.5%) and not told apart from each other.
+# - Where bytes pay (a network, or NCCL through host memory) the most compressed is the fastest: fp4-all 1.19-1.20x
+#   fp8 at EP 2 and 1.375x at EP 4 (fp4-fp8sums 1.16-1.18x and 1.24x, fp4-sr 1.02x and 1.06x).
+# - Within a peer-to-peer host fp4-fp8sums is the fastest: 0.98x fp8 over twelve EP 2 runs (0.92-1.02), 0.99x at
+#   EP 4, where fp4-sr read 0.90-0.97x and fp4-all 0.90-0.99x: its FP8 sums are read inside the row-sum kernel,
+#   and its nearest-rounded combine gradient is cheaper to make than fp4-sr's stochastic one.
+# One seed each at dsv3-layers (EP 2, 300 steps) read held-out +1.12% for fp4-fp8sums, +1.14% for fp4-all, -0.07%
+# for fp4-sr: a recipe that must also hold at that scale can be set by name (EPConfig(recipe={"fp4": "fp4-sr"})).
 LINK_RECIPE = {
-    "peer": {"bf16": "bf16", "fp8": "fp8", "fp4": "fp4-sr"},
+    "peer": {"bf16": "bf16", "fp8": "fp8", "fp4": "fp4-fp8sums"},
     "network": {"bf16": "bf16", "fp8": "fp8", "fp4": "fp4-all"},
 }
 # Without a link to follow (no expert parallelism, a simulated wire without EPConfig.link): the peer defaults.

@@ -64,7 +64,7 @@ EP_MATCH_FLOOR_DB = {
 # lowest at world 2 and 4, floors 1 dB under; at world 8 the lowest are out 18.30, dx 23.15 (every rank).
 # Over worlds 2, 4 and 8 (CPU, 2026-11-27): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
 # nvfp4 (all three nvfp4), same runs: out 20.17-20.65, dx 20.15-21.84; floor and ceiling 1 dB around.
-# sr (the combine gradient alone in mxfp4-sr, fp4's default): the forward is the unquantized wire's (out
+# sr (the combine gradient alone in mxfp4-sr, as fp4-sr sends it): the forward is the unquantized wire's (out
 # inf, checked equal); dx measured 24.28-27.17 dB over every rank with tokens at worlds 2, 4 and 8 (CPU,
 # 2026-11-28); band 1 dB around (the bf16 wire sent instead: inf).
 QUANTIZED_WIRES = {
@@ -181,9 +181,10 @@ def _reference(ref, xs):
 
 # The wire recipe of each precision whose quantization the layer without EP makes too, so that the two
 # compare like with like: fp4's MXFP4 dispatch (its reference runs on MXFP4-grid tokens) and fp8's FP8
-# combine gradient (the FP8 rows the experts make of dY anyway). fp4's default, fp4-sr, also rounds the
-# combine gradient to MXFP4 stochastically: its wire is checked in test_ep_recipes_send_their_formats...,
-# its numerics in QUANTIZED_WIRES["sr"].
+# combine gradient (the FP8 rows the experts make of dY anyway). fp4's defaults (fp4-fp8sums on one host, fp4-all
+# across hosts) also send the combine gradient in MXFP4 and the summed streams quantized: their wires are checked
+# in test_ep_recipes_send_their_formats... and test_ep_fp4_default_follows_the_link, their numerics in
+# QUANTIZED_WIRES.
 EXACT_RECIPE = {"bf16": "bf16", "fp8": "fp8", "fp4": "paper"}
 
 
@@ -532,13 +533,13 @@ def test_ep_recipes_send_their_formats_and_count_their_bytes(ep_results):
 
 
 def test_ep_fp4_default_follows_the_link(ep_results):
-    """EPConfig() with no recipe: on one host with peer-to-peer on, fp4 sends fp4-sr's formats; when any rank
+    """EPConfig() with no recipe: on one host with peer-to-peer on, fp4 sends fp4-fp8sums' formats; when any rank
     has NCCL's peer-to-peer path off, or the ranks sit on different hosts, every rank detects a network link
     and sends fp4-all's (checked on the wire, per exchange, with the bytes of each row)."""
     from moe_fp4.exchange.recipes import RECIPES
 
     world, results = ep_results
-    want = {"as is": ("peer", "fp4-sr"), "p2p off on the last rank": ("network", "fp4-all"),
+    want = {"as is": ("peer", "fp4-fp8sums"), "p2p off on the last rank": ("network", "fp4-all"),
             "a host per rank": ("network", "fp4-all")}
     for rank, res in enumerate(results):
         links = dict(res["link"])

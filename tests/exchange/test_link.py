@@ -47,14 +47,15 @@ def test_defaults_per_link():
     assert set(LINK_RECIPE) == {k.value for k in Link}
     for defaults in LINK_RECIPE.values():
         assert set(defaults) == {"bf16", "fp8", "fp4"} and all(n in RECIPES for n in defaults.values())
-    # fp4: fp4-sr within a peer-to-peer host, the most compressed recipe where bytes pay.
-    assert default_recipe_name("fp4", Link.PEER) == "fp4-sr" and default_recipe_name("fp4", "network") == "fp4-all"
+    # fp4: the summed streams in FP8 within a peer-to-peer host, every exchange in 4 bits where bytes pay.
+    assert default_recipe_name("fp4", Link.PEER) == "fp4-fp8sums"
+    assert default_recipe_name("fp4", "network") == "fp4-all"
     assert default_recipe("fp4", Link.NETWORK) is RECIPES["fp4-all"]
     # bf16 and fp8 send the same on every link; without a link, the peer defaults.
     for p in ("bf16", "fp8"):
         assert not follows_link(p) and default_recipe_name(p, "peer") == default_recipe_name(p, "network")
     assert follows_link("fp4")
-    assert PRECISION_RECIPE == LINK_RECIPE["peer"] and default_recipe("fp4") is RECIPES["fp4-sr"]
+    assert PRECISION_RECIPE == LINK_RECIPE["peer"] and default_recipe("fp4") is RECIPES["fp4-fp8sums"]
     with pytest.raises(ValueError, match="no default wire recipes for link 'ib'"):
         default_recipe("fp4", "ib")
 
@@ -62,11 +63,11 @@ def test_defaults_per_link():
 def test_epconfig_link():
     # Given: no detection, no process group needed.
     assert EPConfig(link="network").wire("fp4") == RECIPES["fp4-all"]
-    assert EPConfig(link=Link.PEER).wire("fp4") == RECIPES["fp4-sr"]
+    assert EPConfig(link=Link.PEER).wire("fp4") == RECIPES["fp4-fp8sums"]
     assert EPConfig(link="network").wire_link() is Link.NETWORK
     # A simulated wire crosses no link: the peer defaults, unless a link is given.
     assert EPConfig(simulate=True).wire_link() is Link.PEER
-    assert EPConfig(simulate=True).wire("fp4") == RECIPES["fp4-sr"]
+    assert EPConfig(simulate=True).wire("fp4") == RECIPES["fp4-fp8sums"]
     assert EPConfig(simulate=True, link="network").wire("fp4") == RECIPES["fp4-all"]
     # A precision whose formats do not depend on the link never detects (no process group here).
     assert EPConfig().wire("fp8") == RECIPES["fp8"] and EPConfig().wire("bf16") == RECIPES["bf16"]
