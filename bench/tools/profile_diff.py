@@ -5,7 +5,8 @@
 BASE and OTHER are the tables `moe-fp4 compare --profile` writes (profile_fp8.txt, profile_fp4.txt: torch's
 ``key_averages().table()``, sorted by CUDA time, the same number of steps in both). Prints, per row name, the
 self CUDA time in each and OTHER - BASE, largest differences first, then the totals of the GPU kernels alone
-(rows with no CPU time: what ran on the device, without the host-side operator rows that double-count them).
+(rows with no CPU time: what ran on the device, without the host-side operator rows that double-count them, and
+without the "nccl:..." rows that repeat their NCCL kernel's).
 Names that torch cut with "..." are compared as cut; two kernels whose names differ only after the cut add up.
 """
 
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
         print(f"{o[0] - b[0]:>+12.3f} {b[0]:>9.3f} {o[0]:>9.3f} {b[2]:>5}/{o[2]:<5}  {n[:100]}")
 
     def kernels(rows):
-        return sum(cuda for cuda, cpu, _ in rows.values() if cpu == 0)
+        # "nccl:<collective>" rows repeat their NCCL kernel's time: counted once, as the kernel
+        return sum(cuda for name, (cuda, cpu, _) in rows.items() if cpu == 0 and not name.startswith("nccl:"))
 
     kb, ko = kernels(base), kernels(other)
     print(f"GPU rows without CPU time (kernels, copies, collectives): base {kb:.3f} ms, other {ko:.3f} ms, "
