@@ -86,7 +86,9 @@ def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride
                        stride_o, FP8: tl.constexpr, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn.
-    # FP8: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as dequantize_fp8_ref does.
+    # FP8: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as dequantize_fp8_ref does;
+    # BLOCK_H divides 128, so a program's columns lie in one tile and each row's scale is loaded once (a scale
+    # gathered per element made the FP8 sums 1.6x the bf16 ones' time on an H200, reading half the bytes).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < M
@@ -100,9 +102,9 @@ def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride
         if FP8:
             # masked-off codes load 0 under scale 1: +0, which adds nothing
             b = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=m2, other=0).to(tl.int32)
-            sc = tl.load(sc_ptr + idx[:, None] * stride_sc + (cols // 128)[None, :] * stride_sc1, mask=m2,
-                         other=1.0)   # 128: FP8_TILE
-            v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc      # exact: sc is a power of two
+            tile = (tl.program_id(1) * BLOCK_H) // 128   # 128: FP8_TILE
+            sc = tl.load(sc_ptr + idx * stride_sc + tile * stride_sc1, mask=ok, other=1.0)
+            v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc[:, None]   # exact: sc is a power of two
             nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
             acc += tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
         else:
@@ -189,10 +191,13 @@ def gather_sum_fp8_ref(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
 
 
 def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                   dtype: torch.dtype = torch.bfloat16, block_m: int = 16, block_h: int = 256,
+                   dtype: torch.dtype = torch.bfloat16, block_m: int = 32, block_h: int = 128,
                    num_warps: int = 4) -> torch.Tensor:
-    """As :func:`gather_sum_fp8_ref` (bit for bit), in one Triton kernel: the codes decoded in registers."""
+    """As :func:`gather_sum_fp8_ref` (bit for bit), in one Triton kernel: the codes decoded in registers.
+    ``block_h`` must divide 128 (a program's columns in one scale tile)."""
     h = _check_fp8_rows("gather_sum_fp8", data, scale, slots, dtype)
+    if block_h > FP8_TILE or FP8_TILE % block_h:
+        raise ValueError(f"gather_sum_fp8: block_h must divide {FP8_TILE}, got {block_h}")
     n, m, s = data.shape[0], *slots.shape
     out = torch.empty(m, h, dtype=dtype, device=data.device)
     if m == 0 or h == 0:

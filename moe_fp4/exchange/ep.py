@@ -158,6 +158,8 @@ class EPConfig:
         """Whether the formats of ``precision`` depend on the link (its default recipe does, and no recipe or
         role set here pins them)."""
         key = getattr(precision, "value", precision)
+        if key not in PRECISION_RECIPE:
+            raise ValueError(f"EPConfig.follows_link: no precision {precision!r}; one of {', '.join(PRECISION_RECIPE)}")
         return self._wires[Link.PEER, key] != self._wires[Link.NETWORK, key]
 
     def wire_link(self) -> Link:

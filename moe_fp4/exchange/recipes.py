@@ -95,11 +95,11 @@ RECIPES: dict[str, WireRecipe] = {
 # - Lossless: over nine seeds of the small preset (1000 steps, paired by seed with fp8) fp4-sr, fp4-fp8sums and
 #   fp4-all read +0.46 / +0.39 / +0.36% held-out and +0.48 / +0.60 / +0.54% training (s.e. 0.10-0.35): within
 #   the issue's bound (the fp8 seeds' spread, 2.65%, or 0.5%) and not told apart from each other.
-# - Where bytes pay (a network, or NCCL through host memory) the most compressed is the fastest: fp4-all 1.19-1.20x
+# - Where bytes pay (a network, or NCCL through host memory) the most compressed is the fastest: fp4-all 1.19-1.26x
 #   fp8 at EP 2 and 1.375x at EP 4 (fp4-fp8sums 1.16-1.18x and 1.24x, fp4-sr 1.02x and 1.06x).
 # - Within a peer-to-peer host fp4-fp8sums is the fastest: 0.974x fp8 over sixteen EP 2 runs (0.91-1.02, s.e.
-#   0.008), 0.99x at EP 4, where fp4-sr read 0.943x (four runs) and fp4-all 0.938x (three): it sends half fp4-sr's
-#   bytes, and its nearest-rounded combine gradient is cheaper to make than fp4-sr's stochastic one.
+#   0.008), 0.99x at EP 4, where fp4-sr read 0.943x (four runs) and fp4-all 0.938x (three): it sends 0.62x
+#   fp4-sr's bytes, and its nearest-rounded combine gradient is cheaper to make than fp4-sr's stochastic one.
 # At dsv3-layers (EP 2, 300 steps, two seeds) fp4-fp8sums read held-out +1.12% and -0.95%, training +0.97% and
 # +0.75%; fp4-sr -0.07% and +1.27%, training -0.42% and +1.97% (one seed of fp4-all: +1.14%, +0.79%).
 LINK_RECIPE = {

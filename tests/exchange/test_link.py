@@ -84,6 +84,9 @@ def test_epconfig_link():
         EPConfig().wire("fp4")
     with pytest.raises(ValueError, match="EPConfig.link: one of peer, network"):
         EPConfig(link="nvlink")
+    for bad in (EPConfig().wire, EPConfig().follows_link):
+        with pytest.raises(ValueError, match="no precision 'int8'"):
+            bad("int8")
 
 
 def test_compare_names_the_default_and_its_link():
