@@ -14,9 +14,10 @@ output's slots in ascending row order the sum is index_add_'s sequential one (as
 ``gather_sum_fp8(data, scale, slots, dtype)`` takes the rows as they arrive on an FP8 wire (1x128 codes and
 float32 scales, strided views of the wire buffer) and decodes them in registers: the same bits as decoding the
 rows to ``dtype`` first (``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
-[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.23-0.28x the time
-of decode-then-sum on an H200. The same for MXFP4 rows was built and measured 1.28-1.36x slower than
-``dequantize_mxfp4`` (a Triton kernel) followed by ``gather_sum``, and removed (bench/RESULTS.md, 2026-11-28).
+[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.15x the time of
+decode-then-sum on an H200, 2.2x the bf16 sums' time while reading half their bytes (the decode is not free).
+The same for MXFP4 rows was built and measured 1.28-1.36x slower than ``dequantize_mxfp4`` (a Triton kernel)
+followed by ``gather_sum``, and removed (bench/RESULTS.md, 2026-11-28).
 
 NaN results are the canonical NaN of the output dtype (numerics.NAN_BITS) in both twins: the GPU's float32
 addition keeps one operand's NaN payload, and float32 -> bf16 conversions differ in what they keep.
@@ -87,8 +88,9 @@ def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride
                        BLOCK_H: tl.constexpr):
     # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn.
     # FP8: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as dequantize_fp8_ref does;
-    # BLOCK_H divides 128, so a program's columns lie in one tile and each row's scale is loaded once (a scale
-    # gathered per element made the FP8 sums 1.6x the bf16 ones' time on an H200, reading half the bytes).
+    # BLOCK_H divides 128, so a program's columns lie in one tile and each row's scale is loaded once: with a
+    # scale load per element the FP8 sums took 0.372 ms where bf16's take 0.110 (bench/tools/ep_sums.py, H200),
+    # with one per row and program 0.243 ms.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < M

@@ -7,7 +7,9 @@
 - :mod:`~moe_fp4.exchange.recipes`: the named wire recipes (``RECIPES``: the format of each exchange) and
   each precision's default per link (``LINK_RECIPE``).
 - :mod:`~moe_fp4.exchange.link`: which link a group's exchanges cross (``Link``, ``detect_link``).
-- :mod:`~moe_fp4.exchange.ep`: the expert-parallel dispatch and combine the MoE layer uses (``EPConfig``).
+- :mod:`~moe_fp4.exchange.ep_config`: ``EPConfig``, the EP group and each exchange's format per precision.
+- :mod:`~moe_fp4.exchange.ep`: the expert-parallel dispatch and combine the MoE layer uses (``EPConfig``
+  re-exported).
 - :mod:`~moe_fp4.exchange.simulate`: an exchange's numerics on one rank (``EPConfig.simulate``).
 """
 

@@ -202,6 +202,17 @@ def test_unpack_sum_is_unpack_then_sum(fmt):
         assert got.dtype == dtype and same_bits(got, want), (fmt, dtype)
 
 
+def test_fp8_rows_narrow_column_blocks():
+    """block_h 64 and 32: several programs read one row's 1x128 scale tile; the same bits."""
+    from moe_fp4.kernels.row_sum import gather_sum_fp8, gather_sum_fp8_ref
+
+    (fd, fs), _ = _wire_rows(9, 384, seed=3)
+    sl = _slots(11, 3, 9, seed=4)
+    want = gather_sum_fp8_ref(fd, fs, sl)
+    for block_h in (64, 32):
+        assert same_bits(gather_sum_fp8(fd, fs, sl, block_h=block_h, block_m=8), want), block_h
+
+
 def test_fp8_rows_bad_input():
     from moe_fp4.kernels.row_sum import gather_sum_fp8
 
@@ -219,6 +230,9 @@ def test_fp8_rows_bad_input():
         gather_sum_fp8(torch.zeros(4, 96, dtype=torch.uint8), torch.zeros(4, 0), sl)
     with pytest.raises(ValueError, match="slots must be"):
         gather_sum_fp8(d, s, sl.float())
+    for block_h in (256, 96):   # a program's columns must lie in one 1x128 scale tile
+        with pytest.raises(ValueError, match="block_h must divide 128"):
+            gather_sum_fp8(d, s, sl, block_h=block_h)
 
 
 @pytest.mark.gpu
