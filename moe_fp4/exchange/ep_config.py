@@ -110,6 +110,9 @@ class EPConfig:
                     raise ValueError(f"EPConfig.dispatch: one of {', '.join(f.value for f in DISPATCH_FORMATS)}, "
                                      f"got {w.dispatch.value}")
         object.__setattr__(self, "_wires", wires)
+        # The precisions whose formats differ between links: only these need the link (a collective to detect).
+        object.__setattr__(self, "_follows", {p: wires[Link.PEER, p] != wires[Link.NETWORK, p]
+                                              for p in PRECISION_RECIPE})
 
     def wire(self, precision) -> WireRecipe:
         """The formats a layer of ``precision`` ("bf16" | "fp8" | "fp4") sends: the recipe (or the
@@ -119,7 +122,7 @@ class EPConfig:
         key = getattr(precision, "value", precision)
         if key not in PRECISION_RECIPE:
             raise ValueError(f"EPConfig.wire: no precision {precision!r}; one of {', '.join(PRECISION_RECIPE)}")
-        if self.follows_link(key):
+        if self._follows[key]:
             return self._wires[self.wire_link(), key]
         return self._wires[Link.PEER, key]
 
@@ -129,7 +132,7 @@ class EPConfig:
         key = getattr(precision, "value", precision)
         if key not in PRECISION_RECIPE:
             raise ValueError(f"EPConfig.follows_link: no precision {precision!r}; one of {', '.join(PRECISION_RECIPE)}")
-        return self._wires[Link.PEER, key] != self._wires[Link.NETWORK, key]
+        return self._follows[key]
 
     def wire_link(self) -> Link:
         """The link the default recipes follow: ``link`` when set; Link.PEER with ``simulate`` (nothing
