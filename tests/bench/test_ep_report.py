@@ -9,6 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
+A2A = RESULTS / "2026-11-23_2xh200_3f8ea4c_all_to_all"
+COMPARE = RESULTS / "2026-11-23_2xh200_500d4ad-a215faf_compare"
 
 
 def _report(out: Path) -> str:
@@ -17,13 +19,13 @@ def _report(out: Path) -> str:
 
 
 def test_report_reads_the_recorded_runs(tmp_path):
-    shutil.copy(RESULTS / "all_to_all_2xh200_nvlink_3f8ea4c.json", tmp_path / "a2a_nvlink.json")
-    shutil.copy(RESULTS / "all_to_all_2xh200_shm_3f8ea4c.json", tmp_path / "a2a_shm.json")
+    shutil.copy(A2A / "all_to_all_2xh200_nvlink_3f8ea4c.json", tmp_path / "a2a_nvlink.json")
+    shutil.copy(A2A / "all_to_all_2xh200_shm_3f8ea4c.json", tmp_path / "a2a_shm.json")
     for sub, src in (("ep4/A_nvlink_maxbatch", "2xh200_A_nvlink_maxbatch.json"),
                      ("ep4/B_nvlink_batch334", "2xh200_B_nvlink_batch334.json"),
                      ("ep2/B_nvlink_batch334", "2xh200_B_nvlink_batch334.json")):
         (tmp_path / sub).mkdir(parents=True)
-        shutil.copy(RESULTS / "compare" / src, tmp_path / sub / "compare.json")
+        shutil.copy(COMPARE / src, tmp_path / sub / "compare.json")
     text = _report(tmp_path)
     # RESULTS.md, issue 9: 0.549x our FP8 (NVLink), 0.520x (slow link), both met.
     assert "Target at 32768 x 7168: mxfp4 <= 0.75x fp8: 0.549x, met" in text

@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT / "bench" / "tools"))
 
 import profile_diff  # noqa: E402
 
-RUN = ROOT / "bench/results/2026-11-28_2xh200_12d0ea3_36c0ca7_link/profile_order_36c0ca7/profile_fp8_fp4"
+RUN = ROOT / "bench/results/2026-11-28_2xh200_12d0ea3-841c661_link/profile_order_36c0ca7/profile_fp8_fp4"
 
 TABLE = """\
 -------------  ------------  ------------  ------------  ------------  ------------  ------------
