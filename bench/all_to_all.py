@@ -28,7 +28,6 @@ its own --layer-tokens tokens, bf16 / fp8 / fp4 precision on the same weights an
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -43,7 +42,9 @@ from moe_fp4.exchange.ep import EPConfig
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.moe import MoE, MoEConfig
 from moe_fp4.exchange.wire import row_bytes
-from moe_fp4.compare.origin import commit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from harness import run_record, run_times, write_json  # noqa: E402
 
 LAYER_CONFIGS = {
     "dsv3": dict(hidden=7168, ffn=2048, num_experts=32, top_k=8),
@@ -57,17 +58,13 @@ def log(*a) -> None:
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
-    """Median ms of fn() over iters (after warmup), each iteration after a barrier; the slowest rank's."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    """Median ms of fn() over iters (after warmup), each iteration after the GPU's work and a barrier;
+    the slowest rank's."""
+    def settle():
         torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+        dist.barrier()
+
+    times = run_times(fn, warmup + iters, before=settle)[warmup:]
     med = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
@@ -155,9 +152,8 @@ def main() -> None:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     link = "shared memory (NCCL_P2P_DISABLE=1)" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "default (NVLink)"
-    head = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(), "link": link,
-            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "date": datetime.date.today().isoformat(), "commit": commit(), "command": " ".join(sys.argv)}
+    head = {**run_record(), "world": dist.get_world_size(), "link": link,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "command": " ".join(sys.argv)}
     log(json.dumps(head))
     rows_out = []
     log(f"{'H':>5} {'rows':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'mxfp4 ms':>9} {'fp8 wire':>9} {'mx wire':>8} "
@@ -179,9 +175,8 @@ def main() -> None:
         log(f"EP layer {c}, {r['tokens_per_rank']} tokens/rank: bf16 {r['bf16_ms']:.2f} ms, fp8 {r['fp8_ms']:.2f} ms, "
             f"fp4 {r['fp4_ms']:.2f} ms; fp4/fp8 {r['fp4_vs_fp8']:.3f}; out SQNR vs bf16: fp8 "
             f"{r['fp8_out_sqnr_db_vs_bf16']:.1f} dB, fp4 {r['fp4_out_sqnr_db_vs_bf16']:.1f} dB")
-    if a.json and dist.get_rank() == 0:
-        with open(a.json, "w") as f:
-            json.dump({"header": head, "all_to_all": rows_out, "layer": layers}, f, indent=1)
+    if dist.get_rank() == 0:
+        write_json(a.json, {"header": head, "all_to_all": rows_out, "layer": layers})
     dist.destroy_process_group()
 
 

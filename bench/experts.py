@@ -23,8 +23,8 @@ the cached FP8 weights and add their weight gradients into ``.grad``; the time i
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB). The variants take their
 timed steps in --rounds rounds (default 5), the order rotated each round, one untimed step at each
-switch: the step time drifts within a process, and timed one after the other the later variants would
-pay for it (bench/RESULTS.md, 2026-11-26, 65beb0b).
+switch (bench/harness.py): the step time drifts within a process, and timed one after the other the later
+variants would pay for it (bench/RESULTS.md).
 
 With ``--optimizer`` a timed unit is a whole training step instead: the passes, then AdamW (torch's
 fused AdamW, or moe_fp4.model.optim.AdamWFP8Weights, which writes the FP8 weight pair in its own update pass),
@@ -51,8 +51,7 @@ from moe_fp4.gemm.engines import grouped_gemm_backend
 from moe_fp4.saved.hook import register_activation_compression
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
-# bench/gemm.py: CUDA-event timing, the run's record, the JSON
-from gemm import log, rotated, sm90_run, timed, write_results  # noqa: E402
+from harness import interleaved, log, sm90_run, timed, write_results  # noqa: E402
 
 SHAPES = {"dsv3": (32, 1024, 7168, 2048), "small": (64, 768, 2048, 1408)}   # experts, rows each, hidden, ffn
 
@@ -110,38 +109,6 @@ def timed_step(fn, params, x, g, warmup: int, iters: int, micro_batches: int = 1
     process this way)."""
     ms, mib = measured(pass_unit(fn, params, x, g, micro_batches, bump), warmup, iters)
     return ms / micro_batches, mib
-
-
-def step_times(step, n: int) -> list[float]:
-    """-> ms of each of n runs of step(), each from an idle GPU (CUDA events around it)."""
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def interleaved(units: dict, warmup: int, iters: int, rounds: int) -> dict[str, list[float]]:
-    """{name: unit} -> {name: ms of its timed runs}: ``rounds`` rounds, the order rotated each round, one
-    untimed run at each switch, iters // rounds (at least 1) timed runs per round. In one process the
-    step time drifts (bench/RESULTS.md, 2026-11-26, 65beb0b), so variants timed one after the other would
-    charge it to the later ones."""
-    names = list(units)
-    for name in names:
-        for _ in range(warmup):
-            units[name]()
-    torch.cuda.synchronize()
-    out: dict[str, list[float]] = {name: [] for name in names}
-    for order in rotated(names, rounds):
-        for name in order:
-            units[name]()              # untimed: the first run after another variant's
-            torch.cuda.synchronize()
-            out[name] += step_times(units[name], max(1, iters // rounds))
-    return out
 
 
 def peak_mib(step) -> float:
@@ -289,8 +256,8 @@ def run_shape(shape: str, args) -> list[dict]:
             log(f"| {name} | failed: {str(exc).splitlines()[0][:140]} | | |")
             out.append({"shape": shape, "variant": name, "error": str(exc).splitlines()[0][:300]})
     base_ms = None
-    for name, times in interleaved(units, args.warmup, args.iters, args.rounds).items():
-        ms = statistics.median(times) / args.micro_batches
+    for name, rounds in interleaved(units, args.warmup, args.iters, args.rounds).items():
+        ms = statistics.median([t for r in rounds for t in r]) / args.micro_batches
         base_ms = base_ms or ms
         log(f"| {name} | {ms:.3f} | {ms / base_ms:.3f} | {mibs[name]:.0f} |")
         out.append({"shape": shape, "variant": name, "ms": ms, "vs_torch_bf16": ms / base_ms, "peak_mib": mibs[name],

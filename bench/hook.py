@@ -21,16 +21,18 @@ No timed assertions; the script fails only if the removed hook does not restore 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
+import os
 import statistics
-import time
+import sys
 
 import torch
 
 import moe_fp4
 from moe_fp4.formats.metrics import sqnr_db
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from harness import device_name, run_record, run_times, write_json  # noqa: E402
 
 MiB = 2**20
 REDUCTION_ORDER_FLOOR_DB = 80.0
@@ -53,41 +55,26 @@ def build(a, device):
     return model.to(device).train()
 
 
-class Timer:
-    def __init__(self, device):
-        self.cuda = device == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            torch.cuda.synchronize()
-            self.ms = self.start.elapsed_time(self.end)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1e3
-
-
 def one_step(model, ids, device):
-    """-> (loss, ms, held_before, after_forward, peak) with memory in bytes relative to held_before."""
+    """-> (loss, ms, held_before, after_forward, peak) with memory in bytes relative to held_before; the
+    step timed with CUDA events (wall clock on CPU)."""
     cuda = device == "cuda"
     model.zero_grad(set_to_none=False)
+    held = 0
     if cuda:
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    with Timer(device) as t:
-        loss = model(input_ids=ids, labels=ids).loss
-        after_fwd = torch.cuda.memory_allocated() - held if cuda else float("nan")
-        loss.backward()
+    got = {}
+
+    def fwd_bwd():
+        got["loss"] = model(input_ids=ids, labels=ids).loss
+        got["after_fwd"] = torch.cuda.memory_allocated() - held if cuda else float("nan")
+        got["loss"].backward()
+
+    (ms,) = run_times(fwd_bwd, 1, device=device)
     peak = torch.cuda.max_memory_allocated() - held if cuda else float("nan")
-    return loss.detach(), t.ms, held if cuda else float("nan"), after_fwd, peak
+    return got["loss"].detach(), ms, held if cuda else float("nan"), got["after_fwd"], peak
 
 
 def measure(name, model, ids, device, iters, warmup):
@@ -139,7 +126,7 @@ def main() -> None:
     a.seq = a.seq or (2048 if gpu else 32)
     a.iters = a.iters or (10 if gpu else 2)
     a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 1)
-    dev_name = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
+    dev_name = device_name(device)
     print(f"moe_fp4 {moe_fp4.__version__} saved-tensor hook bench on {device} ({dev_name}), torch {torch.__version__}")
     if not gpu:
         print("CPU smoke run: a tiny model, the same code path; times and memory here mean nothing "
@@ -202,7 +189,7 @@ def main() -> None:
     print(f"gradients with hook vs baseline: {grad_db:.1f} dB all, worst {worst_db:.1f} dB ({worst}); "
           f"loss {'identical' if torch.equal(hook_loss, base_loss) else 'differs'}")
     # A bit-level difference far above the hook's own effect (MXFP4: ~20-40 dB) is cuBLAS/atomics picking another
-    # reduction order for a changed memory layout, not the hook: measured 104.8 dB on an H200.
+    # reduction order for a changed memory layout, not the hook.
     same_up_to_order = restored or (torch.equal(rm_loss, base_loss) and removed_db >= REDUCTION_ORDER_FLOOR_DB)
     if restored:
         print("after handle.remove(): bit-identical to baseline")
@@ -216,15 +203,15 @@ def main() -> None:
               f"loss {'identical' if torch.equal(rm_loss, base_loss) else 'differs'}")
 
     if a.json:
-        out = {"device": device, "device_name": dev_name, "torch": torch.__version__,
+        # "device" stays the device type here, its name is "device_name"
+        out = {**run_record(device), "device": device, "device_name": dev_name,
                "transformers": __import__("transformers").__version__, "cpu_smoke_run": not gpu,
                "args": vars(a), "baseline": base, "hook": hooked, "removed": removed, "ratios": ratios,
                "expert_activations": expert, "grad_sqnr_db": grad_db, "worst_param_grad_sqnr_db": worst_db,
                "worst_param": worst, "restored_exactly": restored,
                "baseline_deterministic": deterministic, "baseline_rerun_grad_sqnr_db": noise_db,
                "removed_grad_sqnr_db": removed_db}
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
+        write_json(a.json, out, indent=2, default=str)
         print(f"wrote {a.json}")
     if not same_up_to_order:
         raise SystemExit("handle.remove() did not restore the baseline exactly")

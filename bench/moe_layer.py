@@ -6,7 +6,7 @@ runs the same weights on the same input. Routing: random router weights, tokens 
 tokens per expert are roughly balanced; each step routes its own input.
 
     python bench/moe_layer.py                                 # GPU: dsv3 and small; CPU: a tiny smoke run
-    python bench/moe_layer.py --config dsv3 --json bench/results/moe_layer_h200.json
+    python bench/moe_layer.py --config dsv3 --json moe_layer.json
     python bench/moe_layer.py --config small --tokens 16384 --precisions fp8 fp4 --no-budget
     python bench/moe_layer.py --config dsv3 --no-budget --optimizer     # training steps, with AdamW
 
@@ -40,9 +40,7 @@ budget; fits = whether the step at T_max stayed within it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -53,15 +51,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")       # before moe_fp4 imports triton
 
-import moe_fp4  # noqa: E402
 from moe_fp4.formats.conversions import conversion_path  # noqa: E402
 from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
 from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 from moe_fp4.saved.accounting import saved_bytes  # noqa: E402
-from moe_fp4.compare.origin import commit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
-from gemm import rotated  # noqa: E402  (bench/gemm.py: the rounds' order, shared by the benchmarks)
+from harness import interleaved, log, run_record, sync, write_json  # noqa: E402
 
 CONFIGS = {  # name: (MoEConfig without shared_ffn, default tokens)
     "dsv3": (dict(hidden=7168, ffn=2048, num_experts=32, top_k=8), 4096),
@@ -74,31 +70,10 @@ ALIGN = 128
 MIB, GIB = 2 ** 20, 2 ** 30
 
 
-def log(*a) -> None:
-    print(*a, flush=True)
-
-
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def header(device: torch.device) -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_version = "not installed"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"device": name, "device_type": device.type, "torch": torch.__version__, "triton": triton_version,
-            "moe_fp4": moe_fp4.__version__, "commit": commit(), "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -158,57 +133,26 @@ def check(m: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
     return res
 
 
-def time_steps(m: MoE, x: torch.Tensor, g: torch.Tensor, iters: int, device: torch.device,
-               opt: torch.optim.Optimizer | None = None) -> list[float]:
-    """-> seconds of each of ``iters`` fwd+bwd steps (with ``opt``: + its step), each from an idle GPU
-    (CUDA events around it; wall clock on CPU), grads set to None before each."""
-    times = []
-    for _ in range(iters):
-        zero(m, x)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(m, x, g, opt)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            step(m, x, g, opt)
-            times.append(time.perf_counter() - t0)
-    zero(m, x)
-    return times
-
-
 def time_interleaved(m: MoE, precisions: list[str], x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int,
                      rounds: int, device: torch.device, opts: dict | None = None) -> dict[str, list[list[float]]]:
-    """The precisions' timed steps in ``rounds`` rounds, in an order rotated each round -> {precision:
+    """The precisions' timed steps in ``rounds`` rotated rounds (harness.interleaved) -> {precision:
     [seconds of its steps, one list per round]}.
 
-    Why not one precision after the other: in one process the step time drifts (on an H100, +1-3% over
-    a few seconds of steps, with and without a profiler session before; bench/RESULTS.md), so whichever
-    precision ran later paid for it (fp4/fp8 over 3 runs: 1.00-1.02 when fp8 ran first, 0.94-0.99
-    when fp4 did). Rotated rounds give every precision every position equally often. Each precision
-    takes ``warmup`` untimed steps before its first round and one whenever it takes its turn (with
-    ``opts``, {precision: optimizer}: that step also remakes the FP8 pairs another optimizer's step
-    left stale)."""
+    Why not one precision after the other: in one process the step time drifts (bench/RESULTS.md), so
+    whichever precision ran later would pay for it; rotated rounds give every precision every position
+    equally often. Each precision takes ``warmup`` untimed steps before its first round and one whenever
+    it takes its turn (with ``opts``, {precision: optimizer}: that step also remakes the FP8 pairs another
+    optimizer's step left stale). Every step (fwd + bwd, with ``opts``: + its optimizer's step) is timed
+    from an idle GPU (CUDA events; wall clock on CPU), the grads set to None before it, untimed."""
     opts = opts or {}
-    for p in precisions:
+
+    def enter(p: str) -> None:
         m.precision = p
-        for _ in range(warmup):
-            zero(m, x)
-            step(m, x, g, opts.get(p))
-    sync(device)
-    per_round = max(1, iters // rounds)
-    out: dict[str, list[list[float]]] = {p: [] for p in precisions}
-    for order in rotated(precisions, rounds):
-        for p in order:
-            m.precision = p
-            zero(m, x)
-            step(m, x, g, opts.get(p))   # untimed: the first step after another precision's
-            sync(device)
-            out[p].append(time_steps(m, x, g, per_round, device, opts.get(p)))
-    return out
+
+    runs = {p: (lambda p=p: step(m, x, g, opts.get(p))) for p in precisions}
+    got = interleaved(runs, warmup, iters, rounds, before=lambda: zero(m, x), enter=enter, device=device)
+    zero(m, x)
+    return {p: [[t * 1e-3 for t in r] for r in v] for p, v in got.items()}
 
 
 def memory(m: MoE, x: torch.Tensor, g: torch.Tensor, device: torch.device) -> dict:
@@ -354,8 +298,8 @@ def _target(name: str, value, op: str | None = None, threshold: float = 0.0) -> 
     return {"name": name, "value": value, "target": f"{op} {threshold:g}" if op else None, "met": met}
 
 
-# Targets per config: fp8 step / bf16 step, fp4 step / fp8 step (the GEMM-engine issue, 29), GEMM
-# TFLOP/s (the expert-layer issue, 10).
+# Targets per config: fp8 step / bf16 step, fp4 step / fp8 step (the grouped-GEMM engine's), GEMM
+# TFLOP/s (the expert layer's).
 STEP_TARGETS = {"dsv3": (0.80, 1.00, 600.0), "small": (0.95, None, None)}
 ACT_SAVING_TARGET = 0.45       # fp4 activation memory at least this far below fp8's
 T_MAX_TARGET = 1.4
@@ -516,7 +460,7 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {**header(device), "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds, "optimizer": a.optimizer,
+    result = {**run_record(device), "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds, "optimizer": a.optimizer,
               "budget_gib": a.budget_gib, "seed": a.seed, "configs": []}
     what = "training step (fwd+bwd+AdamW)" if a.optimizer else "fwd+bwd"
     log(f"moe_fp4 {result['moe_fp4']} MoE layer {what} | device: {result['device']} | torch {result['torch']} "
@@ -527,9 +471,7 @@ def main(argv=None) -> int:
             "timing, no memory numbers. Exercises the code paths; it is not a measurement.")
 
     def save():
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(a.json, result)
 
     t0 = time.perf_counter()
     for name in a.config:

@@ -74,11 +74,12 @@ def main() -> None:
     print(f"\nMXFP4 rows -> FP8 columns for wgrad: SQNR vs the MXFP4 values {exact:.2f} dB (inf = exact)")
 
     if device == "cuda":
-        print("\nkernel bandwidth vs a copy of the same bytes (one shape; all shapes: bench/kernels.py):", flush=True)
-        kernels_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
-        _run_script(kernels_py, ["--tokens", str(tokens), "--hidden", str(a.hidden), "--ref", "none"])
+        print("\nkernel bandwidth vs a copy of the same bytes (one shape; all shapes: bench/conversions.py):",
+              flush=True)
+        conversions_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conversions.py")
+        _run_script(conversions_py, ["--tokens", str(tokens), "--hidden", str(a.hidden), "--ref", "none"])
     else:
-        print("\nkernel bandwidth: needs a GPU (python bench/kernels.py)")
+        print("\nkernel bandwidth: needs a GPU (python bench/conversions.py)")
     here = os.path.dirname(os.path.abspath(__file__))
     layer_args = ["--config", "dsv3", "--no-budget", "--iters", "10"] if device == "cuda" else []
     print("\nMoE layer, bf16 vs fp8 (baseline) vs fp4 (bench/moe_layer.py " + " ".join(layer_args) + "):", flush=True)

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for experts.py and gemm.py (python -P too)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for experts.py and harness.py (python -P too)
 from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the example's EP block)
 
 from experts import timed_step  # noqa: E402  (bench/experts.py: fwd + bwd with the weights' versions bumped)
-from gemm import log, sm90_run, write_results  # noqa: E402  (bench/gemm.py: run record, JSON)
+from harness import log, sm90_run, write_results  # noqa: E402  (bench/harness.py: run record, JSON)
 from moe_fp4.exchange.ep import EPConfig  # noqa: E402
 from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 

@@ -2,7 +2,7 @@
 expert-parallel MoE layer would send (issue 27).
 
     python bench/wire_sqnr.py                          # tiny preset on CPU, small on a GPU
-    python bench/wire_sqnr.py --preset small --train-steps 50 --json bench/results/wire_sqnr.json
+    python bench/wire_sqnr.py --preset small --train-steps 50 --json wire_sqnr.json
 
 The model (``moe-fp4 compare``'s, bf16 mode, the default data) trains ``--train-steps`` AdamW steps,
 then one more batch runs with hooks on every MoE layer. Captured per layer, as [tokens, H] rows:

@@ -1,12 +1,12 @@
 """The memory ceiling of each conversion's traffic shape: how fast can anything read R bytes and
 write W bytes, when R != W?
 
-bench/kernels.py measures every conversion against a copy (R = W). The decoders write two to four
+bench/conversions.py measures every conversion against a copy (R = W). The decoders write two to four
 bytes per byte read and the encoders the reverse, and HBM need not serve those mixes at a copy's
 rate. For each op and shape this script times, in one run:
 
-- the op itself (its launcher's defaults; output not checked here, bench/kernels.py does that);
-- ``copy``: ``dst.copy_(src)`` on uint8 moving the op's bytes (bench/kernels.py's baseline);
+- the op itself (its launcher's defaults; output not checked here, bench/conversions.py does that);
+- ``copy``: ``dst.copy_(src)`` on uint8 moving the op's bytes (bench/conversions.py's baseline);
 - ``stream``: a Triton kernel with no arithmetic, an elementwise cast between integer words with the
   op's read:write ratio of data bytes (MXFP4 -> FP8: int16 words of four codes to int32 words of four
   bytes; scales left out, 1-3% of the bytes), four words per thread on both sides as in the library's
@@ -18,7 +18,7 @@ rate. For each op and shape this script times, in one run:
   kernel), for the ops with one output.
 
 Every figure is GB/s of its own bytes and % of the copy's GB/s; "op / stream" is the op's GB/s over
-the stream kernel's. Timing: bench/kernels.py's ``measure`` (CUDA events, median, inputs and outputs
+the stream kernel's. Timing: bench/conversions.py's ``measure`` (CUDA events, median, inputs and outputs
 rotating over >= 4x L2). CUDA only.
 
     python bench/tools/ceiling.py                                   # 65536 x 7168 and 32768 x 4096, every row op
@@ -32,14 +32,13 @@ import json
 import os
 import sys
 
-# bench/, for bench/kernels.py (imported as "kernels"); this directory is sys.path[0] when run as a script
+# bench/, for bench/conversions.py; this directory is sys.path[0] when run as a script
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import conversions as KB  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-import kernels as KB  # noqa: E402
 
 # Row conversions as elementwise casts between integer words of the op's data: (source words,
 # output words, second output or None), one source word per output word, so the read:write ratio

@@ -4,8 +4,8 @@ effect measured against the same clocks.
     git archive <old commit> kernels/gluon_grouped_gemm.py | tar -x -C /tmp/old
     python bench/tools/gemm_ab.py --old /tmp/old/kernels/gluon_grouped_gemm.py --routing balanced ragged
 
-Single bench/gemm.py runs of one GEMM spread by up to 10% between calls on the same GPU (cuBLAS's own
-TFLOP/s moved 1038 -> 1152 between two runs, H200), more than most kernel changes gain. Here each
+Single bench/gemm.py runs of one GEMM spread between calls on the same GPU by more than most kernel
+changes gain (bench/RESULTS.md). Here each
 round times the installed engine (``new``) and the module at ``--old`` (``old``; it imports its helpers
 from the installed moe_fp4, so only that file may differ) back to back on the same operands (each
 engine's calls issued back to back, GPU time, as bench/gemm.py times), and the table reports the median
@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for gemm.py
 
-from gemm import SHAPES, gemms, route_counts, sm90_run, timed, write_results  # noqa: E402
+from gemm import SHAPES, gemms, route_counts  # noqa: E402
+from harness import sm90_run, timed, write_results  # noqa: E402
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as NEW  # noqa: E402

@@ -12,12 +12,17 @@ median ms and its ratio to the first.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
 from moe_fp4.formats.conversions import mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
 from moe_fp4.gemm.engines import grouped_fp8_mm_nt, grouped_gemm_backend, quantize_fp8_weight
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness
+from harness import run_times  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -49,14 +54,12 @@ def main(argv=None) -> None:
     for rnd in range(a.rounds):
         order = list(ops.items()) if rnd % 2 == 0 else list(ops.items())[::-1]   # no way always first
         for name, op in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(a.iters):
-                grouped_fp8_mm_nt(op, w, counts)
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / a.iters)
+            def block(op=op):
+                for _ in range(a.iters):
+                    grouped_fp8_mm_nt(op, w, counts)
+
+            (ms,) = run_times(block, 1, before=torch.cuda.synchronize)   # one pair of events around the block
+            times[name].append(ms / a.iters)
     base = statistics.median(times["fp8 of x"])
     for name, t in times.items():
         med = statistics.median(t)

@@ -32,7 +32,7 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for moe_layer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for moe_layer, harness
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (also under python -P)
 
 import torch  # noqa: E402
@@ -41,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
+from harness import run_times  # noqa: E402
 from profile_moe import layer_args, layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 
 
@@ -119,17 +120,8 @@ def main() -> None:
             step(m, x, g)
         torch.cuda.synchronize()
         back_to_back = (time.perf_counter() - t) * 1e3 / a.iters
-        isolated, hosts = [], []
-        for _ in range(a.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            start.record()
-            step(m, x, g)
-            end.record()
-            hosts.append((time.perf_counter() - t) * 1e3)
-            end.synchronize()
-            isolated.append(start.elapsed_time(end))
+        hosts = []
+        isolated = run_times(lambda: step(m, x, g), a.iters, before=torch.cuda.synchronize, host_ms=hosts)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(m, x, g)

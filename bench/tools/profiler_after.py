@@ -5,8 +5,8 @@ runs after it? bench/moe_layer.py's isolated step, in rounds, with or without a 
     TEARDOWN_CUPTI=1 python bench/tools/profiler_after.py ...   # Kineto releases CUPTI after a session
 
 Kineto leaves CUPTI attached after a profiling session unless TEARDOWN_CUPTI=1 (pytorch issue
-144455), and every later kernel launch may pay for it; the step also drifted with no profiler at all
-(bench/RESULTS.md, 2026-11-26, 65beb0b). Either way a benchmark that times one variant after another charges
+144455), and every later kernel launch may pay for it; the step also drifts with no profiler at all
+(bench/RESULTS.md). Either way a benchmark that times one variant after another charges
 the drift to the later one (bench/moe_layer.py interleaves its precisions for that reason). Per round: --iters steps timed with CUDA events
 (median ms, the host's median ms to issue a step, NVML's SM clock and temperature after the
 round), then (from --profile-after on) one step under torch.profiler (CUDA activity only). Needs
@@ -19,29 +19,22 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (python -P too)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from harness import run_times  # noqa: E402
 from profile_moe import layer_step, make_layer  # noqa: E402
 
 
 def timed(m, x, g, iters: int) -> tuple[float, float]:
     """-> (median ms of a step from an idle GPU, median host ms to issue it)."""
-    times, hosts = [], []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        start.record()
-        layer_step(m, x, g, new_weights=True)
-        end.record()
-        hosts.append((time.perf_counter() - t) * 1e3)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    hosts = []
+    times = run_times(lambda: layer_step(m, x, g, new_weights=True), iters, before=torch.cuda.synchronize,
+                      host_ms=hosts)
     return statistics.median(times), statistics.median(hosts)
 
 

@@ -18,12 +18,15 @@ The recomputation's cost is the difference between a policy's phases and none's 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness
+from harness import chained_times, write_json  # noqa: E402
 
 PHASES = [  # (phase, kernel-name pattern), first match wins
     ("communication", r"nccl"),
@@ -54,14 +57,8 @@ def measure(cfg, mode: str, env, batch: int, micro: int, warmup: int, steps: int
         trainer.step(*data.next(batch))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     with quiet_kineto(), profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
-        for i in range(steps):
-            events[i].record()
-            trainer.step(*data.next(batch))
-        events[steps].record()
-        torch.cuda.synchronize()
-    step_ms = statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+        step_ms = statistics.median(chained_times(lambda t=trainer: t.step(*data.next(batch)), steps))
     phases: dict[str, float] = {}
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
@@ -117,9 +114,7 @@ def main(argv=None) -> int:
         print(f"{r['mode']:<5} {r['policy']:<7} {r['step_ms']:>7.1f} {r['kernel_ms']:>8.1f} "
               + " ".join(f"{r['phases'].get(n, 0.0):>13.1f}" for n in names)
               + f" {r['peak_gib']:>8.2f} {r['tokens_per_s']:>10,.0f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "args": vars(a), "rows": rows}, f, indent=1)
+    write_json(a.json, {"meta": meta, "args": vars(a), "rows": rows})
     return 0
 
 

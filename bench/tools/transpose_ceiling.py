@@ -6,7 +6,7 @@ loads 128 tokens x 16 G columns as 32-bit words, transposes each quad of four to
 registers (``_quad_bytes_transpose``, four tokens per output word) and stores 16 G rows of 128
 bytes. ``_transpose_kernel`` below is that program with the conversion taken out (no scales, no
 column maximum, no re-encode): the output is the input transposed, bit for bit. Timed in one run,
-each against a device copy of the same bytes (``bench/kernels.py``'s ``measure``: CUDA events,
+each against a device copy of the same bytes (``bench/conversions.py``'s ``measure``: CUDA events,
 median, buffers rotating over >= 4x L2):
 
 - the library's ``fp8_to_fp8_colwise`` at its defaults;
@@ -27,14 +27,14 @@ import json
 import os
 import sys
 
-# bench/, for bench/kernels.py (imported as "kernels"); this directory is sys.path[0] when run as a script
+# bench/, for bench/conversions.py; this directory is sys.path[0] when run as a script
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import conversions as KB  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels as KB  # noqa: E402
 import moe_fp4  # noqa: E402
 from moe_fp4.kernels.transpose import _quad_bytes_transpose, _quad_tokens  # noqa: E402
 from moe_fp4.kernels.triton_numerics import use_asm  # noqa: E402

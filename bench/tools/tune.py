@@ -5,7 +5,7 @@
 
 Prints, per kernel, every configuration's time and %copy (bytes read + written, data and scales,
 against a device-to-device copy of the same byte count measured in the same run), best first. Use
-it to pick the launchers' defaults; bench/kernels.py measures the defaults across shapes.
+it to pick the launchers' defaults; bench/conversions.py measures the defaults across shapes.
 """
 
 from __future__ import annotations

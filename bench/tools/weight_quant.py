@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for gemm.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness.py
 
-from gemm import timed  # noqa: E402  (bench/gemm.py: median of CUDA-event timings)
+from harness import timed  # noqa: E402  (bench/harness.py: median of CUDA-event timings)
 from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128  # noqa: E402
 
 SHAPES = {   # (E, N, K) of W13 [E, 2F, H] and W2 [E, H, F], as bench/moe_layer.py's configs

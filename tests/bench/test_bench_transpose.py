@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOLS = str(Path(__file__).resolve().parents[2] / "bench" / "tools")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 _path, _modules = list(sys.path), set(sys.modules)
-sys.path.insert(0, TOOLS)
+sys.path.insert(0, str(BENCH / "tools"))
 try:
-    import transpose_ceiling  # (puts bench/ on sys.path and imports bench/kernels.py as "kernels")
+    import transpose_ceiling  # (puts bench/ on sys.path and imports bench/conversions.py and bench/harness.py)
 finally:
-    # bench/'s module names (kernels, run, hook, gemm, ...) stay out of other tests' imports
+    # bench/'s module names (conversions, harness, run, hook, gemm, ...) stay out of other tests' imports
     sys.path[:] = _path
-    if "kernels" not in _modules:
-        sys.modules.pop("kernels", None)
+    for _extra in set(sys.modules) - _modules:
+        if (BENCH / f"{_extra}.py").exists():
+            sys.modules.pop(_extra, None)
 
 
 @pytest.mark.parametrize("m,k,g,warps", [(128, 32, 2, 1), (260, 64, 1, 2), (132, 128, 8, 1), (4, 16, 1, 1)])

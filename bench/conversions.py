@@ -9,11 +9,11 @@ the two separate quantizers back to back (vs_separate). Every op's output is che
 against the eager twin once per shape; a difference is printed as MISMATCH, recorded in the JSON,
 and makes the script exit with status 1.
 
-    python bench/kernels.py                                   # all ops, tokens {4096,16384,32768,65536} x hidden {2048,4096,7168}
-    python bench/kernels.py --json bench/results/kernels_h100.json
-    python bench/kernels.py --ops bf16_to_mxfp4 mxfp4_to_fp8_colwise --tokens 32768 --hidden 7168
-    python bench/kernels.py --ref eager                       # time the twins without torch.compile (--ref none: skip)
-    python bench/kernels.py --smoke                           # tiny shape (256 x 256) on whatever device, few iterations
+    python bench/conversions.py                             # all ops, tokens {4096..65536} x hidden {2048,4096,7168}
+    python bench/conversions.py --json conversions.json
+    python bench/conversions.py --ops bf16_to_mxfp4 mxfp4_to_fp8_colwise --tokens 32768 --hidden 7168
+    python bench/conversions.py --ref eager                 # time the twins without torch.compile (--ref none: skip)
+    python bench/conversions.py --smoke                     # tiny shape (256 x 256) on whatever device, few iterations
 
 Method (CUDA): each timed call sits between two CUDA events; the host first queues all timed calls
 behind a GPU sleep so launch overhead does not show; the median over ``--iters`` calls (fewer when
@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
-import json
 import math
-import platform
+import os
 import statistics
 import sys
 import time
@@ -50,16 +48,14 @@ import moe_fp4
 from moe_fp4 import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.formats import reference as twins
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from harness import log, run_record, run_times, sync, write_json  # noqa: E402
+
 DEFAULT_TOKENS = [4096, 16384, 32768, 65536]
 DEFAULT_HIDDEN = [2048, 4096, 7168]
 ROTATION_MIN_BYTES = 256 << 20
 MIN_ITERS = 5
 PROBE_ITERS = 3          # calls timed together (with a sync) to size the measurement
-GPU_CLOCK_HZ = 2.0e9     # for torch.cuda._sleep's cycle count; a slower clock only sleeps longer
-
-
-def log(*a) -> None:
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------------------- ops
@@ -108,9 +104,9 @@ def _stochastic(fn):
 
 OPS = [
     _op("bf16_to_mxfp4", "quantize_mxfp4", _bf16),
-    # Stochastic rounding (issue 27): Philox bits in the kernel; its speed against bf16_to_mxfp4's.
+    # Stochastic rounding: Philox bits in the kernel; its speed against bf16_to_mxfp4's.
     OpSpec("bf16_to_mxfp4_sr", _bf16, _stochastic(moe_fp4.quantize_mxfp4), _stochastic(twins.quantize_mxfp4)),
-    # NVFP4 (issue 27): two kernels, the tensor scale's amax (one pass over x) and the blocks.
+    # NVFP4: two kernels, the tensor scale's amax (one pass over x) and the blocks.
     _op("bf16_to_nvfp4", "quantize_nvfp4", _bf16),
     OpSpec("bf16_to_nvfp4_sr", _bf16, _stochastic(moe_fp4.quantize_nvfp4), _stochastic(twins.quantize_nvfp4)),
     _op("nvfp4_to_bf16", "dequantize_nvfp4", lambda x: (moe_fp4.quantize_nvfp4(x), torch.bfloat16)),
@@ -203,11 +199,6 @@ def ring_size(input_bytes: int, cfg: TimingConfig) -> int:
     return max(3, math.ceil(cfg.rotation_bytes / max(input_bytes, 1)))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(fn: Callable, ring: list[tuple], cfg: TimingConfig) -> tuple[float, int]:
     """Median seconds of one call fn(*ring[i % len(ring)]), i = 0, 1, ...; -> (median, calls timed).
 
@@ -232,23 +223,9 @@ def measure(fn: Callable, ring: list[tuple], cfg: TimingConfig) -> tuple[float, 
     per_call = max((time.perf_counter() - t0) / PROBE_ITERS, 1e-7)
     iters = max(min(cfg.iters, MIN_ITERS), min(cfg.iters, int(cfg.budget_s / per_call)))
 
-    times = []
-    if cfg.device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        sleep = getattr(torch.cuda, "_sleep", None)   # let the host queue every call before the GPU starts
-        if sleep is not None:
-            sleep(int(min(1.5 * host_s * iters + 1e-3, 0.5) * GPU_CLOCK_HZ))
-        for start, end in events:
-            start.record()
-            call()
-            end.record()
-        torch.cuda.synchronize(cfg.device)
-        times = [start.elapsed_time(end) * 1e-3 for start, end in events]
-    else:
-        for _ in range(iters):
-            t = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t)
+    # CUDA: every call issued back to back behind a GPU sleep long enough for the host to queue them all
+    times = [t * 1e-3 for t in run_times(call, iters, back_to_back=True, device=cfg.device,
+                                         lead_s=min(1.5 * host_s * iters + 1e-3, 0.5))]
     keep.clear()
     return statistics.median(times), iters
 
@@ -375,20 +352,11 @@ def table_line(row: dict) -> str:
     return _cells(cells)
 
 
-def versions() -> tuple[str, str]:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001 - report, do not fail, without Triton
-        triton_version = "not installed"
-    return torch.__version__, triton_version
-
-
-def device_description(device: torch.device) -> tuple[str, int]:
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache in bytes (0 off CUDA or where torch does not say)."""
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return props.name, int(getattr(props, "L2_cache_size", 0) or 0)
-    return f"cpu ({platform.processor() or platform.machine()})", 0
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+    return 0
 
 
 # -------------------------------------------------------------------------------------- main
@@ -396,17 +364,16 @@ def device_description(device: torch.device) -> tuple[str, int]:
 def cuda_run(script: str, iters: int) -> tuple[TimingConfig, dict]:
     """For a bench script that needs a GPU (exits without one): -> (this module's timing config on
     CUDA, with ``iters`` timed calls, 3 warmups, a 0.25 s budget and rotation over >= 4x L2; the
-    run's record {device, torch, triton, date, argv}), after logging that record."""
+    run's record, harness.run_record), after logging that record."""
     if not torch.cuda.is_available():
         sys.exit(f"{script} needs a CUDA GPU")
     dev = torch.device("cuda")
-    name, l2 = device_description(dev)
-    cfg = TimingConfig(dev, iters, 3, 0.25, max(ROTATION_MIN_BYTES, 4 * l2))
-    torch_version, triton_version = versions()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    log(f"{name} | torch {torch_version} | triton {triton_version} | {date}")
+    cfg = TimingConfig(dev, iters, 3, 0.25, max(ROTATION_MIN_BYTES, 4 * l2_bytes(dev)))
+    record = run_record(dev)
+    log(f"{record['device']} | torch {record['torch']} | triton {record['triton']} | commit {record['commit']} "
+        f"| {record['date']}")
     log(f"command: {' '.join(sys.argv)}")
-    return cfg, {"device": name, "torch": torch_version, "triton": triton_version, "date": date, "argv": sys.argv}
+    return cfg, record
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -434,14 +401,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name, l2 = device_description(device)
-    torch_version, triton_version = versions()
+    record = run_record(device)
+    name, l2 = record["device"], l2_bytes(device)
+    torch_version, triton_version, date = record["torch"], record["triton"], record["date"]
     cfg = TimingConfig(device, a.iters, a.warmup, a.budget, max(ROTATION_MIN_BYTES, 4 * l2))
     if a.ref == "compile-static":
         for knob in ("recompile_limit", "cache_size_limit"):       # one graph per shape
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     timer = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     log(f"moe_fp4 {moe_fp4.__version__} kernel bandwidth | device: {name}"
         + (f" (L2 {l2 / 2**20:.0f} MiB)" if l2 else "")
@@ -461,15 +428,11 @@ def main(argv=None) -> int:
         elif a.ref != "none":
             refs[op.name] = Reference(op.ref, a.ref)
 
-    result = {"device": name, "device_type": device.type, "l2_bytes": l2, "torch": torch_version,
-              "triton": triton_version, "moe_fp4": moe_fp4.__version__, "date": date, "argv": sys.argv,
-              "iters": a.iters, "warmup": a.warmup, "budget_s": a.budget, "ref": a.ref,
+    result = {**record, "l2_bytes": l2, "iters": a.iters, "warmup": a.warmup, "budget_s": a.budget, "ref": a.ref,
               "rotation_bytes": cfg.rotation_bytes, "rows": []}
 
     def save():
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(a.json, result)
 
     shapes = [(t, h) for t in a.tokens for h in a.hidden]
     total, done, t_start = len(shapes) * len(specs), 0, time.perf_counter()
