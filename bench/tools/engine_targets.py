@@ -1,4 +1,4 @@
-"""The grouped-GEMM engine's targets (issue 29), judged from one command that runs the three benchmarks behind them.
+"""The grouped-GEMM engine's targets, judged from one command that runs the three benchmarks behind them.
 
     python bench/tools/engine_targets.py --out /tmp/targets                 # GPU (sm90): runs, then judges
     python bench/tools/engine_targets.py --out /tmp/targets --judge-only    # judge the JSON files already there
@@ -16,13 +16,12 @@ then prints the targets with their verdicts (also written to --out as targets.md
 | --- | --- | --- |
 | every grouped GEMM of the step / one cuBLAS blockwise GEMM of the same size | gemm.py `gluon_vs_cublas` | >= 0.90, each routing and shape |
 | ours against torch's row-wise grouped FP8 (`torch._scaled_grouped_mm`) | gemm.py, fprop / dgrad at dsv3 | >= 1.00 |
-| MXFP4 A decoded in the GEMM / the FP8-A GEMM | gemm.py `gluon_decode_vs_cublas` / fc1 fprop's `gluon_vs_cublas` | >= 0.95 |
 | layer step fp8 / bf16, fp4 / fp8 | moe_layer.py's own verdicts | dsv3 <= 0.80, small <= 0.95; dsv3 fp4/fp8 <= 1.00 |
 | experts fwd + bwd, fp8 (FP8 weights from AdamWFP8Weights) / torch's bf16 experts | experts.py `vs_torch_bf16` | dsv3 <= 0.75, small <= 0.95 |
 
 With ``--repeat N`` the whole set runs N times (files ``<name>_r<k>.json``) and each target is judged by
 the median of its N values, every value listed: the ratios that sit on their lines (the dsv3 weight
-gradients, fp4 / fp8 at dsv3; bench/RESULTS.md, 2026-11-26, fe4ec38 .. 64046ed) fall either side of them
+gradients, fp4 / fp8 at dsv3; bench/RESULTS.md, "Engine targets") fall either side of them
 from one run to the next.
 
 An expected JSON that is absent or unreadable is named (table row and a "missing" line) and gives no
@@ -45,11 +44,10 @@ import time
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Issue 29's thresholds. The layer's step-time thresholds are moe_layer.py's STEP_TARGETS, read from the
+# The engine's thresholds. The layer's step-time thresholds are moe_layer.py's STEP_TARGETS, read from the
 # verdicts it writes into its JSON (one place for them).
 GEMM_VS_CUBLAS_MIN = 0.90            # every grouped GEMM / one cuBLAS blockwise scaled_mm of the same size
 GEMM_VS_ROWWISE_MIN = 1.00           # ours / torch's row-wise grouped FP8, fprop and dgrad at dsv3
-DECODE_VS_FP8_A_MIN = 0.95           # MXFP4 A decoded in the kernel / FP8 A, same GEMM
 EXPERTS_FP8_VS_BF16_MAX = {"dsv3": 0.75, "small": 0.95}
 EXPERTS_FP8 = "moe_fp4 fp8, FP8 weights from AdamWFP8Weights"
 ROUTINGS = {"balanced": [], "skew": ["--skew"], "ragged": ["--ragged"]}
@@ -64,7 +62,7 @@ def _line(name, value, op=None, threshold=None, source="", detail=""):
 
 def gemm_targets(results: list[dict], routing: str) -> list[dict]:
     """bench/gemm.py's results (one run, one routing) -> the GEMM lines: per shape the least gluon/cuBLAS
-    over the step's FP8-A GEMMs, the least ours/row-wise at dsv3, and the in-kernel MXFP4 decode."""
+    over the step's FP8-A GEMMs, the least ours/row-wise at dsv3, and (no verdict) MXFP4 A converted first."""
     out, src = [], f"gemm.py {routing}"
     for shape in dict.fromkeys(r.get("shape") for r in results):
         rows = [r for r in results if r.get("shape") == shape]
@@ -92,10 +90,7 @@ def gemm_targets(results: list[dict], routing: str) -> list[dict]:
         for r in rows:
             if not r["gemm"].endswith(MXFP4_A):
                 continue
-            dec, conv = (None, None) if "error" in r else (r.get("gluon_decode_vs_cublas"), r.get("gluon_vs_cublas"))
-            out.append(_line(f"{shape} {r['gemm']} decoded in the GEMM / FP8 A", dec / fprop if dec and fprop else None,
-                             ">=", DECODE_VS_FP8_A_MIN, src,
-                             r.get("error") or f"each over its own rounds' cuBLAS: {dec or 0:.3f} / {fprop or 0:.3f}"))
+            conv = None if "error" in r else r.get("gluon_vs_cublas")
             out.append(_line(f"{shape} {r['gemm']} converted first / FP8 A", conv / fprop if conv and fprop else None,
                              source=src, detail=f"reference, the layer's path: {conv or 0:.3f} / {fprop or 0:.3f}"))
     return out
@@ -202,7 +197,7 @@ def main() -> None:
     args = p.parse_args()
     if args.iters < 20:
         p.error(f"--iters must be >= 20: the benchmarks time in 5 rounds, and rounds of fewer than 4 runs read "
-                f"low (bench/RESULTS.md, 2026-11-26, d7c9f90 at --iters 10); got {args.iters}")
+                f"low (bench/RESULTS.md, 'Engine targets'); got {args.iters}")
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.judge_only and not os.path.isdir(args.out):
