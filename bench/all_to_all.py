@@ -39,9 +39,9 @@ import torch.distributed as dist
 import moe_fp4
 from moe_fp4.exchange.a2a import exchange_rows
 from moe_fp4.exchange.ep import EPConfig
+from moe_fp4.exchange.wire import row_bytes
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.moe import MoE, MoEConfig
-from moe_fp4.exchange.wire import row_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
 from harness import run_record, run_times, write_json  # noqa: E402
@@ -90,16 +90,17 @@ def bench_a2a(hidden: int, rows: int, warmup: int, iters: int) -> dict:
     res["mxfp4_quant_ms"] = time_ms(lambda: moe_fp4.quantize_mxfp4(x), warmup, iters)
     res["mxfp4_to_fp8_ms"] = time_ms(lambda: moe_fp4.mxfp4_to_fp8(qx), warmup, iters)
     res["mxfp4_vs_fp8_floor"] = res["mxfp4_ms"] / (res["fp8_quant_ms"] + res["fp8_wire_ms"])
-    del qx
+    qx = None   # frees it (rebound, not del: the lambda above reads it, and pyflakes calls a del'd name undefined)
     res["check_ms"] = time_ms(lambda: moe_fp4.all_to_all(x[:world], forward="bf16"), warmup, iters) - time_ms(
         lambda: moe_fp4.all_to_all(x[:world], forward="bf16", check=False), warmup, iters)
     # Bytes each rank sends to the others (its own share stays local) per second of the call.
     off_rank = rows * (world - 1) / world
-    for fmt, per_row in (("bf16", 2 * hidden), ("fp8", res["fp8_bytes_per_row"]), ("mxfp4", res["mxfp4_bytes_per_row"])):
+    for fmt, per_row in (("bf16", 2 * hidden), ("fp8", res["fp8_bytes_per_row"]),
+                         ("mxfp4", res["mxfp4_bytes_per_row"])):
         res[f"{fmt}_GBps"] = off_rank * per_row / (res[f"{fmt}_ms"] * 1e6)
     res["mxfp4_vs_fp8"] = res["mxfp4_ms"] / res["fp8_ms"]
     res["fp8_vs_bf16"] = res["fp8_ms"] / res["bf16_ms"]
-    del x, out
+    x = out = None   # frees the buffers before empty_cache (rebound, not del: the lambdas above read them)
     torch.cuda.empty_cache()
     return res
 
@@ -129,7 +130,7 @@ def bench_layer(config: str, tokens: int, warmup: int, iters: int) -> dict:
     for p in ("fp8", "fp4"):
         res[f"{p}_out_sqnr_db_vs_bf16"] = sqnr_db(outs["bf16"].float(), outs[p].float())
     res["fp4_vs_fp8"] = res["fp4_ms"] / res["fp8_ms"]
-    del m, x, g
+    m = x = g = None   # frees the layer and tensors before empty_cache (rebound, not del: step() reads them)
     torch.cuda.empty_cache()
     return res
 

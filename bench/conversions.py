@@ -325,7 +325,8 @@ COLUMNS = [("op", 21), ("tokens", 6), ("hidden", 6), ("time_us", 9), ("GB/s", 7)
 
 def _cells(cells: list) -> str:
     """First column left-aligned, the rest right-aligned, one space apart."""
-    return " ".join(f"{str(c):<{w}}" if i == 0 else f"{str(c):>{w}}" for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+    return " ".join(f"{str(c):<{w}}" if i == 0 else f"{str(c):>{w}}"
+                    for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
 
 
 def table_header() -> str:
@@ -387,7 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.25,
                    help="seconds of timed calls per measurement before --iters is cut (default 0.25)")
     p.add_argument("--ref", choices=["compile", "compile-static", "eager", "none"], default="compile",
-                   help="how to time the moe_fp4.formats.reference twins for vs_ref (default: torch.compile, dynamic shapes)")
+                   help="how to time the moe_fp4.formats.reference twins for vs_ref "
+                        "(default: torch.compile, dynamic shapes)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten after every row)")
     p.add_argument("--smoke", action="store_true", help="tokens 256 x hidden 256 on whatever device, few iterations")
     a = p.parse_args(argv)

@@ -56,9 +56,10 @@ def a2a_tables(out: str) -> list[str]:
                   "| mx GB/s | check ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in d["all_to_all"]:
-            lines.append(f"| {r['hidden']} | {r['rows']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} | {r['mxfp4_ms']:.3f} "
-                         f"| {r['mxfp4_vs_fp8']:.3f} | {r['mxfp4_vs_fp8_floor']:.3f} | {r['bf16_GBps']:.1f} "
-                         f"| {r['fp8_GBps']:.1f} | {r['mxfp4_GBps']:.1f} | {r['check_ms']:.3f} |")
+            lines.append(f"| {r['hidden']} | {r['rows']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} "
+                         f"| {r['mxfp4_ms']:.3f} | {r['mxfp4_vs_fp8']:.3f} | {r['mxfp4_vs_fp8_floor']:.3f} "
+                         f"| {r['bf16_GBps']:.1f} | {r['fp8_GBps']:.1f} | {r['mxfp4_GBps']:.1f} "
+                         f"| {r['check_ms']:.3f} |")
         big = [r for r in d["all_to_all"] if r["hidden"] == 7168 and r["rows"] == 32768]
         if big:
             r = big[0]
@@ -66,9 +67,10 @@ def a2a_tables(out: str) -> list[str]:
                          f"{verdict(r['mxfp4_vs_fp8'] <= A2A_TARGET[link])} (against the FP8 floor "
                          f"{r['mxfp4_vs_fp8_floor']:.3f}x)")
         if d.get("layer"):
-            lines += ["", "| EP layer | tokens/rank | bf16 ms | fp8 ms | fp4 ms | fp4/fp8 |", "| --- | --- | --- | --- | --- | --- |"]
-            lines += [f"| {r['config']} | {r['tokens_per_rank']} | {r['bf16_ms']:.2f} | {r['fp8_ms']:.2f} | {r['fp4_ms']:.2f} "
-                      f"| {r['fp4_vs_fp8']:.3f} |" for r in d["layer"]]
+            lines += ["", "| EP layer | tokens/rank | bf16 ms | fp8 ms | fp4 ms | fp4/fp8 |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {r['config']} | {r['tokens_per_rank']} | {r['bf16_ms']:.2f} | {r['fp8_ms']:.2f} "
+                      f"| {r['fp4_ms']:.2f} | {r['fp4_vs_fp8']:.3f} |" for r in d["layer"]]
         lines.append("")
     return lines
 
@@ -110,7 +112,8 @@ def compare_tables(out: str, ngpu: int | None) -> list[str]:
     if head is None:
         return lines + [f"(no compare.json under {base} or {out}/ep2)"]
     meta = head["meta"]
-    lines += [f"{meta['device']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}", "",
+    lines += [f"{meta['device']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
+              f"triton {meta['triton']}", "",
               "| run | bf16 | fp8 | fp4 | fp4/fp8 |", "| --- | --- | --- | --- | --- |"]
     for name, rep in (("B NVLink", b), ("C slow link", c), ("W EP 2, B's batch", w), ("A largest batch", a)):
         if rep is not None:

@@ -18,8 +18,9 @@ run, the same bf16 input, weights and output gradient for every variant:
 
 Before every step (but for the rows just named) the weights' versions are bumped, as torch's optimizer
 step would (the FP8 weight cache quantizes them again). With ``--micro-batches M`` they are bumped (and
-the gradients reset) once per M forward + backward passes, as under gradient accumulation over M micro-batches: the other passes reuse
-the cached FP8 weights and add their weight gradients into ``.grad``; the time is per pass (one timed
+the gradients reset) once per M forward + backward passes, as under gradient accumulation over M
+micro-batches: the other passes reuse the cached FP8 weights and add their weight gradients into
+``.grad``; the time is per pass (one timed
 unit of M passes / M). Columns: median ms of forward + backward over --iters (CUDA events), the ratio
 to ``torch bf16``, and the peak memory the step adds over its inputs (MiB). The variants take their
 timed steps in --rounds rounds (default 5), the order rotated each round, one untimed step at each
@@ -46,8 +47,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moe_fp4.model.experts import grouped_swiglu_experts
 from moe_fp4.gemm.engines import grouped_gemm_backend
+from moe_fp4.model.experts import grouped_swiglu_experts
 from moe_fp4.saved.hook import register_activation_compression
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P

@@ -16,25 +16,23 @@ experts then end in a 128-row tile, as with a router's counts):
 - ``loop``:    one cuBLAS scaled_mm per expert (the layer's previous path, still the reference);
 - ``bf16``:    torch._grouped_mm in bf16 on the same shapes (the bf16 layer's path).
 
-Columns: median ms over --iters after --warmup (CUDA events; the runs issued back to back, so the
-times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits for the last,
-its time then includes the host's launch cost, which is how this script timed before a76cba6,
-2026-11-26); the engines' configs are picked first, each alone, then the picked ones and the baselines are
-timed again in --rounds rounds with the order rotated (since dee5c54, 2026-11-26; before,
-each was timed once, cuBLAS after the engines), and those times go in the table; TFLOP/s = 2 R N K /
+Columns: median ms over --iters after --warmup (CUDA events, bench/harness.py; the runs issued back to
+back, so the times are the GPU's, as triton.testing.do_bench measures; ``--sync-each``: each run waits
+for the last, its time then includes the host's launch cost); the engines' configs are picked first,
+each alone, then the picked ones and the baselines are timed again in --rounds rounds with the order
+rotated (cuBLAS first in the first), and those times go in the table; TFLOP/s = 2 R N K /
 time, each engine / cublas as a ratio of throughputs, and the host's microseconds per launch of the
 Gluon engine and of cuBLAS (issued behind a busy GPU). ``--sweep`` times every tile config in CONFIGS
 per GEMM and reports the best.
 
     python bench/gemm.py                      # GPU (sm90): both shapes
-    python bench/gemm.py --shape dsv3 --sweep --json bench/results/gemm_h200.json
+    python bench/gemm.py --shape dsv3 --sweep --json gemm.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import os
 import statistics
 import sys
 import time
@@ -42,11 +40,19 @@ import time
 import torch
 
 import moe_fp4
-from moe_fp4.gemm.engines import FP8WeightTensor, fp8_mm_nt, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, \
-    quantize_fp8_weight, use_grouped_backend
+from moe_fp4.gemm.engines import (
+    FP8WeightTensor,
+    fp8_mm_nt,
+    grouped_fp8_mm_nt,
+    grouped_fp8_mm_wgrad,
+    quantize_fp8_weight,
+    use_grouped_backend,
+)
 from moe_fp4.kernels import gluon_grouped_gemm as GL
 from moe_fp4.kernels import grouped_gemm as G
-from moe_fp4.compare.origin import commit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, also under python -P
+from harness import interleaved, log, sm90_run, timed, write_results  # noqa: E402
 
 SHAPES = {  # name: (tokens, top_k, experts, hidden, ffn), as in bench/moe_layer.py
     "dsv3": (4096, 8, 32, 7168, 2048),
@@ -57,61 +63,10 @@ CONFIGS = [G.GemmConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_t
                                      (128, 128, 8, 3, True), (128, 256, 8, 3, True), (64, 128, 4, 3, True),
                                      (128, 64, 4, 4, True)]]
 
-GLUON_CONFIGS = [GL.GluonConfig(num_stages=st, d_bufs=d, group_m=g, wide=w)
-                 for st, d, g, w in [(3, None, 8, True), (3, None, 16, True), (4, 1, 8, True), (4, 1, 16, True),
-                                     (3, None, 8, False), (4, 1, 8, False)]]
+GLUON_CONFIGS = [GL.GluonConfig(num_stages=st, d_bufs=d, group_m=g)
+                 for st, d, g in [(3, None, 8), (3, None, 16), (4, 1, 8), (4, 1, 16)]]
 GLUON_WGRAD_CONFIGS = [GL.GluonConfig(num_stages=st, group_m=g, split=sp)
                        for st, g, sp in [(3, 8, False), (3, 16, False), (4, 8, True), (3, 8, True), (4, 16, True)]]
-
-
-def log(*parts) -> None:
-    print(*parts, flush=True)
-
-
-def sm90_run(script: str) -> dict:
-    """For a GEMM benchmark (exits without an sm90+ GPU): -> the run's record {device, torch, triton,
-    moe_fp4, commit, argv, date}, after logging it in one line."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        sys.exit(f"{script}: needs an sm90+ GPU (FP8 tensor cores); nothing to measure here")
-    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "moe_fp4": moe_fp4.__version__, "commit": commit(),
-            "argv": sys.argv, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    log(" ".join(f"{k}={v}" for k, v in head.items() if k != "argv"))
-    return head
-
-
-def write_results(path: str | None, head: dict, results: list) -> None:
-    """{"header": head, "results": results} as JSON at ``path`` (nothing when None)."""
-    if path:
-        with open(path, "w") as fh:
-            json.dump({"header": head, "results": results}, fh, indent=1)
-        log(f"wrote {path}")
-
-
-def timed(fn, warmup: int, iters: int, back_to_back: bool = False) -> float:
-    """-> median milliseconds of fn() over iters runs (CUDA events around each).
-
-    back_to_back=False: the host waits for each run before issuing the next, so a run's time includes
-    the host's launch cost (the GPU is idle from the start event until the kernel is issued): a step
-    that starts from an idle GPU. True: every run is issued at once and the events read after one
-    synchronize, so the host runs ahead and each interval is the GPU's time alone (as
-    triton.testing.do_bench times a kernel): the throughput of a kernel in a busy stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    times = []
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-        if not back_to_back:
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    if back_to_back:
-        torch.cuda.synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-    return statistics.median(times)
 
 
 def host_us(fn, n: int = 20) -> float:
@@ -152,31 +107,12 @@ def route_counts(rows: int, e: int, routing: str) -> list[int]:
     return [c + (-c) % 128 for c in counts]
 
 
-def rotated(names: list, rounds: int):
-    """The order of each of ``rounds`` rounds: round r starts at names[r mod n] and wraps around, so over
-    n rounds every name takes every position once. The benchmarks time their variants in these rounds:
-    within one process the step time drifts (bench/RESULTS.md, 2026-11-26, 65beb0b), and timed one after the
-    other the later variants would pay for it."""
-    for r in range(rounds):
-        k = r % len(names)
-        yield names[k:] + names[:k]
-
-
 def interleaved_ms(fns: dict, warmup: int, iters: int, rounds: int, back_to_back: bool = False) -> dict:
-    """{name: fn} -> {name: median ms}: the contenders timed in ``rounds`` rounds, the order rotated
-    each round (round 0 in the given order), each round a :func:`timed` of iters // rounds runs (at least
-    1) after one untimed call; a name's time is the median of its round medians. Timed one after the
-    other, a later contender would pay for a drift within the process (bench/RESULTS.md, 2026-11-26, 65beb0b:
-    the layer step rose 1-4% over a few seconds of steps); cuBLAS was timed after the engines here."""
-    names = list(fns)
-    for name in names:
-        timed(fns[name], warmup, 1, back_to_back)
-    per_round = max(1, iters // rounds)
-    got: dict[str, list[float]] = {name: [] for name in names}
-    for order in rotated(names, rounds):
-        for name in order:
-            got[name].append(timed(fns[name], 1, per_round, back_to_back))
-    return {name: statistics.median(v) for name, v in got.items()}
+    """{name: fn} -> {name: median ms}: the contenders timed in ``rounds`` rotated rounds
+    (harness.interleaved: round 0 in the given order, one untimed call at each switch, iters // rounds
+    timed runs per round, at least 1); a name's time is the median of its round medians."""
+    got = interleaved(fns, warmup, iters, rounds, back_to_back=back_to_back)
+    return {name: statistics.median(statistics.median(r) for r in v) for name, v in got.items()}
 
 
 def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
@@ -188,8 +124,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     res = {"gemm": name, "R": r, "N": n_dim, "K": k_dim, "experts": e, "back_to_back": not args.sync_each}
     b2b = not args.sync_each
     gluon = rowwise = None
-    # nt_mxfp4: the engine's default converts A to FP8 first; "gluon_decode" below times the same
-    # engine decoding A inside the kernel (NT_MXFP4_CONFIGS).
+    # nt_mxfp4: the engines convert A to FP8 first.
     gluon_default = GL.WGRAD_CONFIG if kind == "wgrad" else GL.NT_CONFIG
     if kind == "wgrad":
         dy = torch.randn(r, n_dim, device=dev, dtype=torch.bfloat16)
@@ -238,8 +173,6 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     if gluon:
         sweep = GLUON_WGRAD_CONFIGS if kind == "wgrad" else GLUON_CONFIGS
         runs += [("gluon", cfg, gluon(cfg)) for cfg in (sweep if args.sweep_gluon else [gluon_default])]
-        if kind == "nt_mxfp4":
-            runs.append(("gluon_decode", None, gluon(GL.NT_MXFP4_CONFIGS[torch.bfloat16])))
     picked_fns = {}   # label -> the fastest of its runs (its config), for the head-to-head below
     for label, cfg, fn in runs:
         try:
@@ -252,7 +185,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
             res.setdefault("gluon_sweep", []).append({"config": cfg.__dict__, "ms": ms})
             if args.sweep_gluon:
                 log(f"  {name}: gluon stages {cfg.num_stages} d_bufs {cfg.d_bufs} group_m {cfg.group_m} "
-                    f"split {cfg.split} wide {cfg.wide}: "
+                    f"split {cfg.split}: "
                     f"{flop / ms / 1e9:.0f} TFLOP/s")
         if label not in picked_fns or ms < res[f"{label}_ms"]:
             res[f"{label}_ms"], res[f"{label}_tflops"] = ms, flop / ms / 1e9
@@ -277,7 +210,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
     picked = {"cublas": cublas, "bf16": bf16, "triton": run_triton(best[1]), **picked_fns}
     final = interleaved_ms(picked, args.warmup, args.iters, args.rounds, b2b)
     res["rounds"] = args.rounds
-    for label in ("gluon", "gluon_decode", "rowwise"):
+    for label in ("gluon", "rowwise"):
         if label in final:
             res[f"{label}_ms"], res[f"{label}_tflops"] = final[label], flop / final[label] / 1e9
     best = (final["triton"], best[1])
@@ -289,7 +222,7 @@ def bench_one(name, kind, k_dim, n_dim, rows, e, args, log):
                triton_tflops=flop / best[0] / 1e9, cublas_tflops=flop / cublas_ms / 1e9,
                bf16_tflops=flop / bf16_ms / 1e9, triton_vs_cublas=cublas_ms / best[0],
                triton_vs_loop=loop_ms / best[0])
-    for label in ("gluon", "gluon_decode", "rowwise"):
+    for label in ("gluon", "rowwise"):
         if f"{label}_ms" in res:
             res[f"{label}_vs_cublas"] = cublas_ms / res[f"{label}_ms"]
     return res
@@ -328,7 +261,8 @@ def main() -> None:
                         "order rotated each round, cuBLAS first in the first (default 5; keep --iters / --rounds "
                         ">= 4: shorter bursts read low, bench/RESULTS.md)")
     p.add_argument("--sweep", action="store_true", help="time every Triton config in CONFIGS, report the best")
-    p.add_argument("--sweep-gluon", action="store_true", help="time every Gluon config in GLUON_CONFIGS, report the best")
+    p.add_argument("--sweep-gluon", action="store_true",
+                   help="time every Gluon config in GLUON_CONFIGS, report the best")
     p.add_argument("--skew", action="store_true", help="expert 0 gets 4x the mean rows (default: balanced)")
     p.add_argument("--ragged", action="store_true",
                    help="each row's expert drawn uniformly at random (seed 0), every count then padded to a "
@@ -336,8 +270,7 @@ def main() -> None:
     p.add_argument("--gemm", nargs="+", help="only these GEMMs (names as in the table, e.g. 'fc1 wgrad')")
     p.add_argument("--sync-each", action="store_true",
                    help="wait for each timed run before issuing the next, so each time includes the host's "
-                        "launch cost (before a76cba6, 2026-11-26, every run of this script did; default: "
-                        "runs issued back to back, GPU time alone)")
+                        "launch cost (default: runs issued back to back, GPU time alone)")
     p.add_argument("--wgrad-out", default="float32", choices=["float32", "bfloat16"],
                    help="output dtype of the wgrad rows (Gluon, Triton and cuBLAS; bf16 grouped is bf16): "
                         "float32 for fp32 master weights, bfloat16 as the layer writes dW for bf16 weights")
@@ -377,9 +310,6 @@ def main() -> None:
                 f"| {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
                 f"{' tma' if c['use_tma'] else ''} "
                 f"| {r['host_us'].get('gluon', float('nan')):.0f}, {r['host_us']['cublas']:.0f} |")
-            if "gluon_decode_ms" in r:
-                log(f"| {name}, decoded inside the Gluon kernel | | {opt('gluon_decode_tflops', '.0f')} "
-                    f"| {opt('gluon_decode_vs_cublas', '.2f')} | | | | | | | | |")
     if args.asm:
         for info in compiled_kernels():
             log(info)

@@ -22,8 +22,9 @@ of forward and backward less what was allocated before the forward (weights, opt
 the saved activations, the gradients and, in moe_fp4's variants, the FP8 copies of the expert weights
 (``fp8 W``, made in the first forward after each optimizer step); saved, the bytes autograd keeps from one
 forward (activations, counted once per storage by a saved-tensor hook, weights excluded): what MXFP4 storage
-shrinks. On CPU ``--shape tiny`` is a smoke run (no memory numbers). Printed: a table with tokens/s, ratios against grouped_mm and
-moe_fp4_fp8, memory, the first and last losses; ``--json``: everything, with each variant's loss curve.
+shrinks. On CPU ``--shape tiny`` is a smoke run (no memory numbers). Printed: a table with tokens/s,
+ratios against grouped_mm and moe_fp4_fp8, memory, the first and last losses; ``--json``: everything,
+with each variant's loss curve.
 
     python bench/hf_experts.py --shape dsv3 --json hf_dsv3.json
     python bench/hf_experts.py --shape small --batch 16 --json hf_small.json
@@ -79,7 +80,8 @@ def run(impl: str, a, data, device) -> dict:
         out = train_variant(impl, model, lambda ids: model(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
                             fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress, adamw=a.adamw)
         if a.profile:
-            out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile, a.adamw)
+            out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile,
+                                           a.adamw)
         return out
 
     row = guarded(impl, measured, device)

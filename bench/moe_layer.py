@@ -22,9 +22,10 @@ torch's fused AdamW, fp8 and fp4 on moe_fp4.model.optim.AdamWFP8Weights (which w
 the next forward reads); the step-time targets (set for fwd + bwd) then judge nothing.
 
 Memory: after a step that allocates the grads (kept, so weights, weight grads, x, x.grad and g are the
-baseline), one more step under ``moe_fp4.saved.accounting.saved_bytes``: act = allocated after forward (the output
-y, [T, H] bf16, included) - baseline; peak+ = max_memory_allocated over fwd+bwd - baseline. Budget: peak+ at --tokens and 2x
---tokens, fit peak+(T) = a + b*T, T_max = (budget - a)/b rounded down to a multiple of 128, then one
+baseline), one more step under ``moe_fp4.saved.accounting.saved_bytes``: act = allocated after forward
+(the output y, [T, H] bf16, included) - baseline; peak+ = max_memory_allocated over fwd+bwd - baseline.
+Budget: peak+ at --tokens and 2x --tokens, fit peak+(T) = a + b*T, T_max = (budget - a)/b rounded down
+to a multiple of 128, then one
 step at T_max checks peak+ <= budget. On CPU the Triton kernels run in the interpreter and the FP8
 GEMMs are emulated in float32: a smoke run of the code paths (tiny shape, wall clock, no memory
 numbers, no budget search), not a measurement.
@@ -267,7 +268,8 @@ def add_times(m: MoE, row: dict, rounds: list[list[float]]) -> None:
 # ------------------------------------------------------------------------------------ output
 
 COLUMNS = [("config", 6), ("prec", 4), ("tokens", 6), ("step_ms", 9), ("min_ms", 9), ("tok/s", 10),
-           ("TFLOP/s", 7), ("kernels", 7), ("act_MiB", 8), ("peak+_MiB", 9), ("peak_MiB", 9), ("saved_MiB", 9), ("expert_MiB", 10),
+           ("TFLOP/s", 7), ("kernels", 7), ("act_MiB", 8), ("peak+_MiB", 9), ("peak_MiB", 9), ("saved_MiB", 9),
+           ("expert_MiB", 10),
            ("T_max", 7), ("fits", 5)]
 
 
@@ -364,7 +366,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (default 0: none)")
     p.add_argument("--optimizer", action="store_true",
                    help="time training steps: fwd + bwd + AdamW (bf16: torch's fused AdamW; fp8 / fp4: "
-                        "moe_fp4.model.optim.AdamWFP8Weights, whose step writes the FP8 weights); memory stays fwd + bwd")
+                        "moe_fp4.model.optim.AdamWFP8Weights, whose step writes the FP8 weights); "
+                        "memory stays fwd + bwd")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rewritten as it goes)")
     a = p.parse_args(argv)
@@ -407,7 +410,8 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
     free(device)
     rows: dict[str, dict] = {}
     for p in a.precisions:
-        log(f"  {name} {p}: memory" + ("" if a.no_budget or device.type != "cuda" else f", T_max in {a.budget_gib:g} GiB"))
+        log(f"  {name} {p}: memory"
+            + ("" if a.no_budget or device.type != "cuda" else f", T_max in {a.budget_gib:g} GiB"))
         try:
             row = bench_memory(m, p, x, g, a, device)
             labels = ", ".join(f"{k} {v / MIB:.2f}" for k, v in row["saved_by_label"].items())
@@ -450,8 +454,8 @@ def run_config(name: str, a: argparse.Namespace, device: torch.device, result: d
         entry["rows"].append(rows[p])
         log(table_line(name, rows[p]))
     save()
-    entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda", name,
-                             train=a.optimizer)
+    entry["ratios"] = ratios({r["precision"]: r for r in entry["rows"] if "error" not in r}, device.type == "cuda",
+                             name, train=a.optimizer)
     del m, x, g
     free(device)
     save()

@@ -152,9 +152,9 @@ def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
             print(f"{r['impl']:<14} skipped: {r['skipped']}")
             continue
         print(f"{r['impl']:<14} {r['tokens_per_s']:>10,.0f} {ratio(r, g, 'tokens_per_s'):>7.3f}x "
-              f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} {r['saved_gib']:>7.2f} "
-              f"{ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} {r['loss_first']:>8.4f} "
-              f"{r['loss_last10']:>8.4f}")
+              f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} "
+              f"{r['saved_gib']:>7.2f} {ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} "
+              f"{r['loss_first']:>8.4f} {r['loss_last10']:>8.4f}")
 
 
 def add_common_args(p, shapes) -> None:

@@ -71,8 +71,9 @@ def main() -> None:
         t_copy = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
         for cfg in [None] + [tuple(int(v) for v in c.split(",")) for c in a.fwd]:
             kw = {} if cfg is None else dict(block_m=cfg[0], tiles=cfg[1], num_warps=cfg[2])
-            if cfg is not None and not all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-                                           for x, y in zip(_leaves(KS.swiglu_quantize(h, w, hm, am, **kw)), _leaves(out))):
+            if cfg is not None and not all(
+                    torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+                    for x, y in zip(_leaves(KS.swiglu_quantize(h, w, hm, am, **kw)), _leaves(out))):
                 raise SystemExit(f"MISMATCH: swiglu_quantize {kw} differs from its defaults' output")
             t = triton.testing.do_bench(lambda: KS.swiglu_quantize(h, w, hm, am, **kw), return_mode="median")
             print(f"swiglu_quantize h_mx={hm} a_mx={am} {a.tokens}x{a.ffn} ({kw or 'defaults'}): {t * 1e3:.1f} us, "
@@ -93,8 +94,10 @@ def backward(h: torch.Tensor, w: torch.Tensor, a) -> None:
     configs = [None] + [tuple(int(v) for v in c.split(",")) for c in a.bwd]
     for cfg in configs:
         kw = {} if cfg is None else dict(block_m=cfg[0], block_w=cfg[1], num_warps=cfg[2])
-        if not torch.equal(KS.swiglu_backward(hd, da, w, h_scale=hs, **kw)[0].view(torch.int16), want.view(torch.int16)):
-            raise SystemExit(f"MISMATCH: swiglu_backward with MXFP4 h ({kw or 'defaults'}) differs from dequantize + bf16")
+        if not torch.equal(KS.swiglu_backward(hd, da, w, h_scale=hs, **kw)[0].view(torch.int16),
+                           want.view(torch.int16)):
+            raise SystemExit(f"MISMATCH: swiglu_backward with MXFP4 h ({kw or 'defaults'}) differs from "
+                             "dequantize + bf16")
         t = triton.testing.do_bench(lambda: KS.swiglu_backward(hd, da, w, h_scale=hs, **kw), return_mode="median")
         print(f"swiglu_backward, MXFP4 h decoded in the kernel ({kw or 'defaults'}), {shape}: {t * 1e3:.1f} us, "
               f"/ dequantize + bf16 kernel {t / t_deq:.3f}", flush=True)

@@ -12,8 +12,8 @@ tokens per rank:
 - ``torchao fp8``: the same block with the experts converted by torchao (row-wise FP8 grouped GEMMs);
 - ``torchao fp8 + hook``: plus ``moe_fp4.register_activation_compression`` (saved activations in MXFP4);
 - ``torchao fp8 + hook + mxfp4 dispatch``: plus ``moe_fp4.swap_all_to_all`` (dispatch MXFP4, combine bf16);
-- ``moe_fp4 fp8`` / ``moe_fp4 fp4``: :class:`moe_fp4.model.moe.MoE` with :class:`moe_fp4.exchange.ep.EPConfig` (each token
-  sent once per rank; blockwise FP8 GEMMs; fp4: MXFP4 dispatch and MXFP4-stored activations).
+- ``moe_fp4 fp8`` / ``moe_fp4 fp4``: :class:`moe_fp4.model.moe.MoE` with :class:`moe_fp4.exchange.ep.EPConfig`
+  (each token sent once per rank; blockwise FP8 GEMMs; fp4: MXFP4 dispatch and MXFP4-stored activations).
 
 Columns: median ms of forward + backward over --iters (CUDA events, the slowest rank's), tokens/s per
 GPU, the ratio to ``torch bf16``, and the peak memory the step adds over what was allocated before
@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for experts.py and harness.py (python -P too)
-from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the example's EP block)
-
 from experts import timed_step  # noqa: E402  (bench/experts.py: fwd + bwd with the weights' versions bumped)
 from harness import log, sm90_run, write_results  # noqa: E402  (bench/harness.py: run record, JSON)
+from torchao_fp8_plus_mxfp4 import EPBlock, build, fp8_ready  # noqa: E402  (the example's EP block)
+
 from moe_fp4.exchange.ep import EPConfig  # noqa: E402
 from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 

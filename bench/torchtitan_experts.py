@@ -50,8 +50,13 @@ def model_config(shape: str, layers: int, converters):
     of torchtitan.models.deepseek_v3 0.3.0), every layer a MoE layer, the converters applied to the config."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
-    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
 
     s = SHAPES[shape]
     rope = ComplexRoPE.Config(dim=64, max_seq_len=16384, theta=10000.0, scaling="yarn", rope_factor=40.0,
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     # torchtitan 0.3.0 imports names an older torch lacks (FSDP's, unused on one GPU): stand-ins that raise if used
     stood_in = import_torchtitan("torchtitan.models.deepseek_v3", "torchtitan.components.quantization.float8",
                                  "moe_fp4.integrations.torchtitan")
-    title = f"torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE layers" + (", bf16 and torchao compiled" if a.compile else "")
+    title = (f"torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE layers"
+             + (", bf16 and torchao compiled" if a.compile else ""))
     if stood_in:
         title += f" (this torch lacks {', '.join(stood_in)}: stand-ins from bench/torchtitan_compat.py)"
     # one token more a row: the inputs are its first seq tokens, the targets its last seq

@@ -29,9 +29,9 @@ import statistics
 import torch
 
 import moe_fp4
-from moe_fp4.exchange import wire as W
+from moe_fp4.compare.data import TokenBatches, stdlib_corpus
 from moe_fp4.compare.origin import commit
-from moe_fp4.compare.data import stdlib_corpus, TokenBatches
+from moe_fp4.exchange import wire as W
 from moe_fp4.formats.metrics import sqnr_db
 from moe_fp4.model.decoder import PRESETS, DecoderLM
 
@@ -51,12 +51,14 @@ def capture(model: DecoderLM, ids: torch.Tensor, targets: torch.Tensor) -> list[
             x = args[0]
             slot["dispatch"] = x.detach().reshape(-1, x.shape[-1]).float()
             if x.requires_grad:
-                x.register_hook(lambda g, slot=slot: slot.__setitem__("dispatch_grad", g.reshape(-1, g.shape[-1]).float()))
+                x.register_hook(lambda g, slot=slot: slot.__setitem__("dispatch_grad",
+                                                                      g.reshape(-1, g.shape[-1]).float()))
 
         def post(_m, _args, y, slot=slot):
             slot["combine"] = y.detach().reshape(-1, y.shape[-1]).float()
             if y.requires_grad:
-                y.register_hook(lambda g, slot=slot: slot.__setitem__("combine_grad", g.reshape(-1, g.shape[-1]).float()))
+                y.register_hook(lambda g, slot=slot: slot.__setitem__("combine_grad",
+                                                                      g.reshape(-1, g.shape[-1]).float()))
 
         handles += [moe.register_forward_pre_hook(pre), moe.register_forward_hook(post)]
     model(ids, targets).backward()

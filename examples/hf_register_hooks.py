@@ -19,10 +19,16 @@ import argparse
 import sys
 
 import torch
-import transformers
 
 import moe_fp4
+from moe_fp4.compare.quiet import quiet_third_party
 from moe_fp4.formats.metrics import sqnr_db
+
+# transformers' model code imports torchao where it is installed, which reports the prebuilt extensions it
+# cannot load here and its enums' pytree registration: known-harmless lines, dropped (nothing else is).
+with quiet_third_party():
+    import transformers
+    import transformers.modeling_utils
 
 
 def build(a) -> torch.nn.Module:

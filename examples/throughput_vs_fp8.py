@@ -1,6 +1,6 @@
 """The fp4 vs fp8 comparison from Python: moe_fp4.compare.runner.run on one device (or under torchrun).
 
-    python examples/throughput_vs_fp8.py                      # a GPU: small preset; CPU: tiny (CPU timings mean nothing)
+    python examples/throughput_vs_fp8.py                      # GPU: small preset; CPU: tiny (timings mean nothing)
     python examples/throughput_vs_fp8.py --preset small --steps 300 --batch 32
     torchrun --nproc-per-node 2 examples/throughput_vs_fp8.py  # expert parallelism over 2 GPUs (or 2 CPU ranks)
 

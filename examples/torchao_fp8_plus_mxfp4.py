@@ -30,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import moe_fp4
+from moe_fp4.compare.quiet import quiet_third_party
 from moe_fp4.formats.metrics import sqnr_db
 
 ALIGN = 16   # rows per expert group: torchao's FP8 grouped GEMM needs multiples of 16
@@ -111,8 +112,11 @@ def fp8_ready(device: torch.device) -> bool:
 
 def to_torchao_fp8(block: EPBlock) -> EPBlock:
     """Wrap the experts' weights with torchao's FP8 training config (row-wise FP8 grouped GEMMs)."""
-    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-    from torchao.quantization import quantize_
+    # torchao reports the prebuilt extensions it cannot load here and its enums' pytree registration when
+    # imported: known-harmless lines, dropped (nothing else is).
+    with quiet_third_party():
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
 
     quantize_(block.experts, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: isinstance(mod, Experts))
     return block

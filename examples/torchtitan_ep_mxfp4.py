@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import moe_fp4
+from moe_fp4.compare.quiet import quiet_third_party
 from moe_fp4.formats.metrics import sqnr_db
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
@@ -211,4 +212,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torchtitan imports torchao, which reports the prebuilt extensions it cannot load here and its enums'
+    # pytree registration, and its router enters autocast(float32), which CPU autocast declines: known-harmless
+    # lines, dropped while the example runs (nothing else is).
+    with quiet_third_party():
+        main()

@@ -30,7 +30,12 @@ import time
 
 import torch
 
-from moe_fp4.integrations.torchtitan import FP8_PAIRS, GroupedExpertsConverter
+from moe_fp4.compare.quiet import quiet_third_party
+
+# torchtitan imports torchao, which reports the prebuilt extensions it cannot load here and its enums'
+# pytree registration: known-harmless lines, dropped while the example runs (nothing else is).
+with quiet_third_party():
+    from moe_fp4.integrations.torchtitan import FP8_PAIRS, GroupedExpertsConverter
 
 
 def build(converters, device: str):
@@ -106,4 +111,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_third_party():   # and torchtitan's router on CPU, where autocast declines float32
+        main()

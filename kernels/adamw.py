@@ -2,12 +2,11 @@
 
 The grouped FP8 GEMMs read each expert weight W [E, N, K] as 128x128-block FP8 codes, and dgrad reads
 W^T. Made apart from the optimizer, that pair costs a pass over the weights every optimizer step
-(read W, write two FP8 copies: about 2 ms of a DeepSeek-V3 expert step on the H100). The optimizer's
-update reads and writes W anyway, so here one program per 128x128 block updates W, exp_avg and
-exp_avg_sq, then reads the new block back (just written by the same program: from L2) and quantizes it,
-so the pair costs its own writes and no second read of W from memory. The fused step runs at 86-93% of
-a copy of its bytes and takes 0.76-0.84x the time of torch's fused AdamW followed by the pair (H100,
-bench/tools/adamw_fp8.py).
+(read W, write two FP8 copies). The optimizer's update reads and writes W anyway, so here one program
+per 128x128 block updates W, exp_avg and exp_avg_sq, then reads the new block back (just written by
+the same program: from L2) and quantizes it, so the pair costs its own writes and no second read of W
+from memory: faster than torch's fused AdamW followed by the pair (bench/tools/adamw_fp8.py,
+bench/RESULTS.md).
 
 Update, in float32 with the constants rounded to float32 once on the host (``AdamWScalars``):
 

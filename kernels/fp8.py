@@ -15,23 +15,6 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.mxfp4 import check_row_views, quantize_mxfp4_rowwise_ref, write_out
-from moe_fp4.kernels.triton_numerics import (
-    bf16_pair_bits,
-    row_chunks,
-    row_column_grid,
-    row_column_program,
-    tile_program,
-    fp8_encode_tiles,
-    fp8_weight_block,
-    load_pairs_as_f32_bits,
-    mx_encode_bf16_pairs,
-    mx_encode_tiles,
-    mxfp4_words_to_e4m3,
-    pair_view,
-    pow2_f32,
-    use_asm,
-    words_view,
-)
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -44,8 +27,25 @@ from moe_fp4.kernels.numerics import (
     exp2_int,
     fp8_scale_exponent,
     tile_amax,
+    to_output,
     unpack_nibbles,
-    with_canonical_nan,
+)
+from moe_fp4.kernels.triton_numerics import (
+    bf16_pair_bits,
+    fp8_encode_tiles,
+    fp8_weight_block,
+    load_pairs_as_f32_bits,
+    mx_encode_bf16_pairs,
+    mx_encode_tiles,
+    mxfp4_words_to_e4m3,
+    pair_view,
+    pow2_f32,
+    row_chunks,
+    row_column_grid,
+    row_column_program,
+    tile_program,
+    use_asm,
+    words_view,
 )
 
 BLOCKS_PER_TILE = FP8_TILE // MXFP4_BLOCK
@@ -97,12 +97,21 @@ def quantize_fp8_and_mxfp4_ref(x: torch.Tensor):
     return quantize_fp8_rowwise_ref(x), quantize_mxfp4_rowwise_ref(x)
 
 
+def fp8_values_ref(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data: float8_e4m3fn [M, K], scale: float32 [M, ceil(K/128)] -> float32 [M, K] = data * scale as
+    it is: exact unless the product exceeds float32's range (only possible for scales > 2^119), +-Inf
+    there, NaN for the NaN byte. What the conversions from FP8 start from; a decode saturates instead
+    (dequantize_fp8_ref)."""
+    return data.float() * _repeat_tiles(scale, data.shape[1])
+
+
 def dequantize_fp8_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """data: float8_e4m3fn [M, K], scale: float32 [M, ceil(K/128)] -> dtype [M, K] = data * scale
-    (exact in float32 unless the product exceeds float32's range, only possible for scales > 2^120)."""
-    m, k = data.shape
+    """data: float8_e4m3fn [M, K], scale: float32 [M, ceil(K/128)] -> dtype [M, K] = data * scale,
+    rounded once to dtype (exact in float32), a value past dtype's largest finite magnitude saturated
+    to it, sign kept (numerics.to_output: in float16 e.g. 255.875 * 2^8 rounds to 2^16 and gives
+    65504); the NaN byte gives NaN."""
     q = data.float()
-    return with_canonical_nan((q * _repeat_tiles(scale, k)).to(dtype), torch.isnan(q))
+    return to_output(q * _repeat_tiles(scale, data.shape[1]), dtype, torch.isnan(q))
 
 
 def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
@@ -141,28 +150,28 @@ def mxfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor):
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, fp8_ptr, fscale_ptr, mx_ptr, mscale_ptr, M, NT,
                          stride_xm, stride_fm, stride_fsm, stride_fst, stride_mm, stride_msm,
-                         IN_KIND: tl.constexpr, WRITE_MXFP4: tl.constexpr,
+                         IN_DTYPE: tl.constexpr, WRITE_MXFP4: tl.constexpr,
                          BLOCK_M: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # x viewed as pair words [M, K/2]; a program covers [BLOCK_M, TILES * 128], loaded, encoded and
     # stored as [BM, TILES, 4 blocks, 16] pair words. Not the row_chunks layout reshaped to that view:
-    # on sm90 with Triton 3.6 the reshape of a [BM, TILES * 8, 8] load ahead of the tile reduction gave
+    # on sm90 with Triton 3.6 the reshape of a [BM, TILES * 8, 8] load ahead of the tile reduction gives
     # wrong tile maxima (scales a binade low) for some shapes, output strides and configs, while the
-    # interpreter agreed with the reference (bench/RESULTS.md, issue 28 section; tests/formats/test_kernels.py
+    # interpreter agrees with the reference (tests/formats/test_kernels.py
     # test_row_kernels_every_config_and_stride_gpu).
     rows, t, mask_t, mask3, mask4, pair = tile_program(M, NT, BLOCK_M, TILES)
     offs = rows[:, None, None, None] * stride_xm + pair
-    if IN_KIND == 0:
+    if IN_DTYPE == tl.bfloat16:
         w = tl.load(x_ptr + offs, mask=mask4, other=0)
         lo, hi = bf16_pair_bits(w)                  # w itself feeds the MXFP4 half below
     else:
-        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask4, IN_KIND)
+        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask4, IN_DTYPE)
     word, fscale = fp8_encode_tiles(lo, hi, ASM)
     tl.store(fp8_ptr + rows[:, None, None, None] * stride_fm + pair, word, mask=mask4)
     # M-major for FP8BlockTensor (strides (1, M)); row-major inside each row of an all-to-all wire buffer.
     tl.store(fscale_ptr + t[None, :].to(tl.int64) * stride_fst + rows[:, None] * stride_fsm, fscale, mask=mask_t)
     if WRITE_MXFP4:
         # The MXFP4 byte of pair (t, b, p) is pair word t * 64 + b * 16 + p: the same offsets.
-        if IN_KIND == 0:
+        if IN_DTYPE == tl.bfloat16:
             packed, sc = mx_encode_bf16_pairs(w, 3, ASM)
             packed = packed.to(tl.uint8)
             sc = sc.to(tl.uint8)
@@ -207,15 +216,16 @@ def _launch_quantize_fp8(x: torch.Tensor, write_mxfp4: bool, block_m: int, tiles
     mx = torch.empty(m, k // 2, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     ms = torch.empty(m, k // MXFP4_BLOCK, dtype=torch.uint8, device=dev) if write_mxfp4 else None
     if m and k:
-        words, kind = pair_view(x.contiguous())
+        words, mode = pair_view(x.contiguous())
         nt = k // FP8_TILE
         tiles = min(tiles, triton.next_power_of_2(nt))
         fw = fp8.view(torch.int16)
         grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(nt, tiles))
         _quantize_fp8_kernel[grid](
             words, fw, fscale, mx if write_mxfp4 else fw, ms if write_mxfp4 else fw, m, nt,
-            words.stride(0), fw.stride(0), fscale.stride(0), fscale.stride(1), mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
-            IN_KIND=kind, WRITE_MXFP4=write_mxfp4,
+            words.stride(0), fw.stride(0), fscale.stride(0), fscale.stride(1),
+            mx.stride(0) if write_mxfp4 else 0, ms.stride(0) if write_mxfp4 else 0,
+            IN_DTYPE=mode, WRITE_MXFP4=write_mxfp4,
             BLOCK_M=block_m, TILES=tiles, ASM=use_asm(x) if asm is None else asm, num_warps=num_warps)
     return (fp8, fscale), (mx, ms)
 
@@ -227,7 +237,7 @@ def quantize_fp8_rowwise(x: torch.Tensor, out=None, block_m: int = 4, tiles: int
     stride, scale any strides); bit-identical to quantize_fp8_rowwise_ref. asm: None = the PTX E4M3
     rounding (cvt.rn.satfinite.e4m3x2.f32) on sm_90+ outside the interpreter (use_asm), True / False
     to force it or its integer twin. Defaults (4 rows x 8 tiles on 2 warps) from the H200 sweep in
-    bench/RESULTS.md; the tile-view kernel keeps them (100.0% of copy at 32768 x 7168 on the H100)."""
+    bench/RESULTS.md, which the tile-view kernel keeps."""
     return _launch_quantize_fp8(x, False, block_m, tiles, num_warps, out, asm)[0]
 
 
@@ -236,9 +246,9 @@ def quantize_fp8_and_mxfp4(x: torch.Tensor, block_m: int = 2, tiles: int = 4, nu
     """x: bf16/fp16/fp32 [M, K], K % 128 == 0 -> ((FP8 data, scale), (MXFP4 data, scale)) from one
     read of x; bit-identical to quantize_fp8_and_mxfp4_ref. asm as in quantize_fp8_rowwise; for BF16
     input it also selects the MXFP4 half's max.u16x2 and fma.rn.bf16x2 (mx_encode_bf16_pairs). Defaults
-    (2 rows x 4 tiles on 1 warp) from the H100 sweep of the tile-view kernel in bench/RESULTS.md (issue
-    28 section: 93.0% of copy at 32768 x 7168; 1 row x 8 tiles was 93.9% there but 55.8% at 65536 rows,
-    whose 65536 row programs spill onto a second grid axis)."""
+    (2 rows x 4 tiles on 1 warp) from the H100 sweep of the tile-view kernel in bench/RESULTS.md: 1 row
+    x 8 tiles is as fast at 32768 rows but not at 65536, whose 65536 row programs spill onto a second
+    grid axis."""
     return _launch_quantize_fp8(x, True, block_m, tiles, num_warps, None, asm)
 
 
@@ -301,8 +311,7 @@ def quantize_fp8_weight_128x128(w: torch.Tensor, write_q: bool = True, write_t: 
     or None, data_t float8_e4m3fn [E, K, N] (the codes of W^T) or None, scale float32 [E, N/128, K/128]).
     Bit-identical to quantize_fp8_weight_128x128_ref. asm: None = the PTX rounding on sm_90+ outside
     the interpreter (use_asm), True / False to force it or its pure-Triton twin. 16 warps per 128x128
-    block: 93% of a copy of the same bytes on the H100, against 76% with 8 and 78% with 4
-    (bench/tools/weight_quant.py, bench/RESULTS.md)."""
+    block: faster than 8 or 4 (bench/tools/weight_quant.py, bench/RESULTS.md)."""
     e, n, k = w.shape
     dev = w.device
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev) if write_q else None

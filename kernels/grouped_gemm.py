@@ -7,9 +7,8 @@ scales applied per 128-wide step of the contraction (one ``tl.dot`` per step, th
 tile finds its expert in a small table instead of a host loop.
 
 - :func:`grouped_mm_nt` (fprop and dgrad, "M-grouped"): ``out[rows of e] = A[rows of e] @ B[e]^T``.
-  A: FP8 [R, K] in 1x128 tiles along K, or MXFP4 [R, K] (decoded to FP8 in registers by the device
-  function the row-wise MXFP4 -> FP8 converter uses: bit-identical to converting first).
-  B: FP8 [E, N, K] in 128x128 blocks.
+  A: FP8 [R, K] in 1x128 tiles along K, or MXFP4 [R, K] (converted to FP8 first by the row-wise
+  MXFP4 -> FP8 converter). B: FP8 [E, N, K] in 128x128 blocks.
 - :func:`grouped_mm_wgrad` (weight gradients, "K-grouped"): ``out[e] = A[:, cols of e] @ B[:, cols of e]^T``
   with A [N, R] and B [K, R], both FP8 in 1x128 tiles along R (the tokens): dW = dY^T X per expert.
 
@@ -27,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, mxfp4_to_fp8_rowwise_ref
+from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, mxfp4_to_fp8_rowwise, mxfp4_to_fp8_rowwise_ref
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK
-from moe_fp4.kernels.triton_numerics import f32_to_bf16_rne, mxfp4_tiles_to_e4m3, pow2_f32
+from moe_fp4.kernels.triton_numerics import f32_to_bf16_rne
 
 try:  # Triton >= 3.4 (host-side TMA descriptors; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -48,7 +47,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     group_m: int = 8      # M tiles per L2 swizzle group (M-grouped kernel)
-    use_tma: bool = False  # FP8 operands through TMA tensor descriptors (needs even tiles; not MXFP4 A)
+    use_tma: bool = False  # FP8 operands through TMA tensor descriptors (needs even tiles)
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -59,10 +58,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: bad num_warps / num_stages / group_m in {self}")
 
 
-# Measured on an H200 (bench/gemm.py --sweep, dsv3 shapes, commit 4a0b56c; bench/RESULTS.md): TMA
-# descriptor loads, 64x128 tiles, 4 warps, 3 stages were the fastest or within 5% of it for every GEMM
-# (TMA: 0.59-0.64 of cuBLAS where pointer loads gave 0.47-0.49). 128x128 with 8 warps is slower: the
-# per-step scaled accumulation keeps two fp32 tiles live, and the wgrad kernel spilled at that size.
+# TMA descriptor loads, 64x128 tiles, 4 warps, 3 stages: the fastest config, or close to it, for every GEMM
+# of the H200 sweep (bench/gemm.py --sweep, dsv3 shapes; bench/RESULTS.md). 128x128 with 8 warps is slower:
+# the per-step scaled accumulation keeps two fp32 tiles live, and the wgrad kernel spills at that size.
 NT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True)
 WGRAD_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True)
 
@@ -72,40 +70,9 @@ WGRAD_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, us
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-> (data pointers, scale pointers) of A's first 128-column step for these rows."""
-    if A_MXFP4:
-        # 64 bytes and 4 E8M0 scales per row and step, viewed as [BM, 1 tile, 4 blocks, 16 bytes].
-        pair = tl.arange(0, 4)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
-        a_ptrs = a_ptr + rows[:, None, None, None] * stride_am + pair
-        as_ptrs = as_ptr + rows[:, None, None] * stride_asm + tl.arange(0, 4)[None, None, :]
-    else:
-        a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
-        as_ptrs = as_ptr + rows * stride_asm
-    return a_ptrs, as_ptrs
-
-
-@triton.jit
-def _load_a_tile(a_ptrs, as_ptrs, A_MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-> (float8e4nv [BLOCK_M, 128] codes of one 128-column step of A, float32 [BLOCK_M] their scales)."""
-    if A_MXFP4:
-        byte = tl.load(a_ptrs).to(tl.int32)
-        sb = tl.load(as_ptrs).to(tl.int32)
-        q_lo, q_hi, S = mxfp4_tiles_to_e4m3(byte, sb, sb >= 0)
-        # Element 2i is the low nibble of byte i: interleave (lo, hi) back into K order.
-        codes = tl.reshape(tl.join(q_lo, q_hi), (BLOCK_M, BLOCK_K))
-        a = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        sa = tl.reshape(pow2_f32(S), (BLOCK_M,))
-    else:
-        a = tl.load(a_ptrs)
-        sa = tl.load(as_ptrs)
-    return a, sa
-
-
-@triton.jit
-def _epilogue(acc, OUT_BF16: tl.constexpr):
-    """float32 accumulator -> the output's element type (bfloat16 or float32), rounded to nearest even."""
-    if OUT_BF16:
+def _epilogue(acc, OUT_DTYPE: tl.constexpr):
+    """float32 accumulator -> OUT_DTYPE (bfloat16 or float32), rounded to nearest even."""
+    if OUT_DTYPE == tl.bfloat16:
         return f32_to_bf16_rne(acc)
     else:
         return acc
@@ -117,9 +84,11 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
                           stride_am, stride_asm, stride_ask,
                           stride_be, stride_bn, stride_bse, stride_bsn,
                           stride_cm,
-                          A_MXFP4: tl.constexpr, OUT_BF16: tl.constexpr, EVEN_N: tl.constexpr,
-                          USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                          OUT_DTYPE: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+    # USE_TMA: a_ptr / b_ptr are tensor descriptors of A [R, K] and B viewed as [E * N, K] (N a multiple of
+    # BLOCK_N); else pointers, masked past column N when MASK_N.
     # Swizzled tile order: GROUP_M consecutive M tiles share each N tile while it is in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -134,48 +103,39 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
     e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // 128).to(tl.int64)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols_n < N
-    if USE_TMA and not A_MXFP4:
-        a_ptrs = a_ptr   # unused: the descriptor addresses A
-        as_ptrs = as_ptr + rows * stride_asm
-    else:
-        a_ptrs, as_ptrs = _a_pointers(a_ptr, as_ptr, rows, stride_am, stride_asm, A_MXFP4, BLOCK_K)
+    as_ptrs = as_ptr + rows * stride_asm
     if USE_TMA:
+        a_ptrs = a_ptr   # unused: the descriptors address A and B
         b_ptrs = b_ptr
     else:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
         b_ptrs = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn + tl.arange(0, BLOCK_K)[None, :]
     bs_ptrs = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if USE_TMA:
-            # a_ptr / b_ptr are tensor descriptors of A [R, K] and B viewed as [E * N, K] (EVEN_N).
-            if A_MXFP4:
-                a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
-            else:
-                a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
-                sa = tl.load(as_ptrs)
+            a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
+            sa = tl.load(as_ptrs)
             b = b_ptr.load([(e * N + pid_n * BLOCK_N).to(tl.int32), kt * BLOCK_K])
             sb = tl.load(bs_ptrs)
-        elif EVEN_N:
-            a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
-            b = tl.load(b_ptrs)
-            sb = tl.load(bs_ptrs)
-        else:
-            a, sa = _load_a_tile(a_ptrs, as_ptrs, A_MXFP4, BLOCK_M, BLOCK_K)
+        elif MASK_N:
+            a = tl.load(a_ptrs)
+            sa = tl.load(as_ptrs)
             b = tl.load(b_ptrs, mask=mask_n[:, None], other=0.0)
             sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        if A_MXFP4:
-            a_ptrs += BLOCK_K // 2
-            as_ptrs += BLOCK_K // 32
         else:
-            if not USE_TMA:
-                a_ptrs += BLOCK_K
-            as_ptrs += stride_ask
+            a = tl.load(a_ptrs)
+            sa = tl.load(as_ptrs)
+            b = tl.load(b_ptrs)
+            sb = tl.load(bs_ptrs)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         if not USE_TMA:
+            a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        as_ptrs += stride_ask
         bs_ptrs += 1
     c = c_ptr + rows[:, None] * stride_cm + cols_n[None, :]
-    tl.store(c, _epilogue(acc, OUT_BF16), mask=mask_n[None, :])
+    tl.store(c, _epilogue(acc, OUT_DTYPE), mask=mask_n[None, :])
 
 
 @triton.jit
@@ -184,9 +144,11 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
                              stride_am, stride_asn, stride_ast,
                              stride_bk, stride_bsk, stride_bst,
                              stride_ce, stride_cn,
-                             OUT_BF16: tl.constexpr, EVEN: tl.constexpr, USE_TMA: tl.constexpr,
+                             OUT_DTYPE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (tile of dW[e], expert e): contract over expert e's tokens in steps of one 1x128 tile.
+    # USE_TMA: a_ptr / b_ptr are tensor descriptors of A [N, R] and B [K, R] (N and K multiples of the
+    # tile); else pointers, masked past row N and column K when MASKED.
     pid = tl.program_id(0)
     e = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_N)
@@ -203,7 +165,6 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
     rr = tl.arange(0, BLOCK_R)
     t0 = start // BLOCK_R
     if USE_TMA:
-        # a_ptr / b_ptr are tensor descriptors of A [N, R] and B [K, R] (EVEN).
         a_ptrs = a_ptr
         b_ptrs = b_ptr
     else:
@@ -219,16 +180,16 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
             b = b_ptr.load([pid_n * BLOCK_N, r0])
             sa = tl.load(as_ptrs)
             sb = tl.load(bs_ptrs)
-        elif EVEN:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            sa = tl.load(as_ptrs)
-            sb = tl.load(bs_ptrs)
-        else:
+        elif MASKED:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[:, None], other=0.0)
             sa = tl.load(as_ptrs, mask=mask_m, other=0.0)
             sb = tl.load(bs_ptrs, mask=mask_n, other=0.0)
+        else:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            sa = tl.load(as_ptrs)
+            sb = tl.load(bs_ptrs)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         if not USE_TMA:
             a_ptrs += BLOCK_R
@@ -236,7 +197,7 @@ def _grouped_mm_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
         as_ptrs += stride_ast
         bs_ptrs += stride_bst
     c = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cn + cols[None, :]
-    tl.store(c, _epilogue(acc, OUT_BF16), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c, _epilogue(acc, OUT_DTYPE), mask=mask_m[:, None] & mask_n[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +221,7 @@ def group_offsets(counts) -> list[int]:
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}   # the kernels' OUT_DTYPE
 
 
 def _check_out_dtype(dtype, fn: str) -> None:
@@ -325,9 +287,9 @@ def _nt_shapes(a, a_scale, b, b_scale, counts, fn: str):
 def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
                   out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = NT_CONFIG) -> torch.Tensor:
     """A: float8_e4m3fn [R, K] with a_scale float32 [R, K/128] (any strides), or MXFP4 uint8 [R, K/2]
-    with a_scale uint8 [R, K/32] (row-major); B: float8_e4m3fn [E, N, K] with b_scale float32
-    [E, N/128, K/128] (128x128 blocks); counts: E ints, multiples of 128, summing to R
-    -> out_dtype [R, N]: rows of expert e times B[e]^T, one launch."""
+    with a_scale uint8 [R, K/32] (row-major; converted to FP8 first by mxfp4_to_fp8_rowwise); B:
+    float8_e4m3fn [E, N, K] with b_scale float32 [E, N/128, K/128] (128x128 blocks); counts: E ints,
+    multiples of 128, summing to R -> out_dtype [R, N]: rows of expert e times B[e]^T, one launch."""
     mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
     _check_out_dtype(out_dtype, "grouped_mm_nt")
     out = torch.empty(r, n, dtype=out_dtype, device=a.device)
@@ -335,6 +297,8 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out
     if k == 0:
         return out.zero_()
+    if mxfp4:
+        a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
     tile_expert = device_ints([e for e, c in enumerate(counts) for _ in range(c // GROUP_ALIGN)], torch.int32,
                               a.device)
     bs = b_scale.contiguous()
@@ -343,16 +307,15 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     tma = cfg.use_tma and even_n and _tma_ok(a)
     a_arg, b_arg = a, b
     if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, FP8_TILE])
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cfg.block_n, FP8_TILE])
-        if not mxfp4:
-            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, FP8_TILE])
     grid = (triton.cdiv(r, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _grouped_mm_nt_kernel[grid](
         a_arg, a_scale, b_arg, bs, out, tile_expert, r, n, k,
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
-        A_MXFP4=mxfp4, OUT_BF16=out_dtype == torch.bfloat16, EVEN_N=even_n, USE_TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        OUT_DTYPE=_TL_DTYPES[out_dtype], MASK_N=not even_n, USE_TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -420,7 +383,7 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b_scale.stride(0), b_scale.stride(1),
         out.stride(0), out.stride(1),
-        OUT_BF16=out_dtype == torch.bfloat16, EVEN=even, USE_TMA=tma,
+        OUT_DTYPE=_TL_DTYPES[out_dtype], MASKED=not even, USE_TMA=tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=FP8_TILE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

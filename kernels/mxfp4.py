@@ -12,33 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.triton_numerics import (
-    bf16_pair_word,
-    block_program,
-    row_chunks,
-    row_column_grid,
-    row_column_program,
-    store_pair_words,
-    bytes_0246,
-    bytes_0246_asm,
-    ceil_log2_ratio_bits,
-    e2m1_decode_scaled,
-    e2m1x2_to_bf16x2,
-    e4m3_to_f32_bits,
-    e4m3x4_to_e2m1x4,
-    load_pairs_as_f32_bits,
-    max_u16x2_asm,
-    mx_encode_bf16_pairs,
-    mx_encode_pairs,
-    mx_encode_pairs_stochastic,
-    mx_scale_exp,
-    philox_pair_words,
-    u32_as_i32,
-    pair_view,
-    pow2_f32,
-    use_asm,
-    words_view,
-)
 from moe_fp4.kernels.numerics import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -46,7 +19,6 @@ from moe_fp4.kernels.numerics import (
     MX_EXP_MAX,
     MX_EXP_MIN,
     MXFP4_BLOCK,
-    NAN_BITS,
     ceil_log2_ratio,
     decode_e2m1,
     encode_e2m1,
@@ -55,8 +27,35 @@ from moe_fp4.kernels.numerics import (
     mx_scale_exponent,
     pack_nibbles,
     random_bits,
+    to_output,
     unpack_nibbles,
-    with_canonical_nan,
+)
+from moe_fp4.kernels.triton_numerics import (
+    block_program,
+    bytes_0246,
+    bytes_0246_asm,
+    ceil_log2_ratio_bits,
+    e2m1_decode_scaled,
+    e2m1x2_to_bf16x2,
+    e4m3_to_f32_bits,
+    e4m3x4_to_e2m1x4,
+    f32_to_out_bits,
+    load_pairs_as_f32_bits,
+    max_u16x2_asm,
+    mx_encode_bf16_pairs,
+    mx_encode_pairs,
+    mx_encode_pairs_stochastic,
+    mx_scale_exp,
+    pair_view,
+    philox_pair_words,
+    pow2_f32,
+    row_chunks,
+    row_column_grid,
+    row_column_program,
+    store_pair_words,
+    u32_as_i32,
+    use_asm,
+    words_view,
 )
 
 
@@ -153,14 +152,16 @@ def dequantize_mxfp4_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """data: uint8 [M, K/2], scale: uint8 [M, K/32] -> dtype [M, K] (exact in float32; one rounding
     to bf16/fp16 otherwise). NaN blocks (scale 0xFF) give NaN; zero codes give signed zeros.
 
-    E8M0 byte 254 (2^127) with |code| >= 2 exceeds float32's range and gives +-Inf.
+    A value past dtype's largest finite magnitude saturates to it, sign kept (numerics.to_output):
+    in float32 and bf16 E8M0 byte 254 (2^127) with |code| >= 2 and byte 253 with |code| >= 4, in
+    float16 every value of 2^16 and more (e.g. code 4.0 at byte 141).
     """
     m, half_k = data.shape
     k = 2 * half_k
     vals = decode_e2m1(unpack_nibbles(data)).view(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
     e = scale.to(torch.int32) - E8M0_BIAS
-    out = (vals * exp2_int(e.clamp(max=MX_EXP_MAX))[..., None]).to(dtype)
-    return with_canonical_nan(out, (scale == E8M0_NAN)[..., None]).view(m, k)
+    out = vals * exp2_int(e.clamp(max=MX_EXP_MAX))[..., None]
+    return to_output(out, dtype, (scale == E8M0_NAN)[..., None]).view(m, k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,18 +174,18 @@ def _quantize_mxfp4_kernel(
     M, KB,                      # rows, number of 32-blocks per row
     stride_xm,                  # row stride of x in pair words
     stride_dm, stride_sm,       # row strides of data (bytes) and scale (bytes)
-    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
     offs = rows[:, None, None] * stride_xm + pair
-    if IN_KIND == 0:
+    if IN_DTYPE == tl.bfloat16:
         # BF16: two elements per operation on the pair words as loaded (mx_encode_bf16_pairs). Each
         # thread holds whole blocks ([1, 1, 16] per thread), so the block maximum needs no shuffle;
-        # the row_chunks layout (a block over 4 threads) was slower (bench/RESULTS.md).
+        # the row_chunks layout (a block over 4 threads) is slower (bench/RESULTS.md).
         packed, scale = mx_encode_bf16_pairs(tl.load(x_ptr + offs, mask=mask3, other=0), 2, ASM)
     else:
-        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask3, IN_KIND)
+        lo, hi = load_pairs_as_f32_bits(x_ptr, offs, mask3, IN_DTYPE)
         # amax on the bits: |x| bits are monotone in |x|; NaN/Inf (>= 0x7F800000) are the largest.
         lo_abs = lo & 0x7FFFFFFF
         hi_abs = hi & 0x7FFFFFFF
@@ -205,12 +206,12 @@ def _quantize_mxfp4_kernel(
 @triton.jit
 def _quantize_mxfp4_stochastic_kernel(
     x_ptr, data_ptr, scale_ptr, M, KB, stride_xm, stride_dm, stride_sm, seed, step, rank,
-    IN_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # _quantize_mxfp4_kernel's scales (its general path, on fp32 bits), the codes rounded stochastically.
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
-    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+    lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_DTYPE)
     lo_abs = lo & 0x7FFFFFFF
     hi_abs = hi & 0x7FFFFFFF
     amax_bits = tl.max(tl.maximum(lo_abs, hi_abs), axis=2)
@@ -224,24 +225,13 @@ def _quantize_mxfp4_stochastic_kernel(
 
 
 @triton.jit
-def _f32_bits_to_out(bits, nan, OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr):
-    """int32 fp32 bits (exact value) -> int32 holding the output dtype's bit pattern (16 or 32 bits)."""
-    if OUT_KIND == 0:
-        # Decoded values have at most 1 mantissa bit (normal) or bits >= 2^21 (subnormal), so bf16
-        # (the top 16 bits of fp32) holds them exactly: truncation is exact, no rounding needed.
-        out = (bits >> 16) & 0xFFFF
-    elif OUT_KIND == 1:
-        out = bits.to(tl.float32, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    else:
-        out = bits
-    return tl.where(nan, NAN_BITS, out)
-
-@triton.jit
 def _dequantize_mxfp4_kernel(
     data_ptr, scale_ptr, out_ptr,
     M, KB, stride_dm, stride_sm, stride_om,     # stride_om in output pair words
-    OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # The exact float32 value of each code (e2m1_decode_scaled: +-Inf past float32), then the one
+    # rounding and saturation of f32_to_out_bits.
     NB: tl.constexpr = BLOCK_K // 32
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB)
 
@@ -249,9 +239,9 @@ def _dequantize_mxfp4_kernel(
     s = tl.load(scale_ptr + rows[:, None] * stride_sm + kb[None, :], mask=mask2, other=0).to(tl.int32)
     nan = (s == 255)[:, :, None]
     s3 = s[:, :, None]
-    lo = _f32_bits_to_out(e2m1_decode_scaled(b & 15, s3), nan, OUT_KIND, NAN_BITS)
-    hi = _f32_bits_to_out(e2m1_decode_scaled(b >> 4, s3), nan, OUT_KIND, NAN_BITS)
-    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_KIND)
+    lo = f32_to_out_bits(e2m1_decode_scaled(b & 15, s3).to(tl.float32, bitcast=True), nan, OUT_DTYPE)
+    hi = f32_to_out_bits(e2m1_decode_scaled(b >> 4, s3).to(tl.float32, bitcast=True), nan, OUT_DTYPE)
+    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_DTYPE)
 
 
 @triton.jit
@@ -275,14 +265,17 @@ def _dequantize_mxfp4_bf16_kernel(
     s_fin = tl.where(s == 255, 2, s)
     s3 = s_fin[:, :, None, None]
     if (tl.min(s_fin) >= 2) & (tl.max(s_fin) <= 252):
-        # Every block's values are BF16 normals or zero (and finite): two codes per operation. The
-        # byte times 0x1001 puts its low code in bits 0..3 and its high code in bits 16..19 (the
-        # other bits are ignored by e2m1x2_to_bf16x2).
+        # Every block's values are BF16 normals or zero (and below bf16's largest finite): two codes
+        # per operation. The byte times 0x1001 puts its low code in bits 0..3 and its high code in
+        # bits 16..19 (the other bits are ignored by e2m1x2_to_bf16x2).
         word = e2m1x2_to_bf16x2(b * 0x1001, s3)
     else:
-        # Subnormal or overflowing blocks, one code at a time: exact fp32 bits, whose top half is
-        # the BF16 value exactly (see _f32_bits_to_out).
-        word = bf16_pair_word(e2m1_decode_scaled(b & 15, s3), e2m1_decode_scaled(b >> 4, s3))
+        # Subnormal or overflowing blocks, one code at a time: exact fp32 bits (one mantissa bit, so
+        # bf16 holds them exactly), saturated past bf16's range by f32_to_out_bits.
+        lo = e2m1_decode_scaled(b & 15, s3).to(tl.float32, bitcast=True)
+        hi = e2m1_decode_scaled(b >> 4, s3).to(tl.float32, bitcast=True)
+        lo = f32_to_out_bits(lo, nan, tl.bfloat16, EXACT=True)
+        word = lo | (f32_to_out_bits(hi, nan, tl.bfloat16, EXACT=True) << 16)
     word = tl.reshape(tl.where(nan, 0x7FC07FC0, word), [BLOCK_M, NB * 4, 4])
     tl.store(out_ptr + rows[:, None, None] * stride_om + pair, word, mask=mask_c)
 
@@ -394,12 +387,12 @@ def quantize_mxfp4_rowwise(x: torch.Tensor, out=None, block_m: int = 4, block_k:
     if m == 0 or k == 0:
         return data, scale
     block_k = min(block_k, triton.next_power_of_2(k))
-    words, kind = pair_view(x)
+    words, mode = pair_view(x)
     kb = k // MXFP4_BLOCK
     grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_mxfp4_kernel[grid](
         words, data, scale, m, kb, words.stride(0), data.stride(0), scale.stride(0),
-        IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k, ASM=use_asm(x) if asm is None else asm,
+        IN_DTYPE=mode, BLOCK_M=block_m, BLOCK_K=block_k, ASM=use_asm(x) if asm is None else asm,
         num_warps=num_warps,
     )
     return data, scale
@@ -422,11 +415,11 @@ def quantize_mxfp4_stochastic(x: torch.Tensor, seed: int, step: int = 0, rank: i
     if m == 0 or k == 0:
         return data, scale
     block_k = min(block_k, triton.next_power_of_2(k))
-    words, kind = pair_view(x)
+    words, mode = pair_view(x)
     grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_mxfp4_stochastic_kernel[grid](
         words, data, scale, m, k // MXFP4_BLOCK, words.stride(0), data.stride(0), scale.stride(0),
-        seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind, BLOCK_M=block_m, BLOCK_K=block_k,
+        seed, u32_as_i32(step), u32_as_i32(rank), IN_DTYPE=mode, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=num_warps)
     return data, scale
 
@@ -449,7 +442,7 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         return out
     data = data if data.stride(1) == 1 else data.contiguous()
     scale = scale if scale.stride(1) == 1 else scale.contiguous()
-    words, kind = pair_view(out)
+    words, mode = pair_view(out)
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     if dtype == torch.bfloat16:
@@ -460,8 +453,7 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         return out
     _dequantize_mxfp4_kernel[grid](
         data, scale, words, m, k // MXFP4_BLOCK, data.stride(0), scale.stride(0), words.stride(0),
-        OUT_KIND=kind, NAN_BITS=NAN_BITS[dtype],
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+        OUT_DTYPE=mode, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out
 
@@ -470,8 +462,8 @@ def quantize_mxfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor,
                             block_m: int = 4, block_k: int = 1024, num_warps: int = 4, asm: bool | None = None):
     """data float8_e4m3fn [M, K] (K % 128 == 0), scale float32 [M, K/128] (any strides, e.g. (1, M))
     -> (data uint8 [M, K/2], scale uint8 [M, K/32]); bit-identical to quantize_mxfp4_from_fp8_ref.
-    Defaults from bench/tools/tune.py on the H200 (73% of copy at 32768 x 7168; one-warp programs stop at
-    32 resident programs, half the SM's warps). asm: None = the PTX lane maximum and byte gather on
+    Defaults from bench/tools/tune.py on the H200 (one-warp programs stop at 32 resident programs, half
+    the SM's warps). asm: None = the PTX lane maximum and byte gather on
     sm_90+ outside the interpreter (use_asm), True / False to force them or their pure-Triton twins."""
     m, k = data.shape
     assert k % FP8_TILE == 0 and scale.shape == (m, k // FP8_TILE)

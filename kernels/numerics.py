@@ -69,7 +69,7 @@ def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
 class Rounding(str, enum.Enum):
     """How a value is put on the E2M1 grid. NEAREST: to nearest, ties to even (``encode_e2m1``).
     STOCHASTIC: to one of its two neighbours with probability proportional to closeness, from 32 random
-    bits per element (``encode_e2m1_stochastic``): unbiased for |v| <= 6, for gradients (issue 27)."""
+    bits per element (``encode_e2m1_stochastic``): unbiased for |v| <= 6, for gradients."""
 
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"
@@ -218,11 +218,29 @@ NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC0
 _INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
+# Largest finite magnitude per output dtype, as bits: where a decode saturates (``to_output``).
+FINITE_MAX_BITS = {torch.bfloat16: 0x7F7F, torch.float16: 0x7BFF, torch.float32: 0x7F7FFFFF}
+
+
+def _scalar_of_bits(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    # A fill, not torch.tensor(..., device=cuda): that copies from pageable host memory, a host sync.
+    return torch.full((), bits, dtype=_INT_OF[dtype], device=device).view(dtype)
+
+
 def with_canonical_nan(out: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     """out: bf16/fp16/fp32 [...], nan: bool broadcastable to out -> out with NAN_BITS where nan."""
-    # A fill, not torch.tensor(..., device=cuda): that copies from pageable host memory, a host sync.
-    canon = torch.full((), NAN_BITS[out.dtype], dtype=_INT_OF[out.dtype], device=out.device).view(out.dtype)
-    return torch.where(nan, canon, out)
+    return torch.where(nan, _scalar_of_bits(NAN_BITS[out.dtype], out.dtype, out.device), out)
+
+
+def to_output(v: torch.Tensor, dtype: torch.dtype, nan: torch.Tensor | None = None) -> torch.Tensor:
+    """v: float32 [...] decoded values (+-Inf where the float32 product overflowed) -> dtype [...]
+    (bf16/fp16/fp32): rounded to nearest even, and a result past dtype's largest finite magnitude
+    saturated to it, sign kept, so no finite encoded value decodes to Inf; the canonical NaN
+    (NAN_BITS) where ``nan`` (bool, broadcastable). The rule of triton_numerics.f32_to_out_bits."""
+    out = v.to(dtype)
+    top = _scalar_of_bits(FINITE_MAX_BITS[dtype], dtype, v.device)
+    out = torch.where(torch.isinf(out), torch.where(torch.signbit(out), -top, top), out)
+    return out if nan is None else with_canonical_nan(out, nan)
 
 
 def finite_abs(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""NVFP4 (issue 27): E2M1 values, one E4M3 scale per 16 elements, one float32 scale per tensor.
+"""NVFP4: E2M1 values, one E4M3 scale per 16 elements, one float32 scale per tensor.
 
 Triton kernels (``quantize_nvfp4``, ``dequantize_nvfp4``), their launchers, and the exact pure-torch
 references ``*_ref`` with the same signatures, which the kernels equal bit for bit (tests/formats/test_nvfp4.py),
@@ -18,21 +18,26 @@ amax); the block kernel reads it as a float32 0-d tensor. The rules, in float32 
    sign kept (-0 for a small negative). A block whose scale code is 0 (r below half the smallest E4M3
    subnormal, 2^-10) has S = 0 and stores signed zeros; a NaN block stores codes 0.
 4. dequantize: fl(fl(e2m1 * e4m3) * s_t) in float32 (the first product is exact), rounded once to the
-   output dtype; a NaN block gives NaN (the canonical bits of ``NAN_BITS``).
+   output dtype, a value past that dtype's largest finite magnitude (or a float32 product that
+   overflowed, possible with a given tensor scale above about 2^117) saturating to it, sign kept
+   (``numerics.to_output``); a NaN block gives NaN (the canonical bits of ``NAN_BITS``).
 
 FP8 1x128 (E4M3 codes, power-of-two float32 scale per 128 columns) on either side, each defined as the
 composition of the exact conversions, which a kernel fuses into one pass over the codes:
 
 5. FP8 -> NVFP4 (``quantize_nvfp4_from_fp8``): rules 1-3 applied to the FP8 tensor's values code * 2^S,
-   which float32 holds exactly (a NaN byte is NaN); = ``quantize_nvfp4_ref(dequantize_fp8_ref(., .,
-   float32))``. Nothing is lost that quantizing the values would not lose.
+   which float32 holds exactly (a NaN byte is NaN, a product past float32 +-Inf: ``fp8_values_ref``);
+   = ``quantize_nvfp4_ref(fp8_values_ref(., .))``. Nothing is lost that quantizing the values would
+   not lose; the FP8 value 2^128, which ``quantize_fp8`` makes of bf16's and float32's largest values,
+   is +-Inf here and makes its block a NaN block.
 6. NVFP4 -> FP8 (``nvfp4_to_fp8_rowwise``, the GEMM operand): the FP8 1x128 rule
    (``quantize_fp8_rowwise_ref``: S = ceil(log2(tile amax / 448)), RNE into E4M3) applied to rule 4's
-   float32 values; = ``quantize_fp8_rowwise_ref(dequantize_nvfp4_ref(., ., ., float32))``. Not exact in
+   float32 values (unsaturated: an overflowed product is +-Inf, the NaN byte); =
+   ``quantize_fp8_rowwise_ref(nvfp4_values_ref(., ., .))``. Not exact in
    general: an element is e2m1 * e4m3 * s_t, up to 24 significant bits for an arbitrary tensor scale,
    and E4M3 keeps 4; each element then moves by at most half an E4M3 step (2^-4 of its value in the
    normal range), and blocks more than about 17 binades below the tile's largest round into E4M3's
-   subnormals or to zero. How often and how far on real activations: bench/RESULTS.md (issue 27).
+   subnormals or to zero. How often and how far on real activations: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_fp4.kernels.fp8 import empty_m_major, fp8_values_ref, quantize_fp8_rowwise_ref
+from moe_fp4.kernels.mxfp4 import check_row_views, write_out
 from moe_fp4.kernels.numerics import (
     E2M1_MAX,
     E4M3_MAX,
@@ -53,19 +60,16 @@ from moe_fp4.kernels.numerics import (
     finite_abs,
     pack_nibbles,
     random_bits,
+    to_output,
     unpack_nibbles,
-    NAN_BITS,
-    with_canonical_nan,
 )
-from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, quantize_fp8_rowwise_ref
-from moe_fp4.kernels.mxfp4 import check_row_views, write_out
 from moe_fp4.kernels.triton_numerics import (
-    bf16_rne_bits,
     block_program,
     e2m1_rne_mag,
     e2m1_sr_mag,
     e4m3_rne,
     e4m3_to_f32_bits,
+    f32_to_out_bits,
     fp8_encode_tiles,
     fp8_scale_exp,
     load_pairs_as_f32_bits,
@@ -75,6 +79,7 @@ from moe_fp4.kernels.triton_numerics import (
     row_column_grid,
     store_pair_words,
     tile_program,
+    tl_dtype,
     u32_as_i32,
     use_asm,
     words_view,
@@ -129,10 +134,9 @@ def quantize_nvfp4_ref(x: torch.Tensor, tensor_scale: torch.Tensor | None = None
     return pack_nibbles(codes), code, s_t
 
 
-def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d, or [M] (one per row:
-    rows received from several senders) -> dtype [M, K] (rule 4)."""
+def _nvfp4_products(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
+    """data, scale, tensor_scale as dequantize_nvfp4_ref -> (float32 [M, K/16, 16] products
+    fl(fl(e2m1 * e4m3) * s_t), +-Inf where they overflow and 0 in NaN blocks; bool [M, K/16] NaN blocks)."""
     m, half_k = data.shape
     k = 2 * half_k
     vals = decode_e2m1(unpack_nibbles(data)).view(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -140,13 +144,28 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
     nan = torch.isnan(sv)
     s_t = tensor_scale.to(torch.float32)
     s_t = s_t.reshape(m, 1, 1) if s_t.dim() else s_t
-    out = (vals * torch.where(nan, torch.zeros_like(sv), sv)[..., None]) * s_t
-    return with_canonical_nan(out.to(dtype), nan[..., None]).view(m, k)
+    return (vals * torch.where(nan, torch.zeros_like(sv), sv)[..., None]) * s_t, nan
+
+
+def nvfp4_values_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d or [M] -> float32
+    [M, K]: rule 4's products as they are, +-Inf where float32 overflows and NaN in NaN blocks (what the
+    NVFP4 -> FP8 conversions encode; a decode saturates instead, dequantize_nvfp4_ref)."""
+    v, nan = _nvfp4_products(data, scale, tensor_scale)
+    return torch.where(nan[..., None], torch.full_like(v, float("nan")), v).view(data.shape[0], 2 * data.shape[1])
+
+
+def dequantize_nvfp4_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d, or [M] (one per row:
+    rows received from several senders) -> dtype [M, K] (rule 4: saturating, never Inf)."""
+    v, nan = _nvfp4_products(data, scale, tensor_scale)
+    return to_output(v, dtype, nan[..., None]).view(data.shape[0], 2 * data.shape[1])
 
 
 def nvfp4_tensor_scale_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """data float8_e4m3fn [M, K], scale float32 [M, K/128] -> float32 0-d: rule 1 over the FP8 values."""
-    return nvfp4_tensor_scale_ref(dequantize_fp8_ref(data, scale, torch.float32))
+    return nvfp4_tensor_scale_ref(fp8_values_ref(data, scale))
 
 
 def quantize_nvfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None = None,
@@ -154,23 +173,22 @@ def quantize_nvfp4_from_fp8_ref(data: torch.Tensor, scale: torch.Tensor, tensor_
                                 out=None):
     """Rule 5: data float8_e4m3fn [M, K], scale float32 [M, K/128] (FP8 1x128, K % 128 == 0) ->
     quantize_nvfp4_ref of its float32 values (exact), with the same other arguments and results."""
-    return quantize_nvfp4_ref(dequantize_fp8_ref(data, scale, torch.float32), tensor_scale, rounding, seed, step,
-                              rank, out)
+    return quantize_nvfp4_ref(fp8_values_ref(data, scale), tensor_scale, rounding, seed, step, rank, out)
 
 
 def nvfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
     """data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d or [M] -> (data
     float8_e4m3fn [K, M], scale float32 [K, ceil(M/128)] M-major): the FP8 1x128 quantization along
-    tokens of the transposed float32 dequantization (the weight gradient's operand; any M)."""
-    v = dequantize_nvfp4_ref(data, scale, tensor_scale, torch.float32)
+    tokens of the transposed float32 values (nvfp4_values_ref; the weight gradient's operand; any M)."""
+    v = nvfp4_values_ref(data, scale, tensor_scale)
     return quantize_fp8_rowwise_ref(v.t().contiguous())
 
 
 def nvfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor):
     """Rule 6: data uint8 [M, K/2], scale float8_e4m3fn [M, K/16], tensor_scale float32 0-d or [M] (K %
     128 == 0) -> (data float8_e4m3fn [M, K], scale float32 [M, K/128] M-major): the FP8 1x128
-    quantization of the float32 dequantization (NaN blocks give the NaN byte 0x7F)."""
-    return quantize_fp8_rowwise_ref(dequantize_nvfp4_ref(data, scale, tensor_scale, torch.float32))
+    quantization of the float32 values (nvfp4_values_ref; NaN blocks give the NaN byte 0x7F)."""
+    return quantize_fp8_rowwise_ref(nvfp4_values_ref(data, scale, tensor_scale))
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,11 +196,11 @@ def nvfp4_to_fp8_rowwise_ref(data: torch.Tensor, scale: torch.Tensor, tensor_sca
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _finite_amax_kernel(x_ptr, amax_ptr, N, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
+def _finite_amax_kernel(x_ptr, amax_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     # Rule 1's amax: the largest finite |x| as float32 bits (monotone in |x| for finite values; NaN and
     # +-Inf, bits >= 0x7F800000, count as 0), one atomic max per program into an int32 that starts at 0.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lo, hi = load_pairs_as_f32_bits(x_ptr, offs, offs < N, IN_KIND)
+    lo, hi = load_pairs_as_f32_bits(x_ptr, offs, offs < N, IN_DTYPE)
     lo = lo & 0x7FFFFFFF
     hi = hi & 0x7FFFFFFF
     m = tl.maximum(tl.where(lo >= 0x7F800000, 0, lo), tl.where(hi >= 0x7F800000, 0, hi))
@@ -193,7 +211,7 @@ def _finite_amax_kernel(x_ptr, amax_ptr, N, IN_KIND: tl.constexpr, BLOCK: tl.con
 def fp8_pairs_as_f32_bits(w, s):
     """w: int32 holding int16 pair words of two E4M3 bytes (element 2i in the low byte), s: float32 tile
     scales 2^S broadcastable to w -> (lo, hi) int32 fp32 bits of code * 2^S (exact, as
-    dequantize_fp8_ref; a NaN byte gives NaN)."""
+    fp8_values_ref; a NaN byte gives NaN)."""
     b_lo = w & 0xFF
     b_hi = (w >> 8) & 0xFF
     lo = (e4m3_to_f32_bits(b_lo).to(tl.float32, bitcast=True) * s).to(tl.int32, bitcast=True)
@@ -228,19 +246,20 @@ def _tensor_scale_kernel(amax_ptr, st_ptr, DIVISOR: tl.constexpr, FLOOR: tl.cons
 def _quantize_nvfp4_kernel(
     x_ptr, xs_ptr, data_ptr, scale_ptr, st_ptr, M, KB, stride_xm, stride_xsm, stride_xst, stride_dm, stride_sm,
     seed, step, rank,
-    IN_KIND: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    IN_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Rules 2 and 3 of the module docstring per 16-element block; divisions are div_rn (Triton's "/" on
-    # float32 is an approximate division on the GPU). IN_KIND 0-2: bf16 / fp16 / fp32 pair words; 3: FP8
-    # 1x128 (int16 pair words of E4M3 codes, xs_ptr the tile scales; rule 5), the values formed exactly.
+    # float32 is an approximate division on the GPU). IN_DTYPE tl.bfloat16 / tl.float16 / tl.float32:
+    # pair words; tl.float8e4nv: FP8 1x128 (int16 pair words of E4M3 codes, xs_ptr the tile scales;
+    # rule 5), the values formed exactly.
     NB: tl.constexpr = BLOCK_K // 16
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, PAIRS=8)
-    if IN_KIND == 3:
+    if IN_DTYPE == tl.float8e4nv:
         w = tl.load(x_ptr + rows[:, None, None] * stride_xm + pair, mask=mask3, other=0).to(tl.int32)
         ts = tl.load(xs_ptr + rows[:, None] * stride_xsm + (kb // 8)[None, :] * stride_xst, mask=mask2, other=1.0)
         lo, hi = fp8_pairs_as_f32_bits(w, tl.expand_dims(ts, -1))
     else:
-        lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_KIND)
+        lo, hi = load_pairs_as_f32_bits(x_ptr, rows[:, None, None] * stride_xm + pair, mask3, IN_DTYPE)
     lo_abs = lo & 0x7FFFFFFF
     hi_abs = hi & 0x7FFFFFFF
     nonfinite = tl.max(tl.maximum(lo_abs, hi_abs), axis=2) >= 0x7F800000          # [BM, NB]
@@ -274,9 +293,10 @@ def _quantize_nvfp4_kernel(
 @triton.jit
 def _dequantize_nvfp4_kernel(
     data_ptr, scale_ptr, st_ptr, out_ptr, M, KB, stride_dm, stride_sm, stride_om, stride_st,
-    OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Rule 4: fl(fl(e2m1 * e4m3) * s_t) (the first product exact), rounded once to the output dtype.
+    # Rule 4: fl(fl(e2m1 * e4m3) * s_t) (the first product exact), rounded once to the output dtype and
+    # saturated (f32_to_out_bits).
     NB: tl.constexpr = BLOCK_K // 16
     rows, kb, mask2, mask3, pair = block_program(M, KB, BLOCK_M, NB, PAIRS=8)
     b = tl.load(data_ptr + rows[:, None, None] * stride_dm + pair, mask=mask3, other=0).to(tl.int32)
@@ -284,9 +304,9 @@ def _dequantize_nvfp4_kernel(
     nan = tl.expand_dims((code & 0x7F) == 0x7F, -1)
     sv = tl.expand_dims(e4m3_to_f32_bits(tl.where((code & 0x7F) == 0x7F, 0, code)).to(tl.float32, bitcast=True), -1)
     s_t = tl.load(st_ptr + rows * stride_st, mask=rows < M, other=1.0)[:, None, None]   # stride 0: one scale
-    lo = _nvfp4_out_bits(_e2m1_value(b & 15) * sv * s_t, nan, OUT_KIND, NAN_BITS)
-    hi = _nvfp4_out_bits(_e2m1_value(b >> 4) * sv * s_t, nan, OUT_KIND, NAN_BITS)
-    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_KIND)
+    lo = f32_to_out_bits(_e2m1_value(b & 15) * sv * s_t, nan, OUT_DTYPE)
+    hi = f32_to_out_bits(_e2m1_value(b >> 4) * sv * s_t, nan, OUT_DTYPE)
+    store_pair_words(out_ptr, rows[:, None, None] * stride_om + pair, lo, hi, mask3, OUT_DTYPE)
 
 
 @triton.jit
@@ -367,28 +387,16 @@ def _e2m1_value(c):
     return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _nvfp4_out_bits(v, nan, OUT_KIND: tl.constexpr, NAN_BITS: tl.constexpr):
-    """float32 v -> int32 holding the output dtype's bits (bf16 and fp16 rounded to nearest even)."""
-    if OUT_KIND == 0:
-        out = (bf16_rne_bits(v) >> 16) & 0xFFFF
-    elif OUT_KIND == 1:
-        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    else:
-        out = v.to(tl.int32, bitcast=True)
-    return tl.where(nan, NAN_BITS, out)
-
-
 def nvfp4_tensor_scale(x: torch.Tensor, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
     """nvfp4_tensor_scale_ref's contract and bits (x bf16/fp16/fp32 [M, K], contiguous, K even -> float32
     0-d): the finite amax in one Triton pass (an int32 atomic max of float32 bits), then rule 1's
-    division (div_rn) and floor in a one-program kernel: no host sync. (torch's abs/isfinite/where/amax
-    chain, the reference, took 13x the block kernel's time on the H100.)"""
+    division (div_rn) and floor in a one-program kernel: no host sync, and one read of x where the
+    reference's abs/isfinite/where/amax chain makes several."""
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     if x.numel():
-        words, kind = pair_view(x)
+        words, mode = pair_view(x)
         words = words.view(-1)
-        _finite_amax_kernel[(triton.cdiv(words.numel(), block),)](words, amax, words.numel(), IN_KIND=kind,
+        _finite_amax_kernel[(triton.cdiv(words.numel(), block),)](words, amax, words.numel(), IN_DTYPE=mode,
                                                                   BLOCK=block, num_warps=num_warps)
     return _tensor_scale_of_amax(amax)
 
@@ -415,7 +423,7 @@ def nvfp4_tensor_scale_from_fp8(data: torch.Tensor, scale: torch.Tensor, block_m
     return _tensor_scale_of_amax(amax)
 
 
-def _launch_quantize(words, kind: int, tile_scale, m: int, k: int, s_t, rounding, seed, step, rank, out, block_m,
+def _launch_quantize(words, mode, tile_scale, m: int, k: int, s_t, rounding, seed, step, rank, out, block_m,
                      block_k, num_warps):
     if out is None:
         data = torch.empty(m, k // 2, dtype=torch.uint8, device=words.device)
@@ -429,7 +437,7 @@ def _launch_quantize(words, kind: int, tile_scale, m: int, k: int, s_t, rounding
         _quantize_nvfp4_kernel[grid](
             words, ts, data, scale, s_t.reshape(1), m, k // NVFP4_BLOCK, words.stride(0),
             0 if tile_scale is None else ts.stride(0), 0 if tile_scale is None else ts.stride(1), data.stride(0),
-            scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_KIND=kind,
+            scale.stride(0), seed, u32_as_i32(step), u32_as_i32(rank), IN_DTYPE=mode,
             STOCHASTIC=Rounding(rounding) is Rounding.STOCHASTIC, BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=num_warps)
     return data, scale if out is not None else scale.view(torch.float8_e4m3fn), s_t
@@ -444,8 +452,8 @@ def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None,
     m, k = x.shape
     x = x.contiguous()
     s_t = nvfp4_tensor_scale(x) if tensor_scale is None else tensor_scale.to(torch.float32).reshape(())
-    words, kind = pair_view(x) if m and k else (x, 0)
-    return _launch_quantize(words, kind, None, m, k, s_t, rounding, seed, step, rank, out, block_m, block_k,
+    words, mode = pair_view(x) if m and k else (x, None)
+    return _launch_quantize(words, mode, None, m, k, s_t, rounding, seed, step, rank, out, block_m, block_k,
                             num_warps)
 
 
@@ -458,8 +466,8 @@ def quantize_nvfp4_from_fp8(data: torch.Tensor, scale: torch.Tensor, tensor_scal
     s_t = nvfp4_tensor_scale_from_fp8(data, scale) if tensor_scale is None \
         else tensor_scale.to(torch.float32).reshape(())
     words = words_view(data if data.stride(1) == 1 else data.contiguous(), torch.int16) if m and k else data
-    return _launch_quantize(words, 3, scale, m, k, s_t, rounding, seed, step, rank, out, block_m, block_k,
-                            num_warps)
+    return _launch_quantize(words, tl_dtype(torch.float8_e4m3fn), scale, m, k, s_t, rounding, seed, step, rank, out,
+                            block_m, block_k, num_warps)
 
 
 def nvfp4_to_fp8_rowwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, block_m: int = 4,
@@ -509,9 +517,6 @@ def nvfp4_to_fp8_colwise(data: torch.Tensor, scale: torch.Tensor, tensor_scale: 
     return out, oscale
 
 
-_OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor, dtype: torch.dtype,
                      block_m: int = 4, block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """dequantize_nvfp4_ref's contract and bits: data uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
@@ -522,10 +527,10 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, tensor_scale: torc
     if m and k:
         s_t = tensor_scale.to(torch.float32).reshape(-1).contiguous()
         block_k = min(block_k, triton.next_power_of_2(k))
-        words, kind = pair_view(out)
+        words, mode = pair_view(out)
         grid = row_column_grid(triton.cdiv(m, block_m), triton.cdiv(k, block_k))
         _dequantize_nvfp4_kernel[grid](
             data, scale.view(torch.uint8), s_t, words, m, k // NVFP4_BLOCK,
-            data.stride(0), scale.stride(0), words.stride(0), 1 if tensor_scale.dim() else 0, OUT_KIND=_OUT_KIND[dtype],
-            NAN_BITS=NAN_BITS[dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+            data.stride(0), scale.stride(0), words.stride(0), 1 if tensor_scale.dim() else 0, OUT_DTYPE=mode,
+            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
     return out

@@ -14,11 +14,12 @@ output's slots in ascending row order the sum is index_add_'s sequential one (as
 ``gather_sum_fp8(data, scale, slots, dtype)`` takes the rows as they arrive on an FP8 wire (1x128 codes and
 float32 scales, strided views of the wire buffer) and decodes them in registers: the same bits as decoding the
 rows to ``dtype`` first (``dequantize_fp8_ref``) and summing those, without writing and reading the decoded
-[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8): 0.15x the time of
-decode-then-sum on an H200, 2.2x the bf16 sums' time while reading half their bytes (the decode is not free).
-The same for MXFP4 rows was built and measured 1.28-1.36x slower than ``dequantize_mxfp4`` (a Triton kernel)
-followed by ``gather_sum``, and removed (bench/RESULTS.md, 2026-11-28).
+[N, H] rows (the combine's and the dispatch gradient's sums when those exchanges are FP8). MXFP4 rows have no
+such kernel: decoding them inside the sum is slower than ``dequantize_mxfp4`` (a Triton kernel) followed by
+``gather_sum`` (bench/RESULTS.md).
 
+The decode saturates, as every decode does (numerics.to_output: a row value past dtype's largest finite
+magnitude becomes it); the sum does not: a float32 sum past dtype's range rounds to Inf, as index_add_'s does.
 NaN results are the canonical NaN of the output dtype (numerics.NAN_BITS) in both twins: the GPU's float32
 addition keeps one operand's NaN payload, and float32 -> bf16 conversions differ in what they keep.
 """
@@ -30,15 +31,14 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref
-from moe_fp4.kernels.numerics import FP8_TILE, NAN_BITS, with_canonical_nan
-from moe_fp4.kernels.triton_numerics import bf16_rne_bits, e4m3_to_f32_bits
+from moe_fp4.kernels.numerics import FP8_TILE, with_canonical_nan
+from moe_fp4.kernels.triton_numerics import e4m3_to_f32_bits, f32_to_out_bits, in_bits_to_f32_bits, tl_dtype
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The twin also sums float64 rows (in float64): the routing's exact-gradient tests run in float64.
 _REF_DTYPES = _FLOAT_DTYPES + (torch.float64,)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-# The output dtype's code in the kernel (a constexpr) and the integer type its bits are stored as.
-_OUT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# The integer type the output's bits are stored as.
 _BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
@@ -84,13 +84,13 @@ def gather_sum_ref(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride_sc, stride_sc1, stride_sm, stride_ss,
-                       stride_o, FP8: tl.constexpr, OUT: tl.constexpr, NAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                       stride_o, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     # one program: BLOCK_M output rows x BLOCK_H columns; each slot's row chunk gathered and added in turn.
-    # FP8: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as dequantize_fp8_ref does;
-    # BLOCK_H divides 128, so a program's columns lie in one tile and each row's scale is loaded once: with a
-    # scale load per element the FP8 sums took 0.372 ms where bf16's take 0.110 (bench/tools/ep_sums.py, H200),
-    # with one per row and program 0.243 ms.
+    # IN_DTYPE tl.float8e4nv: x holds E4M3 codes and sc their float32 1x128 tile scales, decoded here as
+    # dequantize_fp8_ref does; BLOCK_H divides 128, so a program's columns lie in one tile and each row's
+    # scale is loaded once per program, not once per element (bench/tools/ep_sums.py). Otherwise IN_DTYPE is
+    # OUT_DTYPE (the rows' dtype).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < M
@@ -101,41 +101,23 @@ def _gather_sum_kernel(x_ptr, sc_ptr, s_ptr, o_ptr, M, N, H, S, stride_x, stride
         idx = tl.load(s_ptr + rows64 * stride_sm + j * stride_ss, mask=rmask, other=-1).to(tl.int64)
         ok = rmask & (idx >= 0) & (idx < N)
         m2 = ok[:, None] & cmask[None, :]
-        if FP8:
+        if IN_DTYPE == tl.float8e4nv:
             # masked-off codes load 0 under scale 1: +0, which adds nothing
             b = tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=m2, other=0).to(tl.int32)
             tile = (tl.program_id(1) * BLOCK_H) // 128   # 128: FP8_TILE
             sc = tl.load(sc_ptr + idx * stride_sc + tile * stride_sc1, mask=ok, other=1.0)
             v = e4m3_to_f32_bits(b).to(tl.float32, bitcast=True) * sc[:, None]   # exact: sc is a power of two
             nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-            acc += tl.where((b & 0x7F) == 0x7F, nan, _as_out(v, OUT))
+            # v rounded to the output dtype and saturated, as a decode to that dtype gives it
+            dec = in_bits_to_f32_bits(f32_to_out_bits(v, False, OUT_DTYPE), OUT_DTYPE).to(tl.float32, bitcast=True)
+            acc += tl.where((b & 0x7F) == 0x7F, nan, dec)
         else:
             acc += tl.load(x_ptr + idx[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    _store_sum(o_ptr + rows64[:, None] * stride_o + cols[None, :], acc, rmask[:, None] & cmask[None, :], OUT, NAN)
-
-
-@triton.jit
-def _store_sum(ptrs, acc, mask, OUT: tl.constexpr, NAN: tl.constexpr):
-    """float32 sums -> the output dtype's bits (OUT 0 bf16, 1 fp16, 2 float32), NaN canonical, stored."""
-    nan = acc != acc
-    if OUT == 0:   # on the bits: the interpreter's float32 -> bf16 cast truncates
-        bits = (bf16_rne_bits(acc) >> 16).to(tl.int16)
-    elif OUT == 1:
-        bits = acc.to(tl.float16).to(tl.int16, bitcast=True)
-    else:
-        bits = acc.to(tl.int32, bitcast=True)
-    bits = tl.where(nan, tl.full(acc.shape, NAN, bits.dtype), bits)
-    tl.store(ptrs, bits, mask=mask)
-
-
-@triton.jit
-def _as_out(v, OUT: tl.constexpr):
-    """float32 v -> float32 v rounded to the output dtype (what a decode to that dtype gives)."""
-    if OUT == 0:
-        v = bf16_rne_bits(v).to(tl.float32, bitcast=True)
-    elif OUT == 1:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
+    # the sums' bits, NaN canonical, rounded without saturation (a sum's overflow is Inf)
+    bits = f32_to_out_bits(acc, acc != acc, OUT_DTYPE, SATURATE=False)
+    if OUT_DTYPE != tl.float32:
+        bits = bits.to(tl.int16)
+    tl.store(o_ptr + rows64[:, None] * stride_o + cols[None, :], bits, mask=rmask[:, None] & cmask[None, :])
 
 
 def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block_h: int = 256,
@@ -152,8 +134,8 @@ def gather_sum(rows: torch.Tensor, slots: torch.Tensor, block_m: int = 16, block
     bits = out.view(_BITS_OF[rows.dtype])   # stored as bits: the canonical NaN written as an integer
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
     _gather_sum_kernel[grid](rows, rows, slots, bits, m, n, h, s, rows.stride(0), 0, 0, slots.stride(0),
-                             slots.stride(1), out.stride(0), FP8=False, OUT=_OUT_CODE[rows.dtype],
-                             NAN=NAN_BITS[rows.dtype], BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps)
+                             slots.stride(1), out.stride(0), IN_DTYPE=tl_dtype(rows.dtype),
+                             OUT_DTYPE=tl_dtype(rows.dtype), BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps)
     return out
 
 
@@ -209,6 +191,6 @@ def gather_sum_fp8(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
     _gather_sum_kernel[grid](data.view(torch.uint8), scale, slots, out.view(_BITS_OF[dtype]), m, n, h, s,
                              data.stride(0), scale.stride(0), scale.stride(1), slots.stride(0), slots.stride(1),
-                             out.stride(0), FP8=True, OUT=_OUT_CODE[dtype], NAN=NAN_BITS[dtype], BLOCK_M=block_m,
-                             BLOCK_H=block_h, num_warps=num_warps)
+                             out.stride(0), IN_DTYPE=tl_dtype(torch.float8_e4m3fn), OUT_DTYPE=tl_dtype(dtype),
+                             BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps)
     return out

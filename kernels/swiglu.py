@@ -37,8 +37,8 @@ from moe_fp4.kernels.triton_numerics import (
     bf16_rne_bits,
     fp8_encode_tiles,
     load_pairs_as_f32_bits,
-    mxfp4_bytes_to_f32_bits,
     mx_encode_bf16_pairs,
+    mxfp4_bytes_to_f32_bits,
     row_column_grid,
     tile_program,
     use_asm,
@@ -273,9 +273,9 @@ def _swiglu_backward_kernel(h_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, M, NT, stride_
         c = c0 + tl.arange(0, BLOCK_W)
         mask = rmask[:, None] & (c < HALF)[None, :]
         h_off = rows[:, None] * (2 * HALF) + c[None, :]
-        g_lo, g_hi = load_pairs_as_f32_bits(h_ptr, h_off, mask, 0)
-        u_lo, u_hi = load_pairs_as_f32_bits(h_ptr, h_off + HALF, mask, 0)
-        d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, rows[:, None] * HALF + c[None, :], mask, 0)
+        g_lo, g_hi = load_pairs_as_f32_bits(h_ptr, h_off, mask, tl.bfloat16)
+        u_lo, u_hi = load_pairs_as_f32_bits(h_ptr, h_off + HALF, mask, tl.bfloat16)
+        d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, rows[:, None] * HALF + c[None, :], mask, tl.bfloat16)
         dg_lo, du_lo, t_lo = _swiglu_grad(g_lo, u_lo, d_lo, w, HAS_W)
         dg_hi, du_hi, t_hi = _swiglu_grad(g_hi, u_hi, d_hi, w, HAS_W)
         tl.store(dh_ptr + h_off, bf16_pair_word(dg_lo, dg_hi), mask=mask)
@@ -291,12 +291,12 @@ def _swiglu_backward_mxfp4_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, 
                                   HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     # _swiglu_backward_kernel with h as fp4 keeps it: MXFP4 codes [M, 2F / 2] (one byte = one pair)
     # and E8M0 scales [M, 2F/32], decoded in registers. A chunk is [BLOCK_M, BLOCK_W / 16 blocks, 16
-    # pairs]: each scale byte is loaded once for its 16 pairs (a per-pair load made the first version,
-    # 61d6c8f, instruction-bound and slower than dequantizing first). Each code is decoded exactly
+    # pairs]: each scale byte is loaded once for its 16 pairs (a per-pair load makes the kernel
+    # instruction-bound, slower than dequantizing first). Each code is decoded exactly and saturated
     # (mxfp4_bytes_to_f32_bits: the bits of dequantize_mxfp4(h, bf16)), so dh equals swiglu_backward's
     # on that tensor. The two-codes-at-once fast path of the MXFP4 -> bf16 kernel needs every scale
-    # byte in [2, 252], a check that would cost a host sync (or a per-chunk block-wide reduction); the
-    # exact decode costs 10% more instructions a chunk (sm_90a SASS: 552 against 496; bf16 h: 379).
+    # byte in [2, 252], a check that would cost a host sync (or a per-chunk block-wide reduction) for
+    # a few instructions a chunk.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     rmask = rows < M
     HALF = NT * 64                                       # pairs (bytes of codes) of F
@@ -315,7 +315,7 @@ def _swiglu_backward_mxfp4_kernel(h_ptr, hs_ptr, da_ptr, w_ptr, dh_ptr, dw_ptr, 
         s_off = r3 * (HALF // 8) + blk
         g_lo, g_hi = _mxfp4_pairs(h_ptr, hs_ptr, off, s_off, mask, smask)
         u_lo, u_hi = _mxfp4_pairs(h_ptr, hs_ptr, off + HALF, s_off + HALF // 16, mask, smask)
-        d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, r3 * HALF + c, mask, 0)
+        d_lo, d_hi = load_pairs_as_f32_bits(da_ptr, r3 * HALF + c, mask, tl.bfloat16)
         dg_lo, du_lo, t_lo = _swiglu_grad(g_lo, u_lo, d_lo, w, HAS_W)
         dg_hi, du_hi, t_hi = _swiglu_grad(g_hi, u_hi, d_hi, w, HAS_W)
         tl.store(dh_ptr + off, bf16_pair_word(dg_lo, dg_hi), mask=mask)
@@ -339,9 +339,8 @@ def _mxfp4_pairs(h_ptr, hs_ptr, off, s_off, mask, smask):
 # Launchers
 # --------------------------------------------------------------------------------------------
 
-# swiglu_quantize's (block_m, tiles, num_warps) by whether it writes h's MXFP4 (fp4's output set: 4 outputs).
-# H100, 32768 x F 2048 (bench/swiglu.py --fwd, 2026-11-26): every output 209 us at (4, 2, 2) against 233 at
-# (8, 1, 2); without h's MXFP4, (8, 1, 2) stays within 3% of the best configuration tried.
+# swiglu_quantize's (block_m, tiles, num_warps) by whether it writes h's MXFP4 (fp4's output set: 4 outputs):
+# the fastest configurations of bench/swiglu.py --fwd on the H100 at 32768 x F 2048 (bench/RESULTS.md).
 _SWIGLU_FWD_CONFIG = {True: (4, 2, 2), False: (8, 1, 2)}
 
 
@@ -400,8 +399,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, w, h_scale: torch.Tensor 
     The math of swiglu_backward_ref: dh within SWIGLU_MAX_ULP bf16 ulps of it, dw within
     SWIGLU_DW_RTOL * sum_j |da * silu * u|. With MXFP4 h, dh is bit for bit this kernel's on
     dequantize_mxfp4(h, h_scale, bf16) (the decode is exact), dw its sum in the compiler's order.
-    Defaults measured on an H100 (Triton 3.6) at M = 4096, F = 2048: 35.5 us (80 MiB moved, 2.4 TB/s);
-    block_m = 8, block_w = 64: 39 us.
+    Defaults: the fastest of bench/swiglu.py's sweep on the H100 at M = 4096, F = 2048.
     """
     f = _check_backward_inputs("swiglu_backward", h, w, da, h_scale)
     m = h.shape[0]

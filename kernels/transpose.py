@@ -12,6 +12,18 @@ import triton
 import triton.language as tl
 
 from moe_fp4.kernels.fp8 import dequantize_fp8_ref, empty_m_major, m_major, quantize_fp8_rowwise_ref
+from moe_fp4.kernels.numerics import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP8_EXP_MAX,
+    FP8_EXP_MIN,
+    FP8_TILE,
+    MXFP4_BLOCK,
+    decode_e2m1,
+    encode_e4m3,
+    exp2_int,
+    unpack_nibbles,
+)
 from moe_fp4.kernels.triton_numerics import (
     bytes_transpose4x4,
     bytes_transpose4x4_asm,
@@ -30,24 +42,14 @@ from moe_fp4.kernels.triton_numerics import (
     f16x2x2_to_e4m3x4_asm,
     f32_to_f16_lo,
     fp8_scale_exp,
+    in_bits_to_f32_bits,
     max_abs_f16x2_asm,
     max_u16x2_asm,
     mul_f16x2,
     mul_f16x2_asm,
     pow2_f32,
+    tl_dtype,
     use_asm,
-)
-from moe_fp4.kernels.numerics import (
-    E8M0_BIAS,
-    E8M0_NAN,
-    FP8_EXP_MAX,
-    FP8_EXP_MIN,
-    FP8_TILE,
-    MXFP4_BLOCK,
-    decode_e2m1,
-    encode_e4m3,
-    exp2_int,
-    unpack_nibbles,
 )
 
 # floor(log2(|value|)) of the E2M1 magnitudes 0.5, 1, 1.5, 2, 3, 4, 6 (code 0, the zero, gets a
@@ -68,8 +70,9 @@ def mxfp4_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor, rows: torc
     For each column k and each tile of 128 tokens (the last may be short): the true amax of the
     decoded values gives S = clamp(floor(log2(amax)) - 8, -126, 127); each element is re-encoded as
     RNE_E4M3(c * 2^(E - S)). Bit-identical to dequantize -> transpose -> quantize 1x128 along tokens,
-    except for values of 2^128 and more (byte 254 with |value| >= 2, byte 253 with |value| >= 4): the
-    definition sees Inf there (NaN byte, left out of the amax), this rule a finite value (docs/formats.md).
+    except in columns holding values of 2^128 and more (byte 254 with |value| >= 2, byte 253 with
+    |value| >= 4): the definition's float32 decode saturates them to float32's largest finite value,
+    this rule scales and encodes the value itself (docs/formats.md).
     Elements of NaN blocks become the NaN byte 0x7F and take no part in the amax.
     With rows (int [M'] indices into data's rows) the input is data[rows] (out [K, M']): a gathered
     view converted without a gathered copy (the launcher reads the rows in place).
@@ -99,9 +102,11 @@ def fp8_to_fp8_colwise_ref(data: torch.Tensor, scale: torch.Tensor):
     data: float8_e4m3fn [M, K], scale: float32 [M, ceil(K/128)] powers of two (M tokens, any M)
     -> (data float8_e4m3fn [K, M], scale float32 [K, ceil(M/128)] M-major).
 
-    Dequantize exactly to float32, transpose, quantize 1x128 along tokens: per column tile S =
-    clamp(ceil(log2(amax/448)), -126, 127), element = RNE_E4M3(q * 2^(S_r - S)). The Triton kernel
-    does the same without the float32 tensor; NaN elements stay the NaN byte 0x7F.
+    Dequantize to float32 (exact; saturating, so the FP8 value 2^128 that quantize_fp8 makes of bf16's
+    and float32's largest values becomes float32's largest, which scales and encodes as 2^128 does),
+    transpose, quantize 1x128 along tokens: per column tile S = clamp(ceil(log2(amax/448)), -126, 127),
+    element = RNE_E4M3(q * 2^(S_r - S)). The Triton kernel does the same without the float32 tensor;
+    NaN elements stay the NaN byte 0x7F.
     """
     return quantize_fp8_rowwise_ref(dequantize_fp8_ref(data, scale, torch.float32).t().contiguous())
 
@@ -123,9 +128,8 @@ def _source_rows(r_ptr, tok, mask, GATHER: tl.constexpr):
 @triton.jit
 def _mxfp4_to_fp8_colwise_bytes_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_dm, stride_sm,
                                        BLOCK_T: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr):
-    # M % 4 != 0 (rows of the output are not 32-bit aligned): one code per operation, the kernel of
-    # 9d65066 (4 warps, nb = 1), faster there than _mxfp4_colwise_general in one-warp programs (H200,
-    # 32767 x 7168: 19.0% against 13.0% of copy, bench/RESULTS.md).
+    # M % 4 != 0 (rows of the output are not 32-bit aligned): one code per operation (4 warps, nb = 1),
+    # faster for such M than _mxfp4_colwise_general in one-warp programs (bench/RESULTS.md).
     # A program: one tile of BLOCK_T (=128) tokens x NB MXFP4 blocks of columns, as [T, NB, 16] pairs.
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -205,8 +209,10 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_
                 sb = tl.load(s_ptr + src * stride_sm + kb, mask=tok < M, other=255).to(tl.int32)[:, None]
                 m_lo = byte & 7
                 m_hi = (byte >> 4) & 7
-                l_lo = tl.maximum(l_lo, tl.max(tl.where((m_lo == 0) | (sb == 255), -100000, (m_lo >> 1) + sb - 128), axis=0))
-                l_hi = tl.maximum(l_hi, tl.max(tl.where((m_hi == 0) | (sb == 255), -100000, (m_hi >> 1) + sb - 128), axis=0))
+                l_lo = tl.maximum(l_lo, tl.max(tl.where((m_lo == 0) | (sb == 255), -100000, (m_lo >> 1) + sb - 128),
+                                               axis=0))
+                l_hi = tl.maximum(l_hi, tl.max(tl.where((m_hi == 0) | (sb == 255), -100000, (m_hi >> 1) + sb - 128),
+                                               axis=0))
             S_lo = tl.minimum(tl.maximum(l_lo - 8, -126), 127)
             S_hi = tl.minimum(tl.maximum(l_hi - 8, -126), 127)
             col = kb * 32 + 2 * p                                                   # lo codes' columns
@@ -219,8 +225,10 @@ def _mxfp4_colwise_general(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, K, KB, stride_
                 sb = tl.load(s_ptr + src * stride_sm + kb, mask=tmask, other=0).to(tl.int32)[:, None]
                 # c * 2^(E - S) as exact fp32 bits (decoded with the shifted byte E - S + 127; below 0
                 # the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
-                q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, tl.maximum(sb - S_lo[None, :], 0)).to(tl.float32, bitcast=True))
-                q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, tl.maximum(sb - S_hi[None, :], 0)).to(tl.float32, bitcast=True))
+                q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, tl.maximum(sb - S_lo[None, :], 0))
+                                .to(tl.float32, bitcast=True))
+                q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, tl.maximum(sb - S_hi[None, :], 0))
+                                .to(tl.float32, bitcast=True))
                 q_lo = tl.where(sb == 255, 0x7F, q_lo).to(tl.uint8)
                 q_hi = tl.where(sb == 255, 0x7F, q_hi).to(tl.uint8)
                 # Transposed store: out[k, token], tokens the fastest axis (a shared-memory transpose).
@@ -281,7 +289,7 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, M4, K, K
     # columns. Programs whose blocks all lie within 11 binades of their tile's largest block take the
     # SWAR path below, the others _mxfp4_colwise_general.
     # One grid axis (no 65535 limit on token tiles), column groups fastest: neighbouring programs
-    # read the same input rows (4-8% faster than token tiles fastest on the H200 at >= 32768 tokens).
+    # read the same input rows (faster than token tiles fastest, bench/RESULTS.md).
     n_k = tl.cdiv(KB, NB)
     pid_k = tl.program_id(0) % n_k
     pid_t = tl.program_id(0) // n_k
@@ -299,8 +307,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, M4, K, K
     nan = sb == 255
     valid = mask4 & ~nan
     # Scale byte 0 is the quantizer's encoding of an all-zero block (padding rows, zero-weight rows),
-    # hundreds of binades under real data: such a block would send its whole tile to the general path
-    # (1.8x the time with one expert tile in eight padded, H100). Its bytes are left out of e_low and
+    # hundreds of binades under real data: such a block would send its whole tile to the (much slower)
+    # general path. Its bytes are left out of e_low and
     # of the lane offsets; that is exact when its codes are zeros (signed zeros encode as +-0 on the
     # SWAR path too), which is checked once the codes are loaded.
     low = valid & (sb != 0)
@@ -332,7 +340,8 @@ def _mxfp4_to_fp8_colwise_kernel(d_ptr, s_ptr, r_ptr, o_ptr, os_ptr, M, M4, K, K
             qg = pid_t * 32 + quad
             omask = kbm[None, :, None, None] & (qg < M4)[:, None, None, :]
             col0 = (nb * 32)[:, None] + (wb * 8)[None, :]                                 # [NB, 4]
-            obase = o_ptr.to(tl.pointer_type(tl.int32)) + col0[None, :, :, None].to(tl.int64) * M4 + qg[:, None, None, :]
+            obase = (o_ptr.to(tl.pointer_type(tl.int32)) + col0[None, :, :, None].to(tl.int64) * M4
+                     + qg[:, None, None, :])
             for j in tl.static_range(4):
                 # b_j: byte j of the four tokens' words = codes of columns 8 w + 2j (lo) and + 1 (hi).
                 bj = b0 if j == 0 else (b1 if j == 1 else (b2 if j == 2 else b3))
@@ -496,8 +505,10 @@ def _fp8_to_fp8_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, M4, K, K4,
         lo, hi = e4m3x4_to_f16x2_asm(x)
         a_lo = mul_f16x2_asm(lo, tf)
         a_hi = mul_f16x2_asm(hi, tf)
-        m_lo = tl.reduce(tl.reduce(tl.reduce(a_lo, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
-        m_hi = tl.reduce(tl.reduce(tl.reduce(a_hi, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine), 0, _max_abs_f16x2_asm_combine)
+        m_lo = tl.reduce(tl.reduce(tl.reduce(a_lo, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine),
+                         0, _max_abs_f16x2_asm_combine)
+        m_hi = tl.reduce(tl.reduce(tl.reduce(a_hi, 4, _max_abs_f16x2_asm_combine), 3, _max_abs_f16x2_asm_combine),
+                         0, _max_abs_f16x2_asm_combine)
     else:
         lo, hi = e4m3x4_to_f16x2(x)
         a_lo = mul_f16x2(lo, tf)
@@ -643,23 +654,8 @@ def quantize_fp8_rowwise_colwise_ref(x: torch.Tensor, rowwise: bool = True, colw
 
 
 @triton.jit
-def _load_f32_bits(ptr, offs, IN_KIND: tl.constexpr):
-    """Raw bits of X (int16 for bf16 (IN_KIND 0) and fp16 (1), int32 for fp32 (2)) -> int32 fp32
-    bits, exactly. bf16 from its bits: the interpreter's bf16 -> fp32 cast mangles subnormals, and on
-    GPU the shift is what the cast compiles to anyway."""
-    raw = tl.load(ptr + offs)
-    if IN_KIND == 0:
-        bits = raw.to(tl.int32) << 16
-    elif IN_KIND == 1:
-        bits = raw.to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-    else:
-        bits = raw
-    return bits
-
-
-@triton.jit
 def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
-                               IN_KIND: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_COLS: tl.constexpr,
+                               IN_DTYPE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_COLS: tl.constexpr,
                                TILE: tl.constexpr, SUB: tl.constexpr, TILES_K: tl.constexpr, ASM: tl.constexpr):
     # A program: one tile of TILE (=128) tokens x TILES_K column tiles of TILE, one [TILE, TILE] block
     # at a time, in column slices [TILE, SUB]. A slice holds all 128 tokens of its columns, so its
@@ -681,13 +677,14 @@ def _cast_transpose_fp8_kernel(x_ptr, r_ptr, rs_ptr, c_ptr, cs_ptr, M, K,
             if SUB < TILE:
                 rmax = tl.zeros([TILE], dtype=tl.int32)
                 for c in range(TILE // SUB):
-                    a = _load_f32_bits(x_ptr, tok[:, None] * K + (col0 + c * SUB + sub)[None, :], IN_KIND) & 0x7FFFFFFF
+                    raw = tl.load(x_ptr + tok[:, None] * K + (col0 + c * SUB + sub)[None, :])
+                    a = in_bits_to_f32_bits(raw, IN_DTYPE) & 0x7FFFFFFF
                     rmax = tl.maximum(rmax, tl.max(tl.where(a < 0x7F800000, a, 0), axis=1))
                 S_r = fp8_scale_exp(rmax)                                        # [T] per token
                 tl.store(rs_ptr + t.to(tl.int64) * M + tok, pow2_f32(S_r))    # strides (1, M)
         for c in range(TILE // SUB):
             cols = col0 + c * SUB + sub                                         # [SUB] columns of X
-            bits = _load_f32_bits(x_ptr, tok[:, None] * K + cols[None, :], IN_KIND)
+            bits = in_bits_to_f32_bits(tl.load(x_ptr + tok[:, None] * K + cols[None, :]), IN_DTYPE)
             a = bits & 0x7FFFFFFF
             # Non-finite bits are >= 0x7F800000: they take no part in any amax (and encode as 0x7F).
             fin = tl.where(a < 0x7F800000, a, 0)
@@ -733,7 +730,7 @@ def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise:
     registers per thread); ``num_warps`` per program. ``asm``: None = the PTX E4M3 rounding
     (e4m3_rne_asm) on sm_90+ outside the interpreter (use_asm), True / False to force it or e4m3_rne.
     Defaults from an H200 sweep (bench/tools/tune.py, 32768 x 7168 and x 4096): whole 128 x 128 blocks
-    on 8 warps, 56-57% of a copy of the same bytes, against 38-39% with 32-column slices.
+    on 8 warps, faster than 32-column slices.
     """
     name = "quantize_fp8_rowwise_colwise"
     _check_cast_transpose_input(x, name)
@@ -743,8 +740,10 @@ def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise:
         raise ValueError(f"{name}: slice_k must be 16, 32, 64 or 128, got {slice_k}")
     m, k = x.shape
     dev = x.device
-    rows = (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(m, k // FP8_TILE, dev)) if rowwise else None
-    cols = (torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(k, m // FP8_TILE, dev)) if colwise else None
+    rows = ((torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(m, k // FP8_TILE, dev))
+            if rowwise else None)
+    cols = ((torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev), empty_m_major(k, m // FP8_TILE, dev))
+            if colwise else None)
     if m and k and (rowwise or colwise):
         nt = k // FP8_TILE
         tiles_k = min(tiles_k, nt)
@@ -755,7 +754,7 @@ def quantize_fp8_rowwise_colwise(x: torch.Tensor, rowwise: bool = True, colwise:
         c, cs = (cols[0].view(torch.uint8), cols[1]) if colwise else (dummy, dummy)
         raw = x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
         _cast_transpose_fp8_kernel[(m // FP8_TILE, nt // tiles_k)](
-            raw, r, rs, c, cs, m, k, IN_KIND=_CAST_T_DTYPES.index(x.dtype), WRITE_ROWS=rowwise, WRITE_COLS=colwise,
+            raw, r, rs, c, cs, m, k, IN_DTYPE=tl_dtype(x.dtype), WRITE_ROWS=rowwise, WRITE_COLS=colwise,
             TILE=FP8_TILE, SUB=slice_k, TILES_K=tiles_k, ASM=use_asm(x) if asm is None else asm,
             num_warps=num_warps)
     return rows, cols

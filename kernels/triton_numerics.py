@@ -14,8 +14,32 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_fp4.kernels.numerics import FINITE_MAX_BITS, NAN_BITS
+
 # Read once, like triton.jit itself, which decides at decoration time whether to interpret.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# The dtype modes of the kernels: a kernel takes IN_DTYPE / OUT_DTYPE as a tl dtype constexpr and
+# compares it with ==; every launcher maps a torch dtype through this one table (tl_dtype).
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+             torch.float8_e4m3fn: tl.float8e4nv}
+
+# numerics.NAN_BITS and numerics.FINITE_MAX_BITS as compile-time constants of f32_to_out_bits.
+_NAN_BF16 = tl.constexpr(NAN_BITS[torch.bfloat16])
+_NAN_F16 = tl.constexpr(NAN_BITS[torch.float16])
+_NAN_F32 = tl.constexpr(NAN_BITS[torch.float32])
+_MAX_BF16 = tl.constexpr(FINITE_MAX_BITS[torch.bfloat16])
+_MAX_F16 = tl.constexpr(FINITE_MAX_BITS[torch.float16])
+_MAX_F32 = tl.constexpr(FINITE_MAX_BITS[torch.float32])
+
+
+def tl_dtype(dtype: torch.dtype):
+    """torch dtype -> the tl dtype a kernel's IN_DTYPE / OUT_DTYPE constexpr takes (TL_DTYPES)."""
+    try:
+        return TL_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {dtype}") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +103,8 @@ def e2m1_rne_mag(u, SAT: tl.constexpr):
     operation on an exact operand, so FMA contraction with a preceding exact x * 2^-E cannot change
     it, and neither can flush-to-zero (a subnormal |v| gives n = 0 either way). Above 6 with SAT the
     same formula gives codes >= 8 (Inf included: bits(Inf) - bits(M) is large) and the min() clamps.
-    Per element: shift, clamp, two integer multiply-adds, the float add and a 3-input add, where the
-    previous integer-carry formula for |v| >= 2 plus a select took about 7 integer-pipe operations.
+    Per element: shift, clamp, two integer multiply-adds, the float add and a 3-input add, fewer
+    integer-pipe operations than an integer-carry rounding plus a select.
     """
     c = tl.minimum(tl.maximum(u >> 23, 127), 129)                   # biased exponent: 127 below 2, 128, 129 from 4
     magic = (c << 23) + (0x4A800000 - (127 << 23))                  # 2^22, 2^23, 2^24
@@ -126,13 +150,15 @@ def mxfp4_bytes_to_f32_bits(b, sbyte):
     """b: int32 MXFP4 bytes (element 2i's code in the low nibble, 2i+1's in the high), sbyte: int32 E8M0
     byte of their block (broadcastable) -> (lo, hi) int32 fp32 bits of elements 2i and 2i+1: exact
     (e2m1_decode_scaled; one mantissa bit, so the low halves are zero and the values are bf16 too),
-    +-Inf past float32's range, the canonical NaN 0x7FC00000 for NaN blocks (byte 255): the bits of
-    mxfp4.dequantize_mxfp4_ref in float32 and in bf16."""
+    a value past bf16's range saturated to +-bf16's largest finite (0x7F7F0000, sign kept), the
+    canonical NaN 0x7FC00000 for NaN blocks (byte 255): the bits of mxfp4.dequantize_mxfp4_ref in
+    bf16, as float32."""
     nan = sbyte == 255
     s = tl.where(nan, 2, sbyte)
-    lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, s))
-    hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled((b >> 4) & 15, s))
-    return lo, hi
+    lo = e2m1_decode_scaled(b & 15, s).to(tl.float32, bitcast=True)
+    hi = e2m1_decode_scaled((b >> 4) & 15, s).to(tl.float32, bitcast=True)
+    return (f32_to_out_bits(lo, nan, tl.bfloat16, EXACT=True) << 16,
+            f32_to_out_bits(hi, nan, tl.bfloat16, EXACT=True) << 16)
 
 
 @triton.jit
@@ -232,10 +258,64 @@ def mx_encode_pairs_stochastic(lo_bits, hi_bits, lo_abs, hi_abs, E, nan_blk, mul
 
 
 @triton.jit
-def store_pair_words(ptr, offs, lo, hi, mask, OUT_KIND: tl.constexpr):
-    """Store elements 2i and 2i+1, given as int32 bit patterns of the output dtype (lo, hi), as one pair
-    word each: int64 [hi fp32 | lo fp32] for float32 output (OUT_KIND 2), int32 [hi | lo] for 16-bit."""
-    if OUT_KIND == 2:
+def f32_to_out_bits(v, nan, OUT_DTYPE: tl.constexpr, SATURATE: tl.constexpr = True, EXACT: tl.constexpr = False):
+    """float32 v [...], nan bool (broadcastable) -> int32 [...] holding v's bits in OUT_DTYPE
+    (tl.bfloat16 / tl.float16 in the low 16 bits, tl.float32 all 32): rounded to nearest even (bf16
+    on the bits: the interpreter's cast truncates), the canonical NaN (numerics.NAN_BITS) where nan.
+    SATURATE (every decode): a result past the dtype's largest finite magnitude, an Inf from rounding
+    a finite v or from a float32 product that overflowed, becomes that magnitude with its sign
+    (numerics.to_output); False (sums): IEEE overflow to Inf. A NaN v is expected only where nan.
+    EXACT: the caller has proven v a bf16 value or +-Inf (decoded E2M1 codes: one mantissa bit), so the
+    bf16 rounding is a truncation (the same bits, fewer instructions)."""
+    if OUT_DTYPE == tl.bfloat16:
+        if EXACT:
+            out = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        else:
+            out = (bf16_rne_bits(v) >> 16) & 0xFFFF
+        TOP: tl.constexpr = _MAX_BF16
+        MAG: tl.constexpr = 0x7FFF
+        NAN: tl.constexpr = _NAN_BF16
+    elif OUT_DTYPE == tl.float16:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        TOP: tl.constexpr = _MAX_F16
+        MAG: tl.constexpr = 0x7FFF
+        NAN: tl.constexpr = _NAN_F16
+    else:
+        tl.static_assert(OUT_DTYPE == tl.float32)
+        out = v.to(tl.int32, bitcast=True)
+        TOP: tl.constexpr = _MAX_F32
+        MAG: tl.constexpr = 0x7FFFFFFF
+        NAN: tl.constexpr = _NAN_F32
+    if SATURATE:
+        # Each dtype's Inf is its largest finite bits + 1: a magnitude above TOP is Inf (or NaN,
+        # replaced below) and becomes TOP, the sign kept.
+        mag = out & MAG
+        out = tl.where(mag > TOP, (out ^ mag) | TOP, out)
+    return tl.where(nan, NAN, out)
+
+
+@triton.jit
+def in_bits_to_f32_bits(raw, IN_DTYPE: tl.constexpr):
+    """raw: integer bits of IN_DTYPE values (tl.bfloat16 / tl.float16: int16, or int32 with the value
+    in the low 16 bits; tl.float32: int32) -> int32 fp32 bits of the same values, exactly. bf16 from
+    its bits: the interpreter's bf16 -> fp32 cast mangles subnormals, and on the GPU the shift is what
+    the cast compiles to."""
+    if IN_DTYPE == tl.bfloat16:
+        bits = raw.to(tl.int32) << 16
+    elif IN_DTYPE == tl.float16:
+        bits = raw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        tl.static_assert(IN_DTYPE == tl.float32)
+        bits = raw.to(tl.int32)
+    return bits
+
+
+@triton.jit
+def store_pair_words(ptr, offs, lo, hi, mask, OUT_DTYPE: tl.constexpr):
+    """Store elements 2i and 2i+1, given as int32 bit patterns of the output dtype (lo, hi:
+    f32_to_out_bits), as one pair word each: int64 [hi fp32 | lo fp32] for tl.float32, int32 [hi | lo]
+    for tl.bfloat16 / tl.float16."""
+    if OUT_DTYPE == tl.float32:
         word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
     else:
         word = (hi << 16) | lo
@@ -257,15 +337,17 @@ def bf16_pair_word(lo, hi):
 
 
 @triton.jit
-def load_pairs_as_f32_bits(ptr, offs, mask, IN_KIND: tl.constexpr):
-    """Load pair words and return (lo, hi) int32 fp32 bit patterns of elements 2i and 2i+1."""
-    if IN_KIND == 0:
+def load_pairs_as_f32_bits(ptr, offs, mask, IN_DTYPE: tl.constexpr):
+    """Load pair words of IN_DTYPE (tl.bfloat16 / tl.float16 / tl.float32: pair_view's words) and
+    return (lo, hi) int32 fp32 bit patterns of elements 2i and 2i+1."""
+    if IN_DTYPE == tl.bfloat16:
         lo, hi = bf16_pair_bits(tl.load(ptr + offs, mask=mask, other=0))
-    elif IN_KIND == 1:
+    elif IN_DTYPE == tl.float16:
         w = tl.load(ptr + offs, mask=mask, other=0)            # int32: [hi fp16 | lo fp16]
-        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        lo = in_bits_to_f32_bits(w, tl.float16)
+        hi = in_bits_to_f32_bits(w >> 16, tl.float16)
     else:
+        tl.static_assert(IN_DTYPE == tl.float32)
         w = tl.load(ptr + offs, mask=mask, other=0)            # int64: [hi fp32 | lo fp32]
         lo = w.to(tl.int32)                                    # truncation keeps the low word
         hi = (w >> 32).to(tl.int32)
@@ -281,14 +363,11 @@ def words_view(x: torch.Tensor, wtype: torch.dtype) -> torch.Tensor:
 
 
 def pair_view(x: torch.Tensor):
-    """-> (pair-word view, IN_KIND / OUT_KIND). x must be contiguous [M, K], K even."""
-    if x.dtype == torch.bfloat16:
-        return words_view(x, torch.int32), 0
-    if x.dtype == torch.float16:
-        return words_view(x, torch.int32), 1
-    if x.dtype == torch.float32:
-        return words_view(x, torch.int64), 2
-    raise TypeError(f"unsupported dtype {x.dtype}")
+    """x: bf16/fp16/fp32 [M, K] contiguous, K even -> (pair words int32 [M, K/2] for 16-bit dtypes,
+    int64 for float32; the kernel's IN_DTYPE / OUT_DTYPE, tl_dtype(x.dtype))."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"unsupported dtype {x.dtype}")
+    return words_view(x, torch.int64 if x.dtype == torch.float32 else torch.int32), tl_dtype(x.dtype)
 
 
 @triton.jit
@@ -322,8 +401,8 @@ def e4m3_rne(v):
     subnormals and to signed zero, saturating at 448; NaN and +-Inf give the canonical NaN 0x7F.
 
     Integer arithmetic on the bits (e4m3_rne_mag): the interpreter's float8 cast does not round to
-    nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returned 0xFC for a quarter of the
-    elements in these kernels (H200, 2026-11-22), so neither is used. The PTX instruction itself, as
+    nearest even, and Triton 3.6's sm_90 fp32 -> float8e4nv cast returns 0xFC for some elements in
+    these kernels (H200), so neither is used. The PTX instruction itself, as
     f32x2_to_e4m3x2_asm, equals this on finite inputs and NaN (a GPU test), and fp8_encode_tiles uses it.
     """
     bits = v.to(tl.int32, bitcast=True)
@@ -346,8 +425,8 @@ def e4m3_rne_mag(u, SAT: tl.constexpr):
         E.g. 3 * 2^-10 -> 1.5 -> 2 (tie to even); 2^-10 -> 0.5 -> 0. The multiply is exact, so FMA
         contraction cannot change the rounding.
     The magic-number form of e2m1_rne_mag (one add with 2^(e+20), e the clamped exponent) compiles to
-    the same number of SASS instructions here (two clamps replace the select) and measured 1 more
-    instruction per element in the BF16 -> FP8 kernel on the H100, so this form stays.
+    the same number of SASS instructions here (two clamps replace the select) and one more per element
+    in the BF16 -> FP8 kernel, so this form stays.
     """
     c_norm = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - 960
     if SAT:
@@ -391,13 +470,11 @@ def row_column_program(ROWS_FASTEST: tl.constexpr = False):
     """(row block, column block) of this program in a row_column_grid of the same ROWS_FASTEST.
 
     Column blocks fastest (the default) puts consecutive programs on consecutive memory of the same
-    rows. With the row_chunks layout, against row blocks fastest in the same run (H100): MXFP4 -> BF16
-    1.06-1.08x, the fused BF16 -> {FP8, MXFP4} pass 1.04-1.07x, BF16 -> FP8 1.03-1.04x, MXFP4 -> FP8
-    rows 1.00-1.05x (bench/RESULTS.md). FP8 -> MXFP4 ran 1-5% slower that way (separate runs), so it
-    keeps row blocks fastest, as does the fused SwiGLU + quantize (not measured). No division: a
-    one-axis grid's pid // n, pid % n at the start of every program delays its first loads (the
-    fused pass ran 8-9% slower that way on the H100). Row blocks past the last (axis 2 rounds up)
-    fall outside M and are masked."""
+    rows, which with the row_chunks layout is faster than row blocks fastest for MXFP4 -> BF16, the
+    fused BF16 -> {FP8, MXFP4} pass, BF16 -> FP8 and MXFP4 -> FP8 rows (bench/RESULTS.md). FP8 ->
+    MXFP4 is slower that way, so it keeps row blocks fastest, as does the fused SwiGLU + quantize.
+    No division: a one-axis grid's pid // n, pid % n at the start of every program delays its first
+    loads. Row blocks past the last (axis 2 rounds up) fall outside M and are masked."""
     if ROWS_FASTEST:
         return tl.program_id(0), tl.program_id(1)
     else:
@@ -428,7 +505,7 @@ def row_chunks(rows, M, col0, n_cols, COLS: tl.constexpr, V: tl.constexpr):
     Why one chunk axis: Triton orders a blocked layout's thread dimensions by address contiguity and
     then by axis index, so a structured [BM, tiles, blocks, ..., 4] access spreads a warp's 32 threads
     over rows and tiles first, and each store instruction writes 16 bytes of every 64-128 byte
-    segment it touches (MXFP4 -> FP8 rows: 64-69% of copy on the H200). With a single chunk axis the
+    segment it touches. With a single chunk axis the
     threads after the V-word vector run along the row, so each instruction covers whole segments; a
     kernel reshapes to its structured view for the arithmetic and back for the store."""
     c = tl.arange(0, COLS // V) * V
@@ -649,8 +726,9 @@ def e2m1x4_to_e4m3x4(u, k):
 
     An E2M1 magnitude m >= 2 is 1.f * 2^(e-1) with e = m >> 1, f = m & 1; its E4M3 byte at shift
     e_rel is ((e - 1 + 7 + e_rel) << 3) | (f << 2) = 8e + 4f + 8k = 4m + 8k (m = 2, 1.0 at e_rel 0:
-    8 + 48 = 0x38). m = 1 (0.5 = 2^-1) is 8k and m = 0 is 0, so byte = 4m + 4[m >= 2] + [m != 0] (8k - 4). The two predicates come from one add per lane: m + 7 has bit 3 set iff m >= 1,
-    m + 6 iff m >= 2 (m <= 7: no lane overflows). Lane maximum 4*7 + 4 + 92 = 124: no carry.
+    8 + 48 = 0x38). m = 1 (0.5 = 2^-1) is 8k and m = 0 is 0, so byte = 4m + 4[m >= 2] + [m != 0] (8k - 4).
+    The two predicates come from one add per lane: m + 7 has bit 3 set iff m >= 1, m + 6 iff m >= 2
+    (m <= 7: no lane overflows). Lane maximum 4*7 + 4 + 92 = 124: no carry.
     The sign (bit 3 of the code) moves to bit 7 of its byte with one shift and mask.
     """
     m = u & 0x07070707

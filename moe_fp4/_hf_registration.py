@@ -1,9 +1,9 @@
 """``import moe_fp4`` registers its Hugging Face experts implementations (:mod:`moe_fp4.integrations.hf_experts`)
 when transformers' experts registry exists, without importing transformers itself: now if
 ``transformers.integrations.moe`` is already imported, otherwise right after it is (a finder on
-``sys.meta_path`` that wraps that one module's loader and removes itself once it has run). So
-``import moe_fp4`` stays as cheap as before, and ``from_pretrained(..., experts_implementation="moe_fp4")``
-finds the name whichever of the two a script imports first."""
+``sys.meta_path`` that wraps that one module's loader and removes itself once it has run). So ``import moe_fp4``
+does not pay for importing transformers, and ``from_pretrained(..., experts_implementation="moe_fp4")`` finds the
+name whichever of the two a script imports first."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 ``run_ranks(fn, world, *args)`` starts ``world`` processes (spawn context, a free localhost port),
 each calling ``fn(rank, world, *args)`` after ``init_process_group("gloo")`` (or ``backend="nccl"``:
-one GPU per rank, for the GPU tests) with a collective timeout, and returns the per-rank results in rank order. Any exception on any rank fails the caller
-with that rank's traceback; a run past ``timeout`` seconds is killed and fails as a hang.
+one GPU per rank, for the GPU tests) with a collective timeout, and returns the per-rank results in rank
+order. Any exception on any rank fails the caller with that rank's traceback; a run past ``timeout``
+seconds is killed and fails as a hang.
 ``fn`` must be a module-level function of an importable module (spawn pickles it by name).
 
 The ranks run moe_fp4's pure-torch reference conversions, not the Triton kernels under the
@@ -55,7 +56,8 @@ def run_ranks(fn, world: int, *args, timeout: float = RUN_TIMEOUT_S, backend: st
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, backend, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, backend, args), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     got, failures = {}, []

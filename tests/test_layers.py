@@ -1,6 +1,7 @@
 """The package's layering, read from the source: no import cycle among moe_fp4's modules, nothing
 imports a layer above its own, and no module of the package grows past about 500 lines without
-saying why.
+saying why. Beside the layering, two rules of the source's text: comments and docstrings name no commit
+ids, dates or issue numbers, and nothing refers to a file outside the repository.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 The layers, bottom up (docs/DESIGN.md, section 1):
@@ -12,6 +13,9 @@ facade), ``__main__.py`` and ``_moved.py`` (aliases of the old flat paths) sit o
 """
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -51,7 +55,8 @@ def _imports(name: str, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
     return {m for m in found if m in MODULES and m != name}
@@ -127,7 +132,8 @@ def test_long_modules_say_why():
     lines = {n: len(MODULES[n].read_text().splitlines()) for n in package}
     assert max(lines.values()) > 100   # the files were read
     unexplained = [f"{MODULES[n].relative_to(ROOT)} ({lines[n]} lines)" for n in package
-                   if lines[n] > MAX_LINES and REASON not in (ast.get_docstring(ast.parse(MODULES[n].read_text())) or "")]
+                   if lines[n] > MAX_LINES
+                   and REASON not in (ast.get_docstring(ast.parse(MODULES[n].read_text())) or "")]
     assert unexplained == [], f"over {MAX_LINES} lines with no '{REASON} ...' reason in the docstring: {unexplained}"
 
 
@@ -146,3 +152,56 @@ def test_the_old_flat_paths_name_their_new_place():
         assert module.__name__ == new
         assert any(new in str(w.message) and w.category is DeprecationWarning for w in caught), old
     assert moe_fp4.__name__ == "moe_fp4"
+
+
+# Comments and docstrings give the reason in the present tense: no commit ids, dates or issue numbers (history
+# belongs to git and bench/RESULTS.md). Comments are read with tokenize and docstrings with ast, so the string
+# literals of real code are not flagged.
+COMMIT = re.compile(r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?!\w)")   # not 0x..., a version
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+ISSUE = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+# (file, text) that match and are not history: an example of a printed banner.
+NOT_HISTORY = {("moe_fp4/compare/origin.py", "abc1234")}
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """-> [(line, text)] of every comment and every module, class and function docstring of ``path``."""
+    source = path.read_text()
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source, str(path))):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and (doc := ast.get_docstring(node, clean=False)) is not None:
+            found.append((node.body[0].lineno, doc))
+    return found
+
+
+def test_the_history_check_reads_comments_and_docstrings():
+    # a sanity check on the patterns and the reader: what they must find, and what they must not
+    assert COMMIT.findall("(d7fb254, 2026-11-28)") == ["d7fb254"] and DATE.findall("2026-11-28") == ["2026-11-28"]
+    assert ISSUE.findall("issue 47, issues 27") == ["issue 47", "issues 27"]
+    assert not COMMIT.findall("0x7f800000 deadbeef 1234567 e4m3 bf16 v1.2.3abcdef0 float8_e4m3fn")
+    texts = [t for _, t in _comments_and_docstrings(PACKAGE / "compare" / "origin.py")]
+    assert any("abc1234" in t for t in texts)
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in MODULES.values()))
+def test_comments_and_docstrings_name_no_history(path):
+    hits = [f"{path}:{line}: {m.group(0)!r}" for line, text in _comments_and_docstrings(ROOT / path)
+            for pattern in (COMMIT, DATE, ISSUE) for m in pattern.finditer(text)
+            if (path, m.group(0)) not in NOT_HISTORY]
+    assert hits == [], "commit ids, dates or issue numbers in comments or docstrings (give the reason instead):\n" \
+        + "\n".join(hits)
+
+
+# Nothing in the repository refers to a file outside it: a shared/ directory beside the checkout is not shipped.
+OUTSIDE_PATH = re.compile(r"(?<![\w./-])shared/")
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    files = [*PACKAGE.rglob("*.py"), *KERNELS.glob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
+             *(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    assert len(files) > 50 and OUTSIDE_PATH.search("see shared/notes.md") and not OUTSIDE_PATH.search("a/shared/b")
+    hits = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
+            if OUTSIDE_PATH.search(line)]
+    assert hits == [], f"references to shared/, outside the repository: {hits}"

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness.py
 
 from harness import timed  # noqa: E402  (bench/harness.py: median of CUDA-event timings)
+
 from moe_fp4.gemm.engines import quantize_fp8_weight_pair  # noqa: E402
 from moe_fp4.kernels.adamw import AdamWScalars, adamw_fp8_weight_step  # noqa: E402
 

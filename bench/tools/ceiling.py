@@ -165,7 +165,8 @@ def summary(row: dict) -> str:
     cells = [f"{row['op']:<22}", f"{row['tokens']:>6}x{row['hidden']:<5}",
              f"op {row['op_gbps']:5.0f} ({100 * row['op_gbps'] / c:5.1f}%)",
              f"copy {c:5.0f}",
-             f"stream {best['gbps']:5.0f} ({100 * best['gbps'] / c:5.1f}%, {best['words']}w x {best['num_warps']} warps)"]
+             f"stream {best['gbps']:5.0f} ({100 * best['gbps'] / c:5.1f}%, "
+             f"{best['words']}w x {best['num_warps']} warps)"]
     for fastest in (True, False):
         tiles = [t for t in row["tile"] if t["rows_fastest"] == fastest]
         if tiles:

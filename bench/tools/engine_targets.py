@@ -10,14 +10,17 @@ It runs, one after the other in fresh processes, each writing its JSON into --ou
 - ``bench/moe_layer.py --config dsv3 small --no-budget``;
 - ``bench/experts.py`` (both shapes, forward + backward);
 
-then prints the targets with their verdicts (also written to --out as targets.md and targets.json):
+then prints the targets with their verdicts (also written to --out as targets.md and targets.json);
+each target below as "target (from): threshold":
 
-| target | from | threshold |
-| --- | --- | --- |
-| every grouped GEMM of the step / one cuBLAS blockwise GEMM of the same size | gemm.py `gluon_vs_cublas` | >= 0.90, each routing and shape |
-| ours against torch's row-wise grouped FP8 (`torch._scaled_grouped_mm`) | gemm.py, fprop / dgrad at dsv3 | >= 1.00 |
-| layer step fp8 / bf16, fp4 / fp8 | moe_layer.py's own verdicts | dsv3 <= 0.80, small <= 0.95; dsv3 fp4/fp8 <= 1.00 |
-| experts fwd + bwd, fp8 (FP8 weights from AdamWFP8Weights) / torch's bf16 experts | experts.py `vs_torch_bf16` | dsv3 <= 0.75, small <= 0.95 |
+- every grouped GEMM of the step / one cuBLAS blockwise GEMM of the same size (gemm.py `gluon_vs_cublas`):
+  >= 0.90, each routing and shape;
+- ours against torch's row-wise grouped FP8 (`torch._scaled_grouped_mm`) (gemm.py, fprop / dgrad at dsv3):
+  >= 1.00;
+- layer step fp8 / bf16, fp4 / fp8 (moe_layer.py's own verdicts): dsv3 <= 0.80, small <= 0.95;
+  dsv3 fp4/fp8 <= 1.00;
+- experts fwd + bwd, fp8 (FP8 weights from AdamWFP8Weights) / torch's bf16 experts
+  (experts.py `vs_torch_bf16`): dsv3 <= 0.75, small <= 0.95.
 
 With ``--repeat N`` the whole set runs N times (files ``<name>_r<k>.json``) and each target is judged by
 the median of its N values, every value listed: the ratios that sit on their lines (the dsv3 weight

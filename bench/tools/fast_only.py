@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import sass  # noqa: E402
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-import sass  # noqa: E402
 from moe_fp4.kernels import fp8 as K8  # noqa: E402
 from moe_fp4.kernels import mxfp4 as KMX  # noqa: E402
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from gemm import SHAPES, gemms, route_counts  # noqa: E402
 from harness import sm90_run, timed, write_results  # noqa: E402
+
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as NEW  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> None:
                 print(f"| {shape} | {routing} | {name} | {res['R']} x {n_dim} x {k_dim} | {one_wave} "
                       f"| {res['old_tflops']:.0f} | {res['new_tflops']:.0f} | {res['new_over_old']:.3f} "
                       f"({res['ratio_min']:.3f}, {res['ratio_max']:.3f}) |", flush=True)
-                del ops
+                ops = None   # frees the operands before the next GEMM's (rebound, not del: the lambdas read it)
     write_results(args.json, head, results)
 
 

@@ -18,8 +18,8 @@ kernel's counters and the group's summed time:
 - L2 hit rate, L2 and DRAM throughput (% of peak), and the SM clock the kernel ran at
   (``--clock-control none``: the clocks of the timed runs, not ncu's base clock).
 
-The rows: ``gluon`` (the engine's default path: for "fc1 fprop (MXFP4 A)" the conversion to FP8 and the
-FP8-A kernel), ``gluon_decode`` (MXFP4 A decoded inside the kernel, NT_MXFP4_CONFIGS) and ``cublas``
+The rows: ``gluon`` (the engine's path: for "fc1 fprop (MXFP4 A)" the conversion to FP8 and the
+FP8-A kernel) and ``cublas``
 (one dense scaled_mm of the same total M, N, K: 1x128 x 128x128 blockwise, or 1x128 x 1x128 for wgrad).
 Needs a Hopper GPU and ``ncu`` with access to the counters.
 """
@@ -66,8 +66,9 @@ def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_pat
     import torch
 
     sys.path.insert(0, os.path.join(HERE, ".."))
-    import moe_fp4
     from gemm import gemms, route_counts  # bench/gemm.py
+
+    import moe_fp4
     from moe_fp4.gemm.engines import FP8WeightTensor, fp8_mm_nt, quantize_fp8_weight
     from moe_fp4.kernels import gluon_grouped_gemm as GL
 
@@ -95,10 +96,6 @@ def child(shapes: list[str], names: list[str] | None, wgrad_out: str, labels_pat
             a = moe_fp4.quantize_mxfp4(x) if kind == "nt_mxfp4" else moe_fp4.quantize_fp8(x)
             launches.append(({**label, "engine": "gluon"}, lambda a=a, w=wq, c=counts: GL.grouped_mm_nt(
                 a.data, a.scale, w.data, w.scale, c, torch.bfloat16)))
-            if kind == "nt_mxfp4":
-                launches.append(({**label, "engine": "gluon_decode"}, lambda a=a, w=wq, c=counts: GL.grouped_mm_nt(
-                    a.data, a.scale, w.data, w.scale, c, torch.bfloat16,
-                    config=GL.NT_MXFP4_CONFIGS[torch.bfloat16])))
             dense = moe_fp4.quantize_fp8(x) if kind == "nt_mxfp4" else a
             w1 = FP8WeightTensor(wq.data[0], wq.scale[0])
             launches.append(({**label, "engine": "cublas"}, lambda d=dense, w=w1: fp8_mm_nt(d, w, torch.bfloat16)))

@@ -22,9 +22,9 @@ precision and for each launch family's calls.
 
 from __future__ import annotations
 
-import os
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -36,13 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (also under python -P)
 
 import torch  # noqa: E402
+from harness import run_times  # noqa: E402
+from profile_moe import layer_args, layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import moe_fp4  # noqa: E402
 from moe_fp4.gemm.engines import quantize_fp8_weight  # noqa: E402
 from moe_fp4.kernels import gluon_grouped_gemm as GL  # noqa: E402
-from harness import run_times  # noqa: E402
-from profile_moe import layer_args, layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the same layer)
 
 
 def _host_us(fn, n: int = 200) -> float:

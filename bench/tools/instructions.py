@@ -65,7 +65,8 @@ def _number(text: str) -> float:
 
 
 def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str, metrics: dict[str, str] = METRICS) -> list[dict]:
-    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name", "regex:^_", "--metrics", ",".join(metrics.values()),
+    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name", "regex:^_",
+           "--metrics", ",".join(metrics.values()),
            sys.executable, os.path.join(HERE, "tune.py"), "--once", "--tokens", str(tokens), "--hidden", str(hidden),
            "--ops", *ops]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -80,7 +81,8 @@ def run_ncu(tokens: int, hidden: int, ops: list[str], ncu: str, metrics: dict[st
                 rec[key] = _number(row["Metric Value"])
     rows = [launches[i] for i in sorted(launches, key=int)]
     if len(rows) != len(ops):
-        sys.exit(f"expected {len(ops)} kernel launches (one per op), ncu saw {len(rows)}: {[r['kernel'] for r in rows]}")
+        sys.exit(f"expected {len(ops)} kernel launches (one per op), ncu saw {len(rows)}: "
+                 f"{[r['kernel'] for r in rows]}")
     n = tokens * hidden
     for op, rec in zip(ops, rows):
         rec["op"] = op
@@ -97,7 +99,8 @@ def limiter_table(rows: list[dict], top: int = 3) -> str:
            "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         stalls = sorted(((r.get(f"stall_{s}", 0.0), s) for s in STALLS if s != "selected"), reverse=True)[:top]
-        out.append(f"| {r['op']} | {r.get('registers', float('nan')):.0f} | {r.get('occupancy_pct', float('nan')):.1f} | "
+        out.append(f"| {r['op']} | {r.get('registers', float('nan')):.0f} | "
+                   f"{r.get('occupancy_pct', float('nan')):.1f} | "
                    f"{r.get('eligible_warps', float('nan')):.2f} | {100 * r.get('issue_active', float('nan')):.1f} | "
                    f"{r.get('cycles_per_issue', float('nan')):.2f} | "
                    + ", ".join(f"{s.replace('_', ' ')} {v:.2f}" for v, s in stalls)
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['op']} | `{r['kernel']}` | {r['inst_per_elem']:.2f} | {r['warp_inst_per_32_elem']:.2f} | "
               f"{r.get('issue_pct', float('nan')):.1f} | {r.get('alu_pct', float('nan')):.1f} | "
-              f"{r.get('fma_pct', float('nan')):.1f} | {r.get('dram_bytes', 0) / 1e9:.3f} | {r.get('time_ns', 0) / 1e3:.1f} |")
+              f"{r.get('fma_pct', float('nan')):.1f} | {r.get('dram_bytes', 0) / 1e9:.3f} | "
+              f"{r.get('time_ns', 0) / 1e3:.1f} |")
     if a.limiters:
         print()
         print(limiter_table(rows))

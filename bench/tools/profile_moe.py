@@ -17,9 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for moe_layer
 
 import torch  # noqa: E402
+from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from moe_layer import CONFIGS  # noqa: E402  (bench/moe_layer.py: the benchmark's shapes)
 from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
 
 

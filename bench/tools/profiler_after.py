@@ -7,8 +7,9 @@ runs after it? bench/moe_layer.py's isolated step, in rounds, with or without a 
 Kineto leaves CUPTI attached after a profiling session unless TEARDOWN_CUPTI=1 (pytorch issue
 144455), and every later kernel launch may pay for it; the step also drifts with no profiler at all
 (bench/RESULTS.md). Either way a benchmark that times one variant after another charges
-the drift to the later one (bench/moe_layer.py interleaves its precisions for that reason). Per round: --iters steps timed with CUDA events
-(median ms, the host's median ms to issue a step, NVML's SM clock and temperature after the
+the drift to the later one (bench/moe_layer.py interleaves its precisions for that reason). Per round:
+--iters steps timed with CUDA events (median ms, the host's median ms to issue a step, NVML's SM clock
+and temperature after the
 round), then (from --profile-after on) one step under torch.profiler (CUDA activity only). Needs
 a CUDA GPU.
 """
@@ -24,10 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/,
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from harness import run_times  # noqa: E402
 from profile_moe import layer_step, make_layer  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def timed(m, x, g, iters: int) -> tuple[float, float]:

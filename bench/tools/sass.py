@@ -7,8 +7,9 @@ No GPU needed: Triton compiles for GPUTarget("cuda", 90, 32) with the divisibili
 specializes on (pointers and strides divisible by 16) and disassembles with its bundled cuobjdump.
 Instructions per element = SASS lines / elements per thread of one program at the launcher's default
 configuration, with the integer arguments marked divisible by 16 where they are at 32768 x 7168 (as
-a launch of that shape specializes them). For a kernel with a per-program fast path and a general path, ``--path fast`` /
-``general`` compiles a copy of its module with the branch condition replaced by True / False, so the
+a launch of that shape specializes them). For a kernel with a per-program fast path and a general path,
+``--path fast`` / ``general`` compiles a copy of its module with the branch condition replaced by
+True / False, so the
 count is the one path's straight-line code (the kernels have no loops). Static counts are a proxy:
 the executed count (``bench/tools/instructions.py``, on a GPU) is what moves bandwidth, and it is higher by
 the path test and the program-wide reductions (Triton 3.6, common path static vs executed on the
@@ -34,6 +35,7 @@ import tempfile
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # what a launch uses (Triton 3.9 warns when unset)
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -49,7 +51,7 @@ KERNELS = {
     "mxfp4_to_fp8": ("moe_fp4.kernels.fp8", "_mxfp4_to_fp8_kernel",
                      dict(d_ptr="*i16", s_ptr="*u8", o_ptr="*i32", os_ptr="*fp32", M=I32, NT=I32, stride_dm=I32,
                           stride_sm=I32, stride_om=I32),
-                     # its fast-path branch lives in triton_numerics.e2m1_words_to_e4m3 since 93fd35e:
+                     # its fast-path branch lives in triton_numerics.e2m1_words_to_e4m3:
                      # counted as a whole (the per-path copy swaps lines of the kernel's own module)
                      dict(BLOCK_M=4, TILES=4, ASM=True), 2, 4 * 4 * 128, None),
     "mxfp4_to_bf16": ("moe_fp4.kernels.mxfp4", "_dequantize_mxfp4_bf16_kernel",
@@ -59,21 +61,21 @@ KERNELS = {
     "bf16_to_mxfp4": ("moe_fp4.kernels.mxfp4", "_quantize_mxfp4_kernel",
                       dict(x_ptr="*i32", data_ptr="*u8", scale_ptr="*u8", M=I32, KB=I32, stride_xm=I32,
                            stride_dm=I32, stride_sm=I32),
-                      dict(IN_KIND=0, BLOCK_M=4, BLOCK_K=1024, ASM=True), 2, 4 * 1024, None),
+                      dict(IN_DTYPE=tl.bfloat16, BLOCK_M=4, BLOCK_K=1024, ASM=True), 2, 4 * 1024, None),
     "bf16_to_mxfp4_sr": ("moe_fp4.kernels.mxfp4", "_quantize_mxfp4_stochastic_kernel",
                          dict(x_ptr="*i32", data_ptr="*u8", scale_ptr="*u8", M=I32, KB=I32, stride_xm=I32,
                               stride_dm=I32, stride_sm=I32, seed="i64", step=I32, rank=I32),
-                         dict(IN_KIND=0, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
+                         dict(IN_DTYPE=tl.bfloat16, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
     "bf16_to_nvfp4": ("moe_fp4.kernels.nvfp4", "_quantize_nvfp4_kernel",
                       dict(x_ptr="*i32", xs_ptr="*i32", data_ptr="*u8", scale_ptr="*u8", st_ptr="*fp32", M=I32,
                            KB=I32, stride_xm=I32, stride_xsm=I32, stride_xst=I32, stride_dm=I32, stride_sm=I32,
                            seed="i64", step=I32, rank=I32),
-                      dict(IN_KIND=0, STOCHASTIC=False, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
+                      dict(IN_DTYPE=tl.bfloat16, STOCHASTIC=False, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
     "fp8_to_nvfp4": ("moe_fp4.kernels.nvfp4", "_quantize_nvfp4_kernel",
                      dict(x_ptr="*i16", xs_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", st_ptr="*fp32", M=I32,
                           KB=I32, stride_xm=I32, stride_xsm=I32, stride_xst=I32, stride_dm=I32, stride_sm=I32,
                           seed="i64", step=I32, rank=I32),
-                     dict(IN_KIND=3, STOCHASTIC=False, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
+                     dict(IN_DTYPE=tl.float8e4nv, STOCHASTIC=False, BLOCK_M=4, BLOCK_K=512), 4, 4 * 512, None),
     "nvfp4_to_fp8": ("moe_fp4.kernels.nvfp4", "_nvfp4_to_fp8_kernel",
                      dict(d_ptr="*u8", s_ptr="*u8", st_ptr="*fp32", o_ptr="*i16", os_ptr="*fp32", M=I32, NT=I32,
                           stride_dm=I32, stride_sm=I32, stride_om=I32, stride_st=I32),
@@ -86,12 +88,13 @@ KERNELS = {
                     dict(x_ptr="*i32", fp8_ptr="*i16", fscale_ptr="*fp32", mx_ptr="*u8", mscale_ptr="*u8", M=I32,
                          NT=I32, stride_xm=I32, stride_fm=I32, stride_fsm=I32, stride_fst=I32, stride_mm=I32,
                          stride_msm=I32),
-                    dict(IN_KIND=0, WRITE_MXFP4=False, BLOCK_M=4, TILES=8, ASM=True), 2, 4 * 8 * 128, None),
+                    dict(IN_DTYPE=tl.bfloat16, WRITE_MXFP4=False, BLOCK_M=4, TILES=8, ASM=True), 2, 4 * 8 * 128, None),
     "bf16_to_fp8_mxfp4": ("moe_fp4.kernels.fp8", "_quantize_fp8_kernel",
                           dict(x_ptr="*i32", fp8_ptr="*i16", fscale_ptr="*fp32", mx_ptr="*u8", mscale_ptr="*u8",
                                M=I32, NT=I32, stride_xm=I32, stride_fm=I32, stride_fsm=I32, stride_fst=I32,
                                stride_mm=I32, stride_msm=I32),
-                          dict(IN_KIND=0, WRITE_MXFP4=True, BLOCK_M=2, TILES=8, ASM=True), 1, 2 * 8 * 128, None),
+                          dict(IN_DTYPE=tl.bfloat16, WRITE_MXFP4=True, BLOCK_M=2, TILES=8, ASM=True), 1, 2 * 8 * 128,
+                          None),
     "mxfp4_to_fp8_colwise": ("moe_fp4.kernels.transpose", "_mxfp4_to_fp8_colwise_kernel",
                              dict(d_ptr="*u8", s_ptr="*u8", r_ptr="*i64", o_ptr="*u8", os_ptr="*fp32", M=I32, M4=I32,
                                   K=I32, KB=I32, stride_dm=I32, stride_sm=I32),
@@ -106,7 +109,7 @@ KERNELS = {
     "bf16_to_fp8_rows_cols": ("moe_fp4.kernels.transpose", "_cast_transpose_fp8_kernel",
                               dict(x_ptr="*i16", r_ptr="*u8", rs_ptr="*fp32", c_ptr="*u8", cs_ptr="*fp32", M=I32,
                                    K=I32),
-                              dict(IN_KIND=0, WRITE_ROWS=True, WRITE_COLS=True, TILE=128, SUB=128, TILES_K=1,
+                              dict(IN_DTYPE=tl.bfloat16, WRITE_ROWS=True, WRITE_COLS=True, TILE=128, SUB=128, TILES_K=1,
                                    ASM=True), 8, 128 * 128, None),
     # SwiGLU backward, h in bf16 / in MXFP4 decoded in registers: BLOCK_M rows x one chunk of BLOCK_W pairs
     "swiglu_bwd": ("moe_fp4.kernels.swiglu", "_swiglu_backward_kernel",

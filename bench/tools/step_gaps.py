@@ -21,9 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/tools/, for profile_moe (python -P too)
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from profile_moe import layer_step, make_layer  # noqa: E402  (bench/tools/profile_moe.py: the benchmark's layer)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def gaps(config: str, precision: str, warmup: int, steps: int, min_gap_us: float, top: int,

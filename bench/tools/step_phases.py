@@ -46,9 +46,10 @@ def phase_of(name: str) -> str:
 
 
 def measure(cfg, mode: str, env, batch: int, micro: int, warmup: int, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
     from moe_fp4.compare.quiet import quiet_kineto
     from moe_fp4.compare.train import Trainer, _batches, _free, build
-    from torch.profiler import ProfilerActivity, profile
 
     model, loss_fn, sharded, handle = build(cfg, mode, env)
     trainer = Trainer(model, loss_fn, env, cfg.lr, cfg.steps, sharded, micro_batch=micro)
@@ -87,8 +88,8 @@ def main(argv=None) -> int:
         print("step_phases.py profiles CUDA kernels: it needs a GPU", file=sys.stderr)
         return 2
     from moe_fp4.compare.config import CompareConfig, Env
-    from moe_fp4.compare.train import _free
     from moe_fp4.compare.origin import describe, provenance
+    from moe_fp4.compare.train import _free
 
     env = Env(torch.device("cuda"))
     meta = describe(env)

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/, for harness.py
 
 from harness import timed  # noqa: E402  (bench/harness.py: median of CUDA-event timings)
+
 from moe_fp4.kernels.fp8 import quantize_fp8_weight_128x128  # noqa: E402
 
 SHAPES = {   # (E, N, K) of W13 [E, 2F, H] and W2 [E, H, F], as bench/moe_layer.py's configs
@@ -42,7 +43,8 @@ def main() -> None:
         for asm in (None, True, False):
             kw = {} if asm is None else {"asm": asm}
             try:
-                cells.append(timed(lambda: quantize_fp8_weight_128x128(w, write_q=True, write_t=True, **kw), 3, a.iters))
+                cells.append(timed(lambda: quantize_fp8_weight_128x128(w, write_q=True, write_t=True, **kw), 3,
+                                   a.iters))
             except TypeError:   # a tree from before the asm argument: only its default
                 cells.append(None)
         line = f"| {name} | {e} x {n} x {k} | {cells[0]:.3f} |"

@@ -13,16 +13,37 @@
 - :mod:`~moe_fp4.compare.plots`: the figures ``compare`` and ``bench/budget_curve.py`` write.
 """
 
-from moe_fp4.compare.config import BatchDoesNotFit, CompareConfig, Env, check_ep, per_rank_batch
-from moe_fp4.compare.memory import largest_accumulated_batch, largest_batch, measure_steps, plan_mode, step_bytes
-from moe_fp4.compare.preflight import ModelDoesNotFit, estimate
-from moe_fp4.compare.origin import commit, describe, provenance, version
-from moe_fp4.compare.report import done_line, plan_table, ratios, table
-from moe_fp4.compare.runner import run
-from moe_fp4.compare.train import Trainer, build, train_mode
-from moe_fp4.model.planner import micro_batch, search_largest_batch
+import importlib
 
-__all__ = ["BatchDoesNotFit", "CompareConfig", "Env", "ModelDoesNotFit", "Trainer", "build", "check_ep", "commit",
-           "describe", "done_line", "estimate", "largest_accumulated_batch", "largest_batch", "measure_steps",
-           "micro_batch", "per_rank_batch", "plan_mode", "plan_table", "provenance", "ratios", "run",
-           "search_largest_batch", "step_bytes", "table", "train_mode", "version"]
+# Each name and its module, imported on first use (PEP 562): the command line (cli.py) starts without torch,
+# so that --help, an argument error and Ctrl-C while torch loads are answered in one line.
+_HOMES = {
+    "moe_fp4.compare.config": ("BatchDoesNotFit", "CompareConfig", "Env", "check_ep", "per_rank_batch"),
+    "moe_fp4.compare.memory": ("largest_accumulated_batch", "largest_batch", "measure_steps", "plan_mode",
+                               "step_bytes"),
+    "moe_fp4.compare.preflight": ("ModelDoesNotFit", "estimate"),
+    "moe_fp4.compare.origin": ("commit", "describe", "provenance", "version"),
+    "moe_fp4.compare.report": ("done_line", "plan_table", "ratios", "table"),
+    "moe_fp4.compare.runner": ("run",),
+    "moe_fp4.compare.train": ("Trainer", "build", "train_mode"),
+    "moe_fp4.model.planner": ("micro_batch", "search_largest_batch"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+_SUBMODULES = ("cli", "config", "data", "memory", "origin", "plots", "preflight", "quiet", "report", "runner", "train")
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    if name in _SUBMODULES:   # ``moe_fp4.compare.runner`` after ``import moe_fp4.compare``, as when it imported them
+        return importlib.import_module(f"moe_fp4.compare.{name}")
+    raise AttributeError(f"module 'moe_fp4.compare' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_HOME, *_SUBMODULES})
+
+
+__all__ = sorted(_HOME)

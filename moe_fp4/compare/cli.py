@@ -3,7 +3,10 @@
 
 ``compare`` checks every argument and the output directory before it builds a model (one line and
 exit code 2 per problem), prints the table before it writes any file, and under torchrun prints from
-rank 0 only.
+rank 0 only. The parser needs no torch (its choices are spelled here, checked against the model's by
+tests/compare/test_first_run.py), so ``--help`` and argparse's errors answer at once; torch and the model
+load inside :func:`main`, where Ctrl-C is one line and exit code 130 like Ctrl-C at any other point before
+training (during training the run stops and reports the modes it finished).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import os
 import sys
 import tempfile
 
-from moe_fp4.compare.config import PRESET_LR
-from moe_fp4.model.decoder import PRESETS
-from moe_fp4.model.moe import Recompute
-
 # Sequences per rank. small: 64 x 1024 tokens keep an H200 busy; at 16 the step is bound by the host
 # (kernel launches), which hides what the modes change.
 PRESET_BATCH = {"tiny": 4, "small": 64, "dsv3-layers": 2}
+# The parser's choices: moe_fp4.model.decoder.PRESETS' names, moe_fp4.model.moe.Recompute's values and
+# moe_fp4.compare.config.PRESET_LR, spelled out so that building the parser imports no torch.
+PRESET_NAMES = ("tiny", "small", "dsv3-layers")
+RECOMPUTE_CHOICES = ("none", "swiglu", "moe", "dense", "layer")
+PRESET_LR_HELP = {"tiny": 1e-3, "small": 1e-3, "dsv3-layers": 3e-4}
 DEFAULT_OUT = "moe_fp4_compare"
 
 COMPARE_DESCRIPTION = """\
@@ -64,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train a small DeepSeek-V3-style model in bf16, fp8 and fp4 and compare",
                        description=COMPARE_DESCRIPTION, epilog=COMPARE_EXAMPLES, formatter_class=_HelpFormatter)
-    c.add_argument("--preset", choices=list(PRESETS), default=None,
+    c.add_argument("--preset", choices=list(PRESET_NAMES), default=None,
                    help="model size (default: small on a GPU, tiny on CPU)")
     c.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help="bf16, fp8, fp4 (default: all three; with --hook: hf hf+hook)")
@@ -77,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
     c.add_argument("--layers", type=int, default=None,
                    help="decoder layers, >= 2: the first is dense (default: the preset's)")
-    rates = ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+    rates = ", ".join(f"{k} {v:g}" for k, v in PRESET_LR_HELP.items())
     c.add_argument("--lr", type=float, default=None,
                    help=f"AdamW's peak learning rate, warmed up over steps // 10 (at most 100) (default: {rates})")
     c.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
@@ -92,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget-gib", type=float, default=None, metavar="GIB",
                    help="fail early if --batch needs more than GIB GiB per device; with --plan auto, the budget "
                         "to plan for")
-    c.add_argument("--recompute", choices=[p.value for p in Recompute], default="none",
+    c.add_argument("--recompute", choices=list(RECOMPUTE_CHOICES), default="none",
                    help="what backward recomputes instead of keeping: the experts' SwiGLU output, the MoE block, "
                         "everything but the MoE blocks (dense: attention and dense MLPs), or the whole decoder "
                         "layer (gradients identical to none)")
@@ -107,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--wire", default="", metavar="[RECIPE|MODE:RECIPE,...][ROLE=FMT,...]",
                    help="with torchrun (expert parallelism) or --simulate-wire: the wire format of each exchange. "
                         "RECIPE: a named set of the four (bf16, fp8-dispatch, fp8, paper, fp4, fp4-sr, fp4-fp8sums, "
-                        "fp4-sr-fp8sums, fp4-all; docs/expert-parallel.md) for every mode, MODE:RECIPE for one mode (fp4:fp4-all); "
-                        "ROLE=FMT then overrides one exchange, ROLE "
+                        "fp4-sr-fp8sums, fp4-all; docs/expert-parallel.md) for every mode, MODE:RECIPE for one "
+                        "mode (fp4:fp4-all); ROLE=FMT then overrides one exchange, ROLE "
                         "one of dispatch, combine, dispatch_grad, combine_grad, FMT one of bf16, fp8, mxfp4, nvfp4, "
                         "native, and for the gradients also mxfp4-sr, nvfp4-sr (stochastic rounding) and auto (the "
                         "sqrt(3) rule: nvfp4-sr while the gradient's norm is at least sqrt(3) times its "
@@ -197,8 +201,9 @@ def write_results(report: dict, out: str, plots: bool = True) -> tuple[list[str]
             from moe_fp4.compare.plots import write_plots
 
             written += write_plots(report, out)
-        except ImportError:
-            print('plots: matplotlib is not installed (pip install "moe_fp4[plot]")', flush=True)
+        except ImportError as e:
+            print(f'plots: matplotlib cannot be imported ({type(e).__name__}: {e}; pip install "moe_fp4[plot]")',
+                  flush=True)
         except Exception as e:  # noqa: BLE001 - a plot is an extra: any failure loses nothing else
             _warn(f"plots: failed ({type(e).__name__}: {e}); compare.json has every number")
             ok = False
@@ -354,7 +359,6 @@ def compare(a: argparse.Namespace, err) -> int:
 
     from moe_fp4.compare.memory import prefer_expandable_segments
     from moe_fp4.compare.preflight import optional_notes
-    from moe_fp4.compare.runner import run   # looked up here: tests replace runner.run
 
     prefer_expandable_segments()   # before anything allocates on the GPU: budgets measure what the card holds
     try:
@@ -362,12 +366,15 @@ def compare(a: argparse.Namespace, err) -> int:
     except ValueError as e:
         err(str(e))
         return 2
+    from moe_fp4.compare.runner import run  # after the checks, which need less; looked up here: tests replace it
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.slow_link and world == 1:
         print("note: --slow-link changes only NCCL between processes; it has no effect on one process", flush=True)
-    if _rank_from_env() == 0:
-        for note in optional_notes(plots=not a.no_plots, progress=not a.no_progress):
-            print("note: " + note, flush=True)
+    notes = optional_notes(plots=not a.no_plots, progress=not a.no_progress) if _rank_from_env() == 0 else []
+    for note in notes:
+        print("note: " + note, flush=True)
+    plots = not a.no_plots and not any(n.startswith("matplotlib ") for n in notes)   # the note said: no plots
     env = launch_env(a.wire, a.slow_link, a.simulate_wire)
     rank, world = env.rank, env.world
     try:
@@ -381,7 +388,7 @@ def compare(a: argparse.Namespace, err) -> int:
 
             dist.destroy_process_group()
     report["meta"]["slow_link"] = bool(a.slow_link and world > 1)
-    rc = finish(report, a.out, plots=not a.no_plots) if rank == 0 else 0
+    rc = finish(report, a.out, plots=plots) if rank == 0 else 0
     # A run that lost a mode, or was interrupted, wrote what it had and says so in its exit status.
     if report.get("interrupted"):
         return 130
@@ -401,17 +408,27 @@ def finish(report: dict, out: str, plots: bool = True) -> int:
     return 0 if ok else 1
 
 
+INTERRUPTED = "moe-fp4: interrupted (Ctrl-C)"
+
+
 def main(argv=None) -> int:
-    p = _parser()
-    a = p.parse_args(argv)
-    sub = p._subparsers._group_actions[0].choices[a.command]
+    try:
+        p = _parser()
+        a = p.parse_args(argv)
+        sub = p._subparsers._group_actions[0].choices[a.command]
 
-    def err(msg: str) -> None:
-        # Under torchrun every rank finds the same problem: one line, from rank 0.
+        def err(msg: str) -> None:
+            # Under torchrun every rank finds the same problem: one line, from rank 0.
+            if _rank_from_env() == 0:
+                print(f"{sub.prog}: error: {msg}", file=sys.stderr, flush=True)
+
+        return compare(a, err)
+    except KeyboardInterrupt:
+        # Before training (imports, checks, model building): one line, no traceback. During training the
+        # runner turns SIGINT into its own Interrupted and reports the modes it finished (exit code 130 too).
         if _rank_from_env() == 0:
-            print(f"{sub.prog}: error: {msg}", file=sys.stderr, flush=True)
-
-    return compare(a, err)
+            print(INTERRUPTED, file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,9 +38,8 @@ class BatchDoesNotFit(ValueError):
 
 
 # Each preset's peak learning rate (AdamW; the schedule warms up over steps // 10, at most 100, then decays
-# to 0.55x on a cosine): the rate it trains at without spikes at its default batch. dsv3-layers at 1e-3 went
-# from loss 5.9 to 19 at step 2 (EP 2, batch 16, H200s, d7fb254); at 3e-4 it trains smoothly (300 steps at
-# batch 8 and 16 per rank, EP 2, bench/RESULTS.md 2026-11-28). tiny and small: 1e-3 (every convergence run).
+# to 0.55x on a cosine): the rate it trains at without spikes at its default batch. dsv3-layers diverges within
+# its first steps at 1e-3 and trains smoothly at 3e-4; tiny and small train smoothly at 1e-3.
 PRESET_LR = {"tiny": 1e-3, "small": 1e-3, "dsv3-layers": 3e-4}
 
 

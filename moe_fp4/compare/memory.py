@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from moe_fp4.compare.config import GiB, CompareConfig, Env
+from moe_fp4.compare.config import CompareConfig, Env, GiB
 from moe_fp4.compare.train import Trainer, _batches, _free, _max_over_ranks, _sync, activation_bytes, build
 from moe_fp4.model.moe import Recompute
 from moe_fp4.model.planner import PLAN_TIMED_STEPS, PLAN_WARMUP_STEPS, gib_digits, probe_verdict, search_largest_batch
@@ -38,10 +38,10 @@ def _passes(mode: str, batch: int, passes: int) -> str:
 
 
 # The caching allocator's setting for every run that measures memory against a budget, unless the user set one.
-# With fixed-size segments a dsv3-layers step fragments: on an H200 (140.4 GiB) probes whose peak allocation was
-# 129-131 GiB went out of memory one sequence later, and a batch the search had measured to fit (peak 130.5 GiB)
-# went out of memory in training (32566a2, bench/RESULTS.md 2026-11-28). Expandable segments grow one mapping
-# instead, so what the allocator peaks at is what the card must hold.
+# With fixed-size segments a dsv3-layers step fragments: a probe whose peak allocation is well below the card's
+# memory goes out of memory one sequence later, and a batch the search measured to fit can go out of memory in
+# training. Expandable segments grow one mapping instead, so what the allocator peaks at is what the card must
+# hold.
 ALLOC_CONF = "expandable_segments:True"
 
 
@@ -101,7 +101,7 @@ def step_bytes(cfg: CompareConfig, mode: str, env: Env, corpus, batches: list[in
 
 def sequence_floor_bytes(cfg: CompareConfig) -> float:
     """Bytes one more sequence adds to a training step at least, in any mode and recomputation policy: each
-    decoder layer keeps its bf16 input [seq, hidden] for backward (issue 49: the search's floor)."""
+    decoder layer keeps its bf16 input [seq, hidden] for backward (the largest-batch search's floor)."""
     mc = cfg.model
     return float(mc.seq * mc.hidden * 2 * mc.layers)
 

@@ -1,7 +1,9 @@
 """What a run needs, checked before it starts: the optional packages (:func:`require_packages`,
-:func:`optional_notes`), and its cost (:func:`estimate`: parameters, the memory of weights, gradients and
-optimizer state per device, tokens and FLOP; :func:`cost_lines` says it, with a warning for a long CPU
-run; :func:`check_fits` refuses weights and optimizer state larger than the device's memory).
+:func:`optional_notes`: each one imported, so that a package that is installed but broken counts as
+missing and is named in one line before any work, not in a traceback after training started), and its
+cost (:func:`estimate`: parameters, the memory of weights, gradients and optimizer state per device,
+tokens and FLOP; :func:`cost_lines` says it, with a warning for a long CPU run; :func:`check_fits`
+refuses weights and optimizer state larger than the device's memory).
 
 The estimate is a lower bound on memory (activations come on top, and depend on the batch) and a
 rough bound on time: a run that cannot fit fails in a second with one line instead of in the
@@ -10,6 +12,7 @@ allocator after minutes, and a CPU run of a large preset says it will take hours
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4.compare.config import HF_MODES, CompareConfig, Env, per_rank_batch
+from moe_fp4.compare.quiet import quiet_third_party
 from moe_fp4.model.decoder import DecoderLM, parameter_count
 
 # Bytes a parameter holds for the whole run: moe_fp4's decoder keeps float32 weights, gradients and both
@@ -35,23 +39,57 @@ class ModelDoesNotFit(ValueError):
     """The model's weights, gradients and optimizer state alone need more memory than the device has."""
 
 
+# What the --hook run imports from transformers: its configs, and the Qwen3-MoE model it builds
+# (moe_fp4.compare.train.hf_causal_lm), whose import brings in the rest (torchao too, where installed).
+HOOK_MODULES = ("transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+
+
+def import_problem(*modules: str) -> str | None:
+    """Import ``modules`` in order -> None, or why the first that fails cannot be imported (one line):
+    "not installed" when the package is absent, else "installed but cannot be imported (Type: message)",
+    whatever it raised (a package built for another torch raises ImportError or worse). The third-party
+    noise of those imports is silenced as while compare runs (:func:`moe_fp4.compare.quiet.quiet_third_party`)."""
+    for module in modules:
+        top = module.partition(".")[0]
+        if importlib.util.find_spec(top) is None:
+            return "not installed"
+        try:
+            with quiet_third_party():
+                importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - whatever a broken package raises, the run cannot use it
+            text = str(e).strip().splitlines()
+            where = "" if module == top else f"{module}: "
+            return f"installed but cannot be imported ({where}{type(e).__name__}: {text[0] if text else ''})"
+    return None
+
+
 def require_packages(cfg: CompareConfig) -> None:
     """ValueError (one line, naming the pip install) when a package the run cannot do without is
-    missing: transformers for --hook (the hf modes)."""
-    if (cfg.hook or any(m in HF_MODES for m in cfg.modes)) and importlib.util.find_spec("transformers") is None:
-        raise ValueError("--hook trains a Hugging Face MoE model: it needs transformers, which is not installed "
-                         "(pip install transformers)")
+    missing or cannot be imported: transformers for --hook (the hf modes)."""
+    if cfg.hook or any(m in HF_MODES for m in cfg.modes):
+        problem = import_problem(*HOOK_MODULES)
+        if problem == "not installed":
+            raise ValueError("--hook trains a Hugging Face MoE model: it needs transformers, which is not installed "
+                             "(pip install transformers)")
+        if problem:
+            raise ValueError(f"--hook trains a Hugging Face MoE model: it needs transformers, which is {problem}; "
+                             f"install a transformers that works with torch {torch.__version__} "
+                             f"(pip install -U transformers)")
 
 
 def optional_notes(plots: bool, progress: bool) -> list[str]:
-    """One line per optional package a run would use and cannot: matplotlib for the plots, tqdm for the
-    progress bar (the run goes on without them)."""
+    """One line per optional package a run would use and cannot (not installed, or installed but failing
+    to import): matplotlib for the plots, tqdm for the progress bar (the run goes on without them)."""
     notes = []
-    if plots and importlib.util.find_spec("matplotlib") is None:
-        notes.append('matplotlib is not installed, so no plots (pip install "moe_fp4[plot]", or pass --no-plots)')
-    if progress and sys.stderr.isatty() and importlib.util.find_spec("tqdm") is None:
-        notes.append("tqdm is not installed: progress is a line per tenth of the steps instead of a bar "
-                     "(pip install tqdm)")
+    if plots:
+        problem = import_problem("matplotlib", "matplotlib.pyplot")
+        if problem:
+            notes.append(f'matplotlib is {problem}, so no plots (pip install "moe_fp4[plot]", or pass --no-plots)')
+    if progress and sys.stderr.isatty():
+        problem = import_problem("tqdm", "tqdm.auto")
+        if problem:
+            notes.append(f"tqdm is {problem}: progress is a line per tenth of the steps instead of a bar "
+                         "(pip install tqdm)")
     return notes
 
 
@@ -159,4 +197,5 @@ def check_fits(cost: Cost, cfg: CompareConfig, env: Env) -> None:
         f"--layers{more}")
 
 
-__all__ = ["Cost", "ModelDoesNotFit", "check_fits", "cost_lines", "estimate", "optional_notes", "require_packages"]
+__all__ = ["HOOK_MODULES", "Cost", "ModelDoesNotFit", "check_fits", "cost_lines", "estimate", "import_problem",
+           "optional_notes", "require_packages"]

@@ -130,7 +130,7 @@ def table(report: dict) -> str:
              f"{'mode':<8} {'tokens/s/GPU':>12} {'step ms':>9} {'peak mem':>10} {'act mem':>10} {'a2a':>7} "
              f"{'loss':>8} {'eval':>8}"]
     lines += [row_line(r) for r in report["modes"].values()]
-    # Nothing lost (issue 49): a mode that failed is named with its reason; the others' rows stand.
+    # Nothing lost: a mode that failed is named with its reason; the others' rows stand.
     lines += [f"{m:<8} failed: {why}" for m, why in report.get("failed", {}).items()]
     if report.get("interrupted"):
         lines.append(f"interrupted ({report['interrupted']}): the modes not shown did not finish")
@@ -158,7 +158,7 @@ def table(report: dict) -> str:
         lines.append(f"plan per mode in {cfg['budget_gib']:g} GiB per device at global batch {cfg['global_batch']} "
                      f"(the measured fastest policy and micro-batch that fit):")
         for mode, p in report["plans"].items():
-            # (compare.json files written before 2026-11-28 may lack the split and the reason)
+            # (a compare.json from an older moe_fp4 may lack the split and the reason)
             tried = ", ".join(f"{c['policy']} " + (f"{c['micro_batch']} x {c['passes']} " if "passes" in c else "")
                               + f"{c['tokens_per_s']:,.0f}" + (" (over the budget)" if c.get("why") else "")
                               for c in p["candidates"] if c["tokens_per_s"] is not None)

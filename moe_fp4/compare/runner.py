@@ -29,7 +29,7 @@ Before any of it: the packages the run needs, its cost and whether its weights a
 (:mod:`moe_fp4.compare.preflight`). The training is in :mod:`~moe_fp4.compare.train`, the budgets in
 :mod:`~moe_fp4.compare.memory`, the printed text in :mod:`~moe_fp4.compare.report`.
 
-The names this module held before it was split (issue 45) are imported here too, so that code written
+The names this module held before it was split are imported here too, so that code written
 against ``moe_fp4.compare.runner`` keeps working; their homes are the modules above.
 """
 
@@ -60,8 +60,8 @@ from moe_fp4.compare.memory import (
     probe_verdict,
     step_bytes,
 )
-from moe_fp4.compare.preflight import check_fits, cost_lines, estimate, require_packages
 from moe_fp4.compare.origin import describe
+from moe_fp4.compare.preflight import check_fits, cost_lines, estimate, require_packages
 from moe_fp4.compare.quiet import quiet_third_party
 from moe_fp4.compare.report import (
     CPU_NOTE,
@@ -79,8 +79,8 @@ from moe_fp4.compare.train import (
     _quiet,
     train_mode,
 )
-from moe_fp4.formats.conversions import conversion_path
 from moe_fp4.exchange.grad_rule import next_format_up
+from moe_fp4.formats.conversions import conversion_path
 from moe_fp4.model.decoder import DecoderLM, parameter_count
 from moe_fp4.model.planner import (
     NothingFits,
@@ -159,7 +159,7 @@ def _run(cfg: CompareConfig, env: Env, log, counts: dict, cost) -> dict:
                     continue
                 _train_one(cfg, m, env, corpus, report, batch[m], micro[m], policy[m], wire, quiet)
         except Interrupted as e:
-            # Nothing lost: the modes done so far are reported and written (issue 49).
+            # Nothing lost: the modes done so far are reported and written.
             report["interrupted"] = str(e)
             quiet(f"interrupted ({e}): the modes done so far are reported", flush=True)
     if not report["modes"] and report["failed"] and "interrupted" not in report:
@@ -251,7 +251,7 @@ def _batches_per_mode(cfg: CompareConfig, env: Env, corpus, report: dict, log) -
             try:
                 chosen = plan_mode(cfg, m, env, corpus, per_rank, log)
             except NothingFits as e:
-                # This mode is not trained; the others are planned and trained (issue 49: nothing lost).
+                # This mode is not trained; the others are planned and trained (nothing lost).
                 report["failed"][m] = f"mode {m}: {e}"
                 log(f"  {m} failed: {report['failed'][m]}", flush=True)
                 continue
@@ -276,8 +276,7 @@ def _batches_per_mode(cfg: CompareConfig, env: Env, corpus, report: dict, log) -
         for m in cfg.modes:
             log(f"[{m}] largest batch in {cfg.max_batch_gib:g} GiB per device", flush=True)
             # With a global batch the micro-batch must fit an accumulated step: a later pass holds the
-            # earlier passes' gradients (measured on an H100: fp4 at batch 44 of the small preset,
-            # 11.89 GiB in one pass, 13.53 GiB in the second of two), unless the rank's whole batch
+            # earlier passes' gradients, so it peaks above the first, unless the rank's whole batch
             # fits in one pass (which that search, on the two-pass curve, would not see).
             if cfg.global_batch is not None:
                 found = largest_accumulated_batch(cfg, m, env, corpus, budget,
@@ -286,7 +285,7 @@ def _batches_per_mode(cfg: CompareConfig, env: Env, corpus, report: dict, log) -
                 found = largest_batch(cfg, m, env, corpus, budget, log)
             report["max_batch"][m] = found
             if found["batch_max"] == 0:
-                # This mode is not trained; the others are (issue 49: nothing lost).
+                # This mode is not trained; the others are (nothing lost).
                 report["failed"][m] = (f"mode {m}: not even one sequence of {mc.seq} fits in "
                                        f"{cfg.max_batch_gib:g} GiB per device (probes: {_probes(found)})")
                 log(f"  {m} failed: {report['failed'][m]}", flush=True)

@@ -155,7 +155,7 @@ def build(cfg: CompareConfig, mode: str, env: Env):
 def _batches(cfg: CompareConfig, env: Env, corpus, held_out: bool = False):
     seq = cfg.model.seq
     # The held-out batches of the stdlib text are the same for every --seed: a seed changes the weights and
-    # the training batches, not the set the runs are judged on (issue 47's matrix compares seeds). Random
+    # the training batches, not the set the runs are judged on (runs of several seeds are compared). Random
     # tokens take seed + 1, so that no training batch repeats them.
     seed = (1 if cfg.data == "stdlib" else cfg.seed + 1) if held_out else cfg.seed
     if cfg.data == "random":
@@ -249,8 +249,8 @@ def _dispatch_rows(rows: list[int], env: Env) -> dict | None:
     """rows[s]: the most rows one dispatch delivered to this rank in step s (over layers and micro-batches)
     -> {"max_rank": [per step, the largest rank's], "mean_rank": [per step, the mean over ranks],
     "imbalance": [max / mean per step]}; None without expert parallelism. A rank's expert activations grow
-    with its rows: the memory of a step follows the most loaded rank (issue 49: probes of a fresh model's
-    second step under-read the peak of later steps)."""
+    with its rows: the memory of a step follows the most loaded rank (probes of a fresh model's second step
+    under-read the peak of later steps)."""
     if env.world == 1:
         return None
     v = torch.tensor(rows, dtype=torch.float64, device=env.device)
@@ -347,8 +347,8 @@ def train_mode(cfg: CompareConfig, mode: str, env: Env, corpus, batch: int, log=
 def _free(env: Env) -> None:
     """Return a finished model's memory before the next one is built: on a GPU its cyclic garbage collected and
     the allocator's cache emptied, so the next probe or run starts from the same state. On CPU nothing is
-    measured from an allocator (the probes count bytes), and a full collection costs 0.1-0.2 s a call with
-    torch and Triton imported, seconds per plan: left to Python's own collector there."""
+    measured from an allocator (the probes count bytes), and a full collection with torch and Triton imported
+    is slow enough to add seconds to a plan: left to Python's own collector there."""
     if env.cuda:
         import gc
 

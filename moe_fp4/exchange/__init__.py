@@ -21,11 +21,11 @@ from moe_fp4.exchange.link import *  # noqa: F401,F403
 from moe_fp4.exchange.link import __all__ as _link
 from moe_fp4.exchange.recipes import *  # noqa: F401,F403
 from moe_fp4.exchange.recipes import __all__ as _recipes
-from moe_fp4.exchange.wire import *  # noqa: F401,F403
 from moe_fp4.exchange.simulate import *  # noqa: F401,F403
 from moe_fp4.exchange.simulate import __all__ as _simulate
 from moe_fp4.exchange.swap import *  # noqa: F401,F403
 from moe_fp4.exchange.swap import __all__ as _swap
+from moe_fp4.exchange.wire import *  # noqa: F401,F403
 from moe_fp4.exchange.wire import __all__ as _wire
 
 __all__ = [*_wire, *_a2a, *_swap, *_recipes, *_link, *_ep, *_simulate]

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
 from moe_fp4.exchange.wire import HIDDEN_MULTIPLE, STOCHASTIC, OutputFormat, WireFormat, pack, unpack
+from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor
 
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _FORMAT_CODE = {f: i for i, f in enumerate(WireFormat)}
@@ -210,9 +210,11 @@ def _local_problem(x, n: int, hidden: int, dtype, forward, backward, output, gro
                 f"backward format")
     for fmt in (forward, backward):
         if hidden % HIDDEN_MULTIPLE[fmt]:
-            return f"the row size H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[fmt]} for the {fmt.value} wire format"
+            return (f"the row size H = {hidden} must be a multiple of {HIDDEN_MULTIPLE[fmt]} for the {fmt.value} "
+                    "wire format")
     if output is not OutputFormat.BF16 and hidden % HIDDEN_MULTIPLE[WireFormat(output.value)]:
-        return f"output='{output.value}' needs H = {hidden} to be a multiple of {HIDDEN_MULTIPLE[WireFormat(output.value)]}"
+        return (f"output='{output.value}' needs H = {hidden} to be a multiple of "
+                f"{HIDDEN_MULTIPLE[WireFormat(output.value)]}")
     device = x.device if isinstance(x, torch.Tensor) else x.data.device
     problem = _device_problem(device, group)
     if problem:

@@ -31,17 +31,27 @@ import torch
 import torch.distributed as dist
 
 from moe_fp4.exchange.a2a import check_value_formats, exchange_rows, grad_carrier, resolve_group
-from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
-from moe_fp4.formats.conversions import gather_sum
-from moe_fp4.kernels.fp8 import m_major
-from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 from moe_fp4.exchange.ep_config import EPConfig
 from moe_fp4.exchange.grad_rule import SQRT3, GradWireRule, grad_format
 from moe_fp4.exchange.recipes import AUTO
-from moe_fp4.exchange.wire import (DISPATCH_FORMATS, HIDDEN_MULTIPLE, UNQUANTIZED, OutputFormat, WireFormat,
-                                   base_format, pack, row_bytes, unpack, unpack_sum, views)
-
-TOKEN_ALIGN = 128
+from moe_fp4.exchange.wire import (
+    DISPATCH_FORMATS,
+    HIDDEN_MULTIPLE,
+    UNQUANTIZED,
+    OutputFormat,
+    WireFormat,
+    base_format,
+    pack,
+    row_bytes,
+    unpack,
+    unpack_sum,
+    views,
+)
+from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
+from moe_fp4.formats.conversions import gather_sum
+from moe_fp4.kernels.fp8 import m_major
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN
+from moe_fp4.kernels.numerics import FP8_EXP_MIN, FP8_TILE
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group, while_waiting=
     table = [host[world + s * (1 + num_local): world + (s + 1) * (1 + num_local)] for s in range(world)]
     recv_splits = tuple(row[0] for row in table)
     local_counts = tuple(sum(row[1 + e] for row in table) for e in range(num_local))
-    padded = tuple(-(-c // TOKEN_ALIGN) * TOKEN_ALIGN for c in local_counts)
+    padded = tuple(-(-c // GROUP_ALIGN) * GROUP_ALIGN for c in local_counts)
     # Rows ordered by destination rank, then token: the True entries of to_rank^T in order, found by
     # a stable sort (its size is known from the counts, so no nonzero() and no second sync).
     flat = (~to_rank.t().reshape(-1)).to(torch.uint8)
@@ -169,7 +179,7 @@ def _receiver_route(ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
     npairs = sum(plan.local_counts)
     order = torch.argsort(key, stable=True)[:npairs]                    # pairs grouped by local expert
     counts = plan.counts_dev
-    padded = (counts + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     e = key[order]
     rank_in_group = torch.arange(npairs, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
     dest = (torch.cumsum(padded, 0) - padded)[e] + rank_in_group
@@ -257,7 +267,7 @@ class _Dispatch(torch.autograd.Function):
 
 class GradSlot:
     """Where :func:`combine`'s backward leaves the combine's gradient for the experts, quantized as it arrived,
-    instead of decoding it to bf16 for the experts to quantize again (issue 47).
+    instead of decoding it to bf16 for the experts to quantize again.
 
     A quantized combine gradient feeds the experts' FC2 dgrad (FP8 rows) and wgrad (FP8 along tokens)
     and nothing else: for MXFP4 (mxfp4, mxfp4-sr) and FP8 rows the backward gathers the received rows

@@ -11,6 +11,7 @@ from moe_fp4.exchange.grad_rule import GradWireRule
 from moe_fp4.exchange.link import Link, detect_link
 from moe_fp4.exchange.recipes import AUTO, PRECISION_RECIPE, ROLES, WireRecipe, default_recipe, recipe
 from moe_fp4.exchange.wire import DISPATCH_FORMATS, UNQUANTIZED, WireFormat
+from moe_fp4.formats.choices import not_one_of
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class EPConfig:
     applies each exchange's round trip where EP would send it (the dispatch on the expert input, its
     experts taking the received rows as EP's receiver does, :func:`simulate_dispatch_rows`; its
     gradient in dispatch_grad; the combine on the layer's routed output, its gradient in combine_grad):
-    the wire's numerics on one GPU or on CPU (issue 27). The dispatch rows and the combine gradient are
+    the wire's numerics on one GPU or on CPU. The dispatch rows and the combine gradient are
     those EP sends; the combine and dispatch-gradient rows are sums over all of a token's experts, where
     EP sends one partial sum per rank. Under ``torch.no_grad()`` (evaluation) no round trip is applied:
     a held-out loss is the model's own, the same for every recipe.
@@ -81,21 +82,26 @@ class EPConfig:
         for name in ([self.recipe] if isinstance(self.recipe, str) else [n for _, n in self.recipe or ()]):
             recipe(name)                              # an unknown name fails here, naming the known ones
         if self.combine is not None:
-            object.__setattr__(self, "combine", WireFormat(self.combine))
+            object.__setattr__(self, "combine", WireFormat.of(self.combine, "EPConfig.combine"))
             check_value_formats("EPConfig", combine=self.combine)
         if self.dispatch is not None:
-            object.__setattr__(self, "dispatch", WireFormat(self.dispatch))
+            object.__setattr__(self, "dispatch", WireFormat.of(self.dispatch, "EPConfig.dispatch"))
             check_value_formats("EPConfig", dispatch=self.dispatch)
         for name in ("dispatch_grad", "combine_grad"):
             v = getattr(self, name)
             if v is not None:
-                object.__setattr__(self, name, AUTO if v == AUTO else WireFormat(v))
-        object.__setattr__(self, "auto_format", WireFormat(self.auto_format))
+                try:
+                    fmt = AUTO if v == AUTO else WireFormat(v)
+                except ValueError:   # a gradient may also follow the rule
+                    choices = [*(f.value for f in WireFormat), AUTO]
+                    raise ValueError(not_one_of(f"EPConfig.{name}", v, choices)) from None
+                object.__setattr__(self, name, fmt)
+        object.__setattr__(self, "auto_format", WireFormat.of(self.auto_format, "EPConfig.auto_format"))
         if self.auto_format in UNQUANTIZED:
             raise ValueError(f"EPConfig.auto_format: the sqrt(3) rule starts from a quantized format, "
                              f"got {self.auto_format.value}")
         if self.auto_fallback is not None:
-            object.__setattr__(self, "auto_fallback", WireFormat(self.auto_fallback))
+            object.__setattr__(self, "auto_fallback", WireFormat.of(self.auto_fallback, "EPConfig.auto_fallback"))
         if isinstance(self.auto_patience, bool) or not isinstance(self.auto_patience, int) or self.auto_patience < 1:
             raise ValueError(f"EPConfig.auto_patience: expected an int >= 1, got {self.auto_patience!r}")
         # Each precision's formats on each link, resolved once: the layer reads them every forward.

@@ -36,7 +36,7 @@ def next_format_up(fmt: WireFormat | str) -> WireFormat:
 
 
 class GradWireRule:
-    """The sqrt(3) rule for one gradient exchange of one layer (issues 27, 47).
+    """The sqrt(3) rule for one gradient exchange of one layer.
 
     While on ``fmt`` each backward exchange adds the squared norm of the rows it sends and of their
     quantization noise (what arrives minus what was sent: the receivers' exact decode of the same bytes)

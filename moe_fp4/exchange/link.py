@@ -1,12 +1,11 @@
 """Which kind of link an expert-parallel group's exchanges cross: what fp4's default wire recipe follows.
 
 The bytes an exchange saves pay only where the link is slow. Within one host whose GPUs reach each other
-directly (NVLink, PCIe peer-to-peer) the exchange was 8-31% of fp8's step at the small preset and every MXFP4
-recipe ran at 0.90-1.02x fp8's tokens/s (the conversions cost about what the bytes save), the summed streams
-in FP8 the fastest; where NCCL goes through host memory or a network it was 38-55% and the most compressed
-recipe ran at 1.19-1.26x (EP 2) and 1.375x (EP 4) (bench/RESULTS.md, 2026-11-28). So
-:data:`moe_fp4.exchange.recipes.LINK_RECIPE` gives fp4 a different default per :class:`Link`, and
-:func:`detect_link` tells them apart.
+directly (NVLink, PCIe peer-to-peer) the exchange is a small part of the step and MXFP4's conversions cost about
+what its bytes save, the summed streams in FP8 least; where NCCL goes through host memory or a network the
+exchange is a large part of the step and the most compressed recipe is the fastest (docs/DESIGN.md, section 4,
+"fp4's default follows the link"). So :data:`moe_fp4.exchange.recipes.LINK_RECIPE` gives fp4 a different
+default per :class:`Link`, and :func:`detect_link` tells them apart.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 | recipe           | dispatch | combine | dispatch_grad | combine_grad | who sends this                               |
 | ---------------- | -------- | ------- | ------------- | ------------ | -------------------------------------------- |
 | `bf16`           | bf16     | bf16    | bf16          | bf16         | the bf16 mode                                |
-| `fp8-dispatch`   | fp8      | bf16    | bf16          | bf16         | the fp8 mode until 2026-11-28                |
+| `fp8-dispatch`   | fp8      | bf16    | bf16          | bf16         | the dispatch alone in FP8                    |
 | `fp8`            | fp8      | bf16    | bf16          | fp8          | DeepEP-class systems; the fp8 mode's default |
-| `paper`          | mxfp4    | bf16    | bf16          | bf16         | arXiv 2603.02731; fp4's until 2026-11-28     |
+| `paper`          | mxfp4    | bf16    | bf16          | bf16         | arXiv 2603.02731's recipe                    |
 | `fp4`            | mxfp4    | bf16    | bf16          | mxfp4        | both GEMM-feeding streams in 4 bits          |
 | `fp4-sr`         | mxfp4    | bf16    | bf16          | mxfp4-sr     | the same, stochastic rounding                |
 | `fp4-fp8sums`    | mxfp4    | fp8     | fp8           | mxfp4        | summed streams in FP8; fp4's on one host     |
@@ -15,8 +15,8 @@
 The two streams that feed a GEMM (the dispatch: the experts' input; the combine's gradient: their dY) are
 quantized to FP8 for that GEMM on arrival anyway, so sending them quantized costs little accuracy. The
 two summed streams (the combine: a sum over a token's experts; the dispatch's gradient: a sum over its
-experts' dX) feed no GEMM on arrival; no shipped system sends them below 16 bits in training
-(``shared/lowprec-ep-survey.md``), and bench/RESULTS.md holds our convergence runs of each recipe.
+experts' dX) feed no GEMM on arrival, and no shipped system sends them below 16 bits in training; what each
+recipe costs in accuracy is in docs/DESIGN.md, section 4, "Which exchange costs accuracy".
 
 A precision's default recipe follows the link its exchanges cross (:data:`LINK_RECIPE`, per
 :class:`moe_fp4.exchange.link.Link`: fp4 sends fp4-fp8sums within one host whose GPUs reach each other
@@ -90,18 +90,11 @@ RECIPES: dict[str, WireRecipe] = {
 }
 
 # Each layer precision's default recipe on each kind of link (keys: moe_fp4.exchange.link.Link values, then
-# moe_fp4.model.experts.Precision values). fp4's is issue 47's rule: the fastest lossless recipe on each link, from
-# the 2026-11-28 measurements (bench/RESULTS.md, 2x and 4x H200):
-# - Lossless: over nine seeds of the small preset (1000 steps, paired by seed with fp8) fp4-sr, fp4-fp8sums and
-#   fp4-all read +0.46 / +0.39 / +0.36% held-out and +0.48 / +0.60 / +0.54% training (s.e. 0.10-0.35): within
-#   the issue's bound (the fp8 seeds' spread, 2.65%, or 0.5%) and not told apart from each other.
-# - Where bytes pay (a network, or NCCL through host memory) the most compressed is the fastest: fp4-all 1.19-1.26x
-#   fp8 at EP 2 and 1.375x at EP 4 (fp4-fp8sums 1.16-1.18x and 1.24x, fp4-sr 1.02x and 1.06x).
-# - Within a peer-to-peer host fp4-fp8sums is the fastest: 0.974x fp8 over sixteen EP 2 runs (0.91-1.02, s.e.
-#   0.008), 0.99x at EP 4, where fp4-sr read 0.943x (four runs) and fp4-all 0.938x (three): it sends 0.62x
-#   fp4-sr's bytes, and its nearest-rounded combine gradient is cheaper to make than fp4-sr's stochastic one.
-# At dsv3-layers (EP 2, 300 steps, two seeds) fp4-fp8sums read held-out +1.12% and -0.95%, training +0.97% and
-# +0.75%; fp4-sr -0.07% and +1.27%, training -0.42% and +1.97% (one seed of fp4-all: +1.14%, +0.79%).
+# moe_fp4.model.experts.Precision values). fp4's is the fastest recipe on each link among the MXFP4 recipes, which
+# train alike: where bytes pay (a network, or NCCL through host memory) the most compressed, fp4-all; within a
+# peer-to-peer host, where the conversions cost about what the bytes save, fp4-fp8sums: it sends fewer bytes than
+# fp4-sr, and its nearest-rounded combine gradient costs less to make than fp4-sr's stochastic one (docs/DESIGN.md,
+# section 4, "fp4's default follows the link").
 LINK_RECIPE = {
     "peer": {"bf16": "bf16", "fp8": "fp8", "fp4": "fp4-fp8sums"},
     "network": {"bf16": "bf16", "fp8": "fp8", "fp4": "fp4-all"},

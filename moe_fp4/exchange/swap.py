@@ -10,7 +10,6 @@ Hugging Face's) sends MXFP4 without a rewrite. :func:`exchange_role` marks which
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import math
 import sys
@@ -20,13 +19,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe_fp4.exchange.a2a import (_TORCH_C10D, _original, all_to_all, check_value_formats,
-                                         fixed_wire_format, resolve_group)
+from moe_fp4.exchange.a2a import (
+    _TORCH_C10D,
+    _original,
+    all_to_all,
+    check_value_formats,
+    fixed_wire_format,
+    resolve_group,
+)
 from moe_fp4.exchange.wire import HIDDEN_MULTIPLE, WireFormat
+from moe_fp4.formats.choices import Choice
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES
 
-class Role(str, enum.Enum):
+
+class Role(Choice):
     """Which exchange of an EP layer a call is: each has its own wire formats in :class:`SwapConfig`."""
+
+    __parameter__ = "role"
 
     DISPATCH = "dispatch"   # tokens to their experts' ranks
     COMBINE = "combine"     # expert outputs back to their tokens' ranks
@@ -297,7 +306,7 @@ def spmd_all_to_all(x, axis, *, src=None, dst=None, split_dim=None, concat_dim=N
     plain = (isinstance(x, torch.Tensor) and not torch.overrides.has_torch_function_unary(x)
              and op_dtype is None and out_dtype is None and not backward_options and not spmd.is_type_checking())
     if plain and not isinstance(pg, dist.ProcessGroup):
-        from spmd_types._mesh import _pg_for_axis   # a mesh axis name or MeshAxis -> its ProcessGroup
+        from spmd_types._mesh import _pg_for_axis  # a mesh axis name or MeshAxis -> its ProcessGroup
 
         pg = _pg_for_axis(axis)
     plain = plain and _spmd_rows(spmd, src, dst, split_dim, concat_dim)
@@ -364,6 +373,87 @@ def _marked(fn, role: Role):
     return in_role
 
 
+def _swapped_targets() -> list:
+    """-> [(module, attribute, drop-in, torch's (module, name))] for the :data:`SWAPPED` attributes whose
+    module is imported (torch's own always are)."""
+    return [(importlib.import_module(m), a, f, (m, a)) for m, a, f in SWAPPED
+            if m in sys.modules or m.startswith("torch.")]
+
+
+def _role_specs(roles) -> list[tuple[Role, str]]:
+    """-> [(role, "module:Class.method")] of the methods to mark: the :data:`KNOWN_ROLES` whose module is
+    imported, then those ``roles`` names (a spec or a list of specs per role)."""
+    specs = [(role, spec) for role, known in KNOWN_ROLES.items() for spec in known
+             if spec.partition(":")[0] in sys.modules]
+    for role, given in (roles or {}).items():
+        specs.extend((Role(role), spec) for spec in ([given] if isinstance(given, str) else given))
+    return specs
+
+
+def _importer_targets(modules, targets) -> list:
+    """modules: module objects or dotted names -> the targets (as :func:`_swapped_targets`') of their
+    attributes that hold torch's original of a swapped name they imported into their own namespace,
+    leaving out what ``targets`` already holds."""
+    found = []
+    for mod in modules:
+        mod = importlib.import_module(mod) if isinstance(mod, str) else mod
+        for m, a, f in SWAPPED:
+            if (m in sys.modules and getattr(mod, a, None) is _original(m, a) and mod is not sys.modules[m]
+                    and all(t[0] is not mod or t[1] != a for t in targets + found)):
+                found.append((mod, a, f, (m, a)))
+    return found
+
+
+def _patch(targets, marks, patches: list) -> None:
+    """Put each target's drop-in in place and wrap each marked (role, owner, name) method in its role,
+    appending (object, attribute, what it held; _MISSING: nothing of its own) to ``patches`` as it goes,
+    so that :func:`_restore` undoes a patch that stopped halfway."""
+    for mod, attr, fn, key in targets:
+        _original(*key)
+        patches.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, fn)
+    for role, owner, name in marks:
+        current = getattr(owner, name)
+        if getattr(current, "__moe_fp4_role__", None) is role:
+            continue   # already marked (an enclosing swap, or listed twice)
+        patches.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, _marked(current, role))
+
+
+def _restore(patches) -> None:
+    """Undo :func:`_patch`'s patches, last first."""
+    for obj, attr, old in reversed(patches):
+        if old is _MISSING:
+            delattr(obj, attr)   # the method was inherited: the class gets none of its own back
+        else:
+            setattr(obj, attr, old)
+
+
+def _unswap_new_imports(imported_before) -> None:
+    """A module first imported inside the scope that imported a swapped name took the drop-in: give it
+    torch's function, or it would send MXFP4 ever after. Reads each module's own namespace only
+    (getattr would run a lazy module's ``__getattr__``)."""
+    for name in set(sys.modules) - imported_before:
+        namespace = getattr(sys.modules.get(name), "__dict__", None) or {}
+        for m, a, f in SWAPPED:
+            if namespace.get(a) is f:
+                namespace[a] = _original(m, a)
+
+
+def _report(cfg: SwapConfig) -> None:
+    """The warnings of ``swap_all_to_all(report=True)`` on leaving the scope (stacklevel: the caller's
+    ``with``, through this function, the generator and contextlib's ``__exit__``)."""
+    if missed := cfg.uncompressed_floats():
+        said = ", ".join(f"{fn} [{role}] ({why}): {n}" for (fn, role, why), n in sorted(missed.items()))
+        warnings.warn(f"swap_all_to_all: floating-point all-to-all calls went through torch's function "
+                      f"uncompressed, not in their role's wire format: {said}", RuntimeWarning, stacklevel=4)
+    if (unmarked_n := cfg.unmarked_calls()) and cfg.formats(Role.DISPATCH) != cfg.formats(Role.COMBINE):
+        warnings.warn(f"swap_all_to_all: {unmarked_n} all-to-all call(s) ran outside any dispatch/combine scope and "
+                      f"were sent as the {cfg.unmarked.value} ({'/'.join(f.value for f in cfg.formats(cfg.unmarked))})"
+                      f"; mark the other exchange with moe_fp4.exchange_role(...) or swap_all_to_all(roles=...)",
+                      RuntimeWarning, stacklevel=4)
+
+
 @contextlib.contextmanager
 def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", combine_grad="bf16", *,
                     unmarked="dispatch", roles=None, modules=(), check: bool = True, report: bool = True,
@@ -405,65 +495,24 @@ def swap_all_to_all(dispatch="mxfp4", combine="bf16", dispatch_grad="bf16", comb
     if backward is not None:
         dispatch_grad = combine_grad = backward
     cfg = SwapConfig(dispatch, combine, dispatch_grad, combine_grad, unmarked, check)
-    targets = []
-    for m, a, f in SWAPPED:
-        if m in sys.modules or m.startswith("torch."):
-            targets.append((importlib.import_module(m), a, f, (m, a)))
-    specs = [(role, spec) for role, known in KNOWN_ROLES.items() for spec in known
-             if spec.partition(":")[0] in sys.modules]
-    for role, given in (roles or {}).items():
-        specs.extend((Role(role), spec) for spec in ([given] if isinstance(given, str) else given))
+    targets = _swapped_targets()
+    specs = _role_specs(roles)
     marks = [(role, *_resolve_method(spec)) for role, spec in specs]   # every spec checked before any patch
     # A marked method's module may call an all-to-all it imported by name (torchtitan's dispatcher).
-    modules = list(modules) + [spec.partition(":")[0] for _, spec in specs]
-    for mod in modules:
-        mod = importlib.import_module(mod) if isinstance(mod, str) else mod
-        for m, a, f in SWAPPED:
-            if (m in sys.modules and getattr(mod, a, None) is _original(m, a) and mod is not sys.modules[m]
-                    and all(t[0] is not mod or t[1] != a for t in targets)):
-                targets.append((mod, a, f, (m, a)))
-    patches = []   # (object, attribute, what it held; _MISSING: it held nothing of its own)
+    targets += _importer_targets([*modules, *(spec.partition(":")[0] for _, spec in specs)], targets)
+    patches = []
     imported_before = set(sys.modules)
     try:
-        for mod, attr, fn, key in targets:
-            _original(*key)
-            patches.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, fn)
-        for role, owner, name in marks:
-            current = getattr(owner, name)
-            if getattr(current, "__moe_fp4_role__", None) is role:
-                continue   # already marked (an enclosing swap, or listed twice)
-            patches.append((owner, name, vars(owner).get(name, _MISSING)))
-            setattr(owner, name, _marked(current, role))
+        _patch(targets, marks, patches)
         _ACTIVE.append(cfg)
         yield cfg
     finally:
         if _ACTIVE and _ACTIVE[-1] is cfg:
             _ACTIVE.pop()
-        for obj, attr, old in reversed(patches):
-            if old is _MISSING:
-                delattr(obj, attr)   # the method was inherited: the class gets none of its own back
-            else:
-                setattr(obj, attr, old)
-        # A module first imported inside the scope that imported a swapped name took the drop-in:
-        # give it torch's function, or it would send MXFP4 ever after.
-        # (The module's own namespace only: getattr would run a lazy module's __getattr__.)
-        for name in set(sys.modules) - imported_before:
-            namespace = getattr(sys.modules.get(name), "__dict__", None) or {}
-            for m, a, f in SWAPPED:
-                if namespace.get(a) is f:
-                    namespace[a] = _original(m, a)
-    if not report:
-        return
-    if missed := cfg.uncompressed_floats():
-        said = ", ".join(f"{fn} [{role}] ({why}): {n}" for (fn, role, why), n in sorted(missed.items()))
-        warnings.warn(f"swap_all_to_all: floating-point all-to-all calls went through torch's function "
-                      f"uncompressed, not in their role's wire format: {said}", RuntimeWarning, stacklevel=3)
-    if (unmarked_n := cfg.unmarked_calls()) and cfg.formats(Role.DISPATCH) != cfg.formats(Role.COMBINE):
-        warnings.warn(f"swap_all_to_all: {unmarked_n} all-to-all call(s) ran outside any dispatch/combine scope and "
-                      f"were sent as the {cfg.unmarked.value} ({'/'.join(f.value for f in cfg.formats(cfg.unmarked))})"
-                      f"; mark the other exchange with moe_fp4.exchange_role(...) or swap_all_to_all(roles=...)",
-                      RuntimeWarning, stacklevel=3)
+        _restore(patches)
+        _unswap_new_imports(imported_before)
+    if report:
+        _report(cfg)
 
 
 __all__ = ["FLOAT_PASS_REASONS", "KNOWN_ROLES", "PASS_REASONS", "Role", "SWAPPED", "SwapConfig", "UNMARKED",

@@ -17,7 +17,7 @@ A wire format means what it says: ``bf16`` puts bfloat16 on the wire whatever th
 float32 tensor is rounded to bfloat16 and comes back as float32 holding those values); ``native``
 passes the tensor's own dtype through (for bfloat16 tensors the two send the same bytes).
 
-``mxfp4-sr`` and ``nvfp4-sr`` are the same rows with the E2M1 codes rounded stochastically (issue 27):
+``mxfp4-sr`` and ``nvfp4-sr`` are the same rows with the E2M1 codes rounded stochastically:
 for gradients, unbiased. Their random bits come from (seed, step, rank, element): the seed set by
 :func:`seed_stochastic_rounding` (0 by default), the step a counter of stochastic packs in this process
 (every rank counts the same exchanges), the rank the sender's. An NVFP4 row carries its sender's tensor
@@ -26,13 +26,12 @@ scale, so rows from several ranks decode each with its own.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from moe_fp4.formats._ops import _pick
-from moe_fp4.formats.conversions import _use_triton, gather_sum, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
+from moe_fp4.formats.choices import Choice
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
+from moe_fp4.formats.conversions import _use_triton, gather_sum, mxfp4_to_fp8, quantize_fp8, quantize_mxfp4
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
 from moe_fp4.kernels import nvfp4 as _nvfp4
@@ -41,8 +40,10 @@ from moe_fp4.kernels.fp8 import dequantize_fp8_ref, m_major
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
 
-class WireFormat(str, enum.Enum):
+class WireFormat(Choice):
     """How values (or their gradients) travel between ranks."""
+
+    __parameter__ = "wire format"
 
     MXFP4 = "mxfp4"  # 4.25 bits per element
     FP8 = "fp8"      # E4M3 in 1x128 tiles with float32 power-of-two scales: 8.25 bits
@@ -53,8 +54,10 @@ class WireFormat(str, enum.Enum):
     NVFP4_SR = "nvfp4-sr"  # nvfp4 rows, the codes rounded stochastically (gradients)
 
 
-class OutputFormat(str, enum.Enum):
+class OutputFormat(Choice):
     """What the receiving side returns."""
+
+    __parameter__ = "output"
 
     BF16 = "bf16"    # the input's float dtype
     FP8 = "fp8"      # FP8BlockTensor (direct MXFP4 -> FP8 for an MXFP4 wire)
@@ -180,8 +183,8 @@ def pack(x, fmt: WireFormat, out: torch.Tensor | None = None, rank: int = 0) -> 
 
     A float input is quantized into the rows in one pass; a container of the wire's own format is
     copied as is (no re-quantization); other containers are converted directly (FP8 <-> MXFP4, FP8 ->
-    nvfp4 / nvfp4-sr on the codes) or, otherwise, decoded and quantized again. ``out``: an existing uint8 [N, >= B] buffer
-    (the EP layer appends routing data after column B); without it a new [N, B] buffer is returned
+    nvfp4 / nvfp4-sr on the codes) or, otherwise, decoded and quantized again. ``out``: an existing uint8
+    [N, >= B] buffer (the EP layer appends routing data after column B); without it a new [N, B] buffer is returned
     (for an unquantized wire whose dtype x already has: a view of x, no copy). ``rank``: the sender's
     rank in the exchange's group, one of the stochastic formats' random-bit counters.
     """
@@ -270,7 +273,7 @@ def unpack_sum(wire: torch.Tensor, fmt: WireFormat, hidden: int, slots: torch.Te
     out[m] = the float32 sum of the rows slots[m, :] picks, as ``unpack(wire, fmt, hidden, BF16, dtype)`` decodes
     them, rounded once: bit for bit ``gather_sum(unpack(...), slots)``. FP8 rows are decoded inside the sum's
     pass (``kernels.row_sum.gather_sum_fp8``) and an unquantized wire of ``dtype`` is read in place: no decoded
-    [N, H] copy written and read again. MXFP4 and NVFP4 rows decode first (for MXFP4 that measured faster)."""
+    [N, H] copy written and read again. MXFP4 and NVFP4 rows decode first (for MXFP4 that is the faster path)."""
     base = base_format(fmt)
     if base is WireFormat.FP8:
         d, s = views(wire, base, hidden)

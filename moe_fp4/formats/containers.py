@@ -1,4 +1,4 @@
-"""The quantized formats: MXFP4 (storage and transport), FP8 1x128 (GEMM operands) and NVFP4 (issue 27:
+"""The quantized formats: MXFP4 (storage and transport), FP8 1x128 (GEMM operands) and NVFP4 (optional
 storage and transport like MXFP4, with an E4M3 scale per 16 elements and a float32 scale per tensor;
 its Triton kernels, quantize, dequantize and NVFP4 <-> FP8 1x128, are in kernels/nvfp4.py).
 
@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
 from moe_fp4.kernels.numerics import (
     E8M0_NAN,
     FP8_EXP_MAX,
@@ -27,6 +26,7 @@ from moe_fp4.kernels.numerics import (
     FP8_TILE,
     MXFP4_BLOCK,
 )
+from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -24,7 +24,6 @@ from moe_fp4.formats.containers import (
 from moe_fp4.kernels import row_sum as _row_sum
 from moe_fp4.kernels.numerics import FP8_TILE, MXFP4_BLOCK, Rounding
 
-
 # Read once, like triton.jit itself, which decides at decoration time whether to interpret.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -108,7 +107,8 @@ def quantize_mxfp4(x: torch.Tensor | FP8BlockTensor, rounding: str | Rounding = 
 
 @register_dequantizer
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """q: MXFP4Tensor [M, K] -> dtype tensor of q.shape (exact in float32; NaN blocks give NaN)."""
+    """q: MXFP4Tensor [M, K] -> dtype tensor of q.shape (exact in float32; NaN blocks give NaN; a value
+    past dtype's largest finite magnitude saturates to it, docs/formats.md)."""
     _check_container(q, MXFP4Tensor, "dequantize_mxfp4")
     _check_out_dtype(dtype, "dequantize_mxfp4")
     return _ops.dequantize_mxfp4(q, dtype, use_triton=_use_triton(q.data))
@@ -126,7 +126,8 @@ def quantize_fp8(x: torch.Tensor) -> FP8BlockTensor:
 
 @register_dequantizer
 def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """t: FP8BlockTensor [M, K] -> dtype tensor of t.shape (data * scale, exact in float32)."""
+    """t: FP8BlockTensor [M, K] -> dtype tensor of t.shape (data * scale, exact in float32; a value past
+    dtype's largest finite magnitude saturates to it, docs/formats.md)."""
     _check_fp8(t, "dequantize_fp8", full_tiles=False)
     _check_out_dtype(dtype, "dequantize_fp8")
     return _ops.dequantize_fp8(t, dtype)
@@ -222,8 +223,9 @@ def quantize_nvfp4(x: torch.Tensor | FP8BlockTensor, tensor_scale: torch.Tensor 
 
 @register_dequantizer
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """q: NVFP4Tensor -> dtype tensor of q.shape: e2m1 * e4m3 * s_t in float32, rounded once to dtype;
-    NaN blocks give NaN. A Triton kernel on CUDA, bit-identical to the pure-torch reference."""
+    """q: NVFP4Tensor -> dtype tensor of q.shape: e2m1 * e4m3 * s_t in float32, rounded once to dtype and
+    saturated at its largest finite magnitude; NaN blocks give NaN. A Triton kernel on CUDA, bit-identical
+    to the pure-torch reference."""
     _check_container(q, NVFP4Tensor, "dequantize_nvfp4")
     _check_out_dtype(dtype, "dequantize_nvfp4")
     return _ops.dequantize_nvfp4(q, dtype, _use_triton(q.data))

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from moe_fp4.formats.conversions import _check_out_dtype
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
+from moe_fp4.formats.conversions import _check_out_dtype
 from moe_fp4.kernels import adamw as adamw_kernels
 from moe_fp4.kernels import fp8 as fp8_kernels
 from moe_fp4.kernels import gluon_grouped_gemm as gluon_kernels
@@ -184,8 +184,8 @@ class FP8WeightCache:
         self.enabled = True
         self.hits = 0
         self.misses = 0
-        # Found on an H100: with AdamW(fused=True) the experts kept the FP8 copies of the first step's
-        # weights for the whole run (fused steps leave _version alone).
+        # Without this hook, AdamW(fused=True) would leave the experts with the FP8 copies of the first
+        # step's weights for the whole run (fused steps leave _version alone).
         ref = weakref.ref(self)   # the global hook must not keep a cache alive
 
         def after_step(optimizer, _args, _kwargs):
@@ -421,20 +421,10 @@ def _grouped_impl(name: str, device: torch.device):
     return backend, getattr(grouped_kernels, name + "_ref")
 
 
-def decodes_mxfp4_in_gemm(device: torch.device) -> bool:
-    """Whether :func:`grouped_fp8_mm_nt` on ``device`` should be given an MXFP4 A as is: True where the
-    engine decodes it inside the kernel faster than the caller converting it first (A read at half
-    size, no FP8 copy written), False where converting first is faster. Today that is False on every
-    engine: the Triton kernels' in-register decode ran at 0.18-0.25x of their FP8-A GEMM, the Gluon
-    engine's decoder partition (GluonConfig.decode_mxfp4, off) at 0.24-0.33x of converting first
-    (bench/RESULTS.md). Same bits either way."""
-    return grouped_gemm_backend(device) is GemmBackend.GLUON and gluon_kernels.NT_CONFIG.decode_mxfp4
-
-
 def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, counts,
                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a: FP8BlockTensor [R, K] (1x128 tiles along K) or MXFP4Tensor [R, K] (decoded to FP8 inside the
-    GEMM, bit-identical to ``mxfp4_to_fp8`` first), rows grouped by expert; b: FP8WeightTensor
+    """a: FP8BlockTensor [R, K] (1x128 tiles along K) or MXFP4Tensor [R, K] (converted to FP8 first, as
+    ``mxfp4_to_fp8`` converts it), rows grouped by expert; b: FP8WeightTensor
     [E, N, K]; counts: E ints, multiples of 128, summing to R -> out_dtype [R, N]: expert e's rows
     times b[e]^T. Fprop (x W^T) and dgrad (dy W, with ``b`` = the transposed weights)."""
     if not isinstance(a, (FP8BlockTensor, MXFP4Tensor)) or not isinstance(b, FP8WeightTensor):
@@ -504,7 +494,6 @@ __all__ = [
     "adamw_step_fp8_weight_pair",
     "fp8_mm_nt",
     "gemm_backend",
-    "decodes_mxfp4_in_gemm",
     "grouped_fp8_mm_nt",
     "grouped_fp8_mm_wgrad",
     "grouped_gemm_backend",

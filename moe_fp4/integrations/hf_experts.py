@@ -69,7 +69,8 @@ def unfit_reason(module: nn.Module) -> str | None:
         return "it has no 3-D gate_up_proj and down_proj weights"
     e, two_f, h = w13.shape
     if tuple(w2.shape) != (e, h, two_f // 2) or two_f % 2:
-        return f"its weights are gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, not [E, 2F, H], [E, H, F]"
+        return (f"its weights are gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
+                "not [E, 2F, H], [E, H, F]")
     if h % WEIGHT_BLOCK or (two_f // 2) % WEIGHT_BLOCK:
         return f"hidden {h} and expert ffn {two_f // 2} must be multiples of {WEIGHT_BLOCK} (FP8 tiles and blocks)"
     if w13.dtype not in (torch.bfloat16, torch.float32) or w2.dtype != w13.dtype:

@@ -48,7 +48,7 @@ tensors of the weights' shape and dtype (``_StandIn``), with the pair put in ``F
 just before the call. The FP8 path reads nothing of its weights but their shape, dtype and pair, and
 autograd routes the weight gradients back onto w1, w3 and w2. A real ``torch.cat`` would also be
 kept by the engine for backward: a bf16/fp32 copy of [w1; w3] per layer, held from forward to
-backward. (Keeping w13 as storage with w1 / w3 as views of it was not chosen: FSDP and EP re-create
+backward. (w13 is not kept as storage with w1 / w3 as views of it: FSDP and EP re-create
 parameters as DTensors of their own, which would break the aliasing.) The bf16 precision, and
 ``FP8_WEIGHTS.enabled = False``, get the real weights (a concatenation) instead.
 
@@ -84,12 +84,14 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
-
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, HybridEPTokenDispatcher, \
-    TorchAOTokenDispatcher
+from torchtitan.models.common.token_dispatcher import (
+    AllToAllTokenDispatcher,
+    HybridEPTokenDispatcher,
+    TorchAOTokenDispatcher,
+)
 
 from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, quantize_fp8_weight_pair
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
@@ -278,14 +280,15 @@ class MoEFP4RoutedExperts(RoutedExperts):
         num_local_tokens_per_expert_E: [E] (torchtitan's path only) -> [B, L, D] of x's dtype."""
         if not self.routes_tokens(x_BLD, topk_scores_BLK, topk_expert_ids_BLK):
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
-        b, l, d = x_BLD.shape
+        b, seq_len, d = x_BLD.shape
         k = topk_scores_BLK.shape[-1]
         experts = self.inner_experts
         w13, w2 = experts.engine_weights()
-        out = routed_swiglu_experts(x_BLD.reshape(b * l, d).to(torch.bfloat16), topk_expert_ids_BLK.reshape(-1, k),
+        out = routed_swiglu_experts(x_BLD.reshape(b * seq_len, d).to(torch.bfloat16),
+                                    topk_expert_ids_BLK.reshape(-1, k),
                                     topk_scores_BLK.reshape(-1, k), w13, w2, experts.precision,
                                     storage=experts.storage)
-        return out.to(x_BLD.dtype).view(b, l, d)
+        return out.to(x_BLD.dtype).view(b, seq_len, d)
 
 
 class PaddedTokenDispatcher(TorchAOTokenDispatcher):

@@ -31,6 +31,7 @@ from torch import nn
 from moe_fp4.exchange.ep import EPConfig
 from moe_fp4.model.experts import Precision
 from moe_fp4.model.moe import MoE, MoEConfig, Recompute, ScoreFunction, checkpoint
+from moe_fp4.saved.policy import StorageFormat
 
 BYTE_VOCAB = 256
 
@@ -171,6 +172,8 @@ class DecoderLM(nn.Module):
                  ep: EPConfig | None = None, seed: int = 0, recompute: str | Recompute = "none",
                  storage: str = "mxfp4"):
         super().__init__()
+        # Each choice refused (naming its parameter) before any weight is allocated.
+        precision, recompute, storage = Precision(precision), Recompute(recompute), StorageFormat(storage)
         self.config = c = config
         self.embed = nn.Parameter(torch.empty(c.vocab, c.hidden, dtype=torch.float32, device=device))
         self.blocks = nn.ModuleList(Block(c, i < c.dense_layers, precision, device, ep) for i in range(c.layers))

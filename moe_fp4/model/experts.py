@@ -18,9 +18,11 @@ What each precision keeps for backward (DESIGN.md, "Where MXFP4 is used"):
 
 | tensor          | bf16 | fp8 (DeepSeek-V3 baseline)      | fp4                                   |
 | --------------- | ---- | ------------------------------- | ------------------------------------- |
-| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or as received; from the layer: one row per token + x_saved_rows) |
+| FC1 input x     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with the FP8 cast, or as received) (*) |
 | SwiGLU input h  | bf16 | bf16                            | MXFP4 (fused with SwiGLU)             |
 | FC2 input a     | bf16 | FP8 1x128 (the fprop operand)   | MXFP4 (fused with SwiGLU and the FP8 cast) |
+
+(*) From the layer: one row per token + x_saved_rows.
 
 fp4 with ``storage="nvfp4"`` keeps the same three tensors in NVFP4 (x and h from bf16, a from its FP8
 codes); inside a compression scope with ``storage=nvfp4`` the fp8 precision's FP8 activations become
@@ -47,25 +49,37 @@ SwiGLU output alone (bf16, fp8).
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from moe_fp4.formats import _ops
-from moe_fp4.formats.conversions import _use_triton, dequantize_nvfp4, fp8_to_fp8_colwise, mxfp4_to_fp8, \
-    mxfp4_to_fp8_colwise, nvfp4_to_fp8_colwise, quantize_fp8, quantize_fp8_and_mxfp4, quantize_mxfp4, quantize_nvfp4
+from moe_fp4.formats.choices import Choice
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
-from moe_fp4.gemm.engines import FP8_WEIGHTS, decodes_mxfp4_in_gemm, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
-from moe_fp4.saved.hook import StorageFormat, current_compression
+from moe_fp4.formats.conversions import (
+    _use_triton,
+    dequantize_nvfp4,
+    fp8_to_fp8_colwise,
+    mxfp4_to_fp8,
+    mxfp4_to_fp8_colwise,
+    nvfp4_to_fp8_colwise,
+    quantize_fp8,
+    quantize_fp8_and_mxfp4,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+from moe_fp4.gemm.engines import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.kernels import swiglu as _swiglu
-from moe_fp4.kernels.grouped_gemm import device_ints, group_offsets
 from moe_fp4.kernels import transpose as _transpose
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_ints, group_offsets
 from moe_fp4.saved.accounting import keep, label_saved, rebuild, report_saved
+from moe_fp4.saved.hook import StorageFormat, current_compression
 
-TOKEN_ALIGN = 128
+# Rows per expert group: the grouped GEMMs' alignment (one FP8 1x128 tile along tokens), the name this API exports.
+TOKEN_ALIGN = GROUP_ALIGN
 
 
-class Precision(str, enum.Enum):
+class Precision(Choice):
+    __parameter__ = "precision"
+
     BF16 = "bf16"  # every GEMM in bf16, every saved activation in bf16
     FP8 = "fp8"    # FP8 GEMMs, DeepSeek-V3 storage (the baseline)
     FP4 = "fp4"    # FP8 GEMMs, activations saved in MXFP4
@@ -239,9 +253,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
         report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
-            # A received MXFP4 FC1 input: decoded inside the grouped GEMM where the engine does that
-            # faster than a conversion pass (moe_fp4.gemm.engines.decodes_mxfp4_in_gemm), else converted first.
-            xq = x_q if decodes_mxfp4_in_gemm(dev) else mxfp4_to_fp8(x_q)
+            # A received MXFP4 FC1 input: converted to FP8 for the grouped GEMM.
+            xq = mxfp4_to_fp8(x_q)
             kept.add("x", x_q, "fc1_input")
         elif isinstance(x_q, FP8BlockTensor) and x_saved is not None:
             # fp4 (MXFP4 storage): the layer's per-token FP8 (rows gathered) + MXFP4, kept once per token
@@ -415,8 +428,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts: E ints, multiples of 128.
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
-            MXFP4 is converted to FP8 directly for the GEMM (or decoded inside it where
-            ``moe_fp4.gemm.engines.decodes_mxfp4_in_gemm`` says that is faster: no engine today) and kept as
+            MXFP4 is converted to FP8 directly for the GEMM and kept as
             is for backward; FP8 is the GEMM operand, kept
             as is (fp8) or converted FP8 -> MXFP4 directly (fp4). bf16 precision dequantizes it.
     row_weights: optional float32 [R], the router weight of each row (0 for padding rows),
@@ -427,7 +439,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             its MXFP4 FC2 input anyway (0.53 bytes an element): recomputing it from the MXFP4 SwiGLU
             input would change the FC2 weight gradient.
     storage: fp4's activation format, "mxfp4" (default) or "nvfp4" (:class:`moe_fp4.StorageFormat`: E4M3
-            scales per 16 and a float32 scale per tensor, 4.5 bits an element; issue 27): x and the SwiGLU
+            scales per 16 and a float32 scale per tensor, 4.5 bits an element): x and the SwiGLU
             input h quantized from bf16, the FC2 input from its FP8 codes (FP8 -> NVFP4), an FP8 x_q
             likewise; an MXFP4 x_q is kept as received. Backward converts NVFP4 -> FP8 along tokens for
             the weight gradients (``nvfp4_to_fp8_colwise``). Other precisions ignore it (the fp8

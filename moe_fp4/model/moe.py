@@ -3,8 +3,9 @@
 Router (top-k over softmax or sigmoid scores, in float32) -> dropless permutation of the (token,
 expert) pairs by expert, each expert's group padded to 128 rows -> grouped SwiGLU experts
 (:mod:`moe_fp4.model.experts`: FP8 GEMMs in fp8/fp4, MXFP4 saved activations in fp4, the router weights
-applied to the SwiGLU output) -> unweighted combine (nothing saved for backward) -> plus an optional shared expert (the same grouped MLP with one expert over all tokens). The router,
-the permutation and the combine are identical in every precision.
+applied to the SwiGLU output) -> unweighted combine (nothing saved for backward) -> plus an optional shared
+expert (the same grouped MLP with one expert over all tokens). The router, the permutation and the combine
+are identical in every precision.
 
 Recomputation (:class:`Recompute`, ``MoE(recompute=...)``, :func:`checkpoint` for any region that holds
 MoE layers): what a forward keeps for backward can be traded for compute, from the SwiGLU output alone
@@ -25,13 +26,20 @@ from torch import nn
 from moe_fp4.exchange.ep import EPConfig, GradSlot, GradWireRule, combine, dispatch, plan_dispatch
 from moe_fp4.exchange.recipes import WireRecipe, default_recipe
 from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
-from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
-    prefetch_fp8_weights, quantize_expert_tokens
+from moe_fp4.exchange.wire import WireFormat
+from moe_fp4.formats.choices import Choice
 from moe_fp4.gemm.engines import WEIGHT_BLOCK
+from moe_fp4.model.experts import (
+    TOKEN_ALIGN,
+    Precision,
+    gather_expert_tokens,
+    grouped_swiglu_experts,
+    prefetch_fp8_weights,
+    quantize_expert_tokens,
+)
 from moe_fp4.model.replay import _Replay, checkpoint, once  # noqa: F401 - _Replay: moved, importable here
 from moe_fp4.model.routing import Routing, make_routing, permute, row_weights, unpermute
 from moe_fp4.saved.hook import StorageFormat
-from moe_fp4.exchange.wire import WireFormat
 
 # The dispatch's wire format in each precision: its default recipe's (moe_fp4.exchange.recipes).
 DISPATCH_FORMAT = {p: default_recipe(p).dispatch for p in Precision}
@@ -44,7 +52,7 @@ class ScoreFunction(str, enum.Enum):
     SIGMOID = "sigmoid"  # DeepSeek-V3
 
 
-class Recompute(str, enum.Enum):
+class Recompute(Choice):
     """What a forward keeps for backward, and what backward recomputes instead (each numerically
     identical to NONE in the same precision: the recomputation runs the same kernels on the same
     inputs).
@@ -62,6 +70,8 @@ class Recompute(str, enum.Enum):
     In order of recomputation cost, which the planner relies on: MOE recomputes the experts' FP8 GEMMs,
     DENSE the bf16 attention and dense MLP (at DeepSeek-V3 shapes more FLOPs, at half FP8's rate), LAYER both."""
 
+    __parameter__ = "recompute"
+
     NONE = "none"
     SWIGLU = "swiglu"
     MOE = "moe"
@@ -73,7 +83,7 @@ def same_policy(precision, policy) -> Recompute | None:
     """The cheaper policy that keeps exactly what ``policy`` keeps in ``precision`` ("bf16" | "fp8" | "fp4"),
     or None where none does: fp4 keeps its SwiGLU output in MXFP4 whatever the policy (recomputing it from the
     MXFP4 SwiGLU input would change the FC2 weight gradient, experts.py), so its SWIGLU is its NONE. A planner
-    need not measure such a policy (issue 49: a dsv3-layers probe builds a 3.9-billion-parameter model)."""
+    need not measure such a policy (each probe builds and steps a fresh model)."""
     if Precision(precision) is Precision.FP4 and Recompute(policy) is Recompute.SWIGLU:
         return Recompute.NONE
     return None
@@ -270,60 +280,72 @@ class MoE(nn.Module):
         return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision,
                                       recompute_swiglu=self._swiglu_recompute, storage=self.storage)[:t]
 
+    def _route_prefetching(self, x2: torch.Tensor, while_waiting=None) -> Routing:
+        """x2: [T, H] -> :meth:`route`'s Routing, with the GPU work that needs no routing queued where the
+        GPU would wait for the host: the FC1 weights before the router (the host then issues the router's
+        small kernels while the GPU quantizes), the FC2 weights and ``while_waiting()`` (when given) during
+        the routing's count read (the host then takes the counts and builds the row maps while the GPU
+        quantizes)."""
+        self._prefetch_fp8_weights(fc2=False)
+
+        def during_count_read():
+            self._prefetch_fp8_weights(fc1=False)
+            if while_waiting is not None:
+                while_waiting()
+
+        self._while_routing = during_count_read
+        try:
+            return self.route(x2)
+        finally:
+            self._while_routing = None
+
+    def _routed_local(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2: bf16 [T, H] -> bf16 [T, H], the routed experts' output with every expert on this rank."""
+        staged = {}
+        routing = self._route_prefetching(
+            x2, lambda: staged.update(tokens=quantize_expert_tokens(x2, self.precision, self.storage)))
+        # The experts' quantized input made per token and gathered to their rows (bit for bit what they
+        # would make of the gathered bf16 rows); fp4's MXFP4 copy stays per token, with the rows' token
+        # indices. A checkpoint's recomputation, which replays the routing without waiting, quantizes here.
+        tokens = staged["tokens"] if "tokens" in staged else quantize_expert_tokens(x2, self.precision, self.storage)
+        x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(
+            tokens, routing.src_row)
+        y_perm = grouped_swiglu_experts(permute(x2, routing, values=x_q is None), self.w13, self.w2,
+                                        routing.padded_counts, self.precision, x_q=x_q,
+                                        row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
+                                        storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows)
+        return unpermute(y_perm, routing)
+
+    def _routed_simulated(self, x2: torch.Tensor, sim: WireRecipe) -> torch.Tensor:
+        """x2: bf16 [T, H] -> bf16 [T, H], the routed experts' output with every expert on this rank and each
+        exchange's round trip in ``sim``'s formats applied where EP would send it (``EPConfig.simulate``)."""
+        routing = self._route_prefetching(x2)
+        # The router reads the local rows; the experts, the dispatched ones. A quantized dispatch reaches
+        # the experts as EP's receiver builds it (x_q); xd then only carries the gradient, whose round trip
+        # simulate_exchange applies (its forward then sends native rows, a view: the values would not be read).
+        x_q = simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
+        fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
+        xd = simulate_exchange(x2, fmt, sim.dispatch_grad, self.grad_rules.get("dispatch_grad"))
+        # The combine gradient's sqrt(3) rule tells the experts its rows' rounding errors (EP's GradSlot).
+        c_rule = self.grad_rules.get("combine_grad")
+        slot = GradSlot() if c_rule is not None else None
+        y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
+                                        routing.padded_counts, self.precision, x_q=x_q,
+                                        row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
+                                        storage=self.storage, grad_slot=slot)
+        y = unpermute(y_perm, routing)
+        return simulate_exchange(y, sim.combine, sim.combine_grad, c_rule, slot,
+                                 None if slot is None else routing.src_row)
+
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
-        # EPConfig.simulate applies the wire's round trips in training only (under no_grad, e.g. an eval, none).
-        sim = self.wire if self.ep is not None and self.ep.simulate and torch.is_grad_enabled() else None
         if self.ep is not None and not self.ep.simulate:
             y = self._routed_ep(x2)
+        elif self.ep is not None and torch.is_grad_enabled():
+            # EPConfig.simulate applies the wire's round trips in training only (under no_grad, e.g. an
+            # eval, none: a held-out loss is the model's own).
+            y = self._routed_simulated(x2, self.wire)
         else:
-            # GPU work that needs no routing, queued where the GPU would wait for the host: the FC1
-            # weights before the router (the host then issues the router's small kernels while the GPU
-            # quantizes), the FC2 weights and the experts' input during the routing's count read (the
-            # host then takes the counts and builds the row maps while the GPU quantizes).
-            self._prefetch_fp8_weights(fc2=False)
-            staged = {}
-
-            def while_waiting():
-                self._prefetch_fp8_weights(fc1=False)
-                if sim is None:
-                    staged["tokens"] = quantize_expert_tokens(x2, self.precision, self.storage)
-
-            self._while_routing = while_waiting
-            try:
-                routing = self.route(x2)
-            finally:
-                self._while_routing = None
-            x_saved = x_saved_rows = None
-            if sim is None:
-                # The experts' quantized input made per token and gathered to their rows (bit for bit
-                # what they would make of the gathered bf16 rows); fp4's MXFP4 copy stays per token, with
-                # the rows' token indices. A checkpoint's recomputation, which replays the routing
-                # without waiting, quantizes here.
-                tokens = staged["tokens"] if "tokens" in staged else quantize_expert_tokens(
-                    x2, self.precision, self.storage)
-                x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(
-                    tokens, routing.src_row)
-                xd = x2
-            else:
-                # EPConfig.simulate: the router reads the local rows; the experts, the dispatched ones.
-                # A quantized dispatch reaches the experts as EP's receiver builds it (x_q); xd then only
-                # carries the gradient, whose round trip simulate_exchange applies (its forward then sends
-                # native rows, a view: the values would not be read).
-                x_q = simulate_dispatch_rows(x2, self.dispatch_format, routing.src_row)
-                fmt = self.dispatch_format if x_q is None else WireFormat.NATIVE
-                xd = simulate_exchange(x2, fmt, sim.dispatch_grad, self.grad_rules.get("dispatch_grad"))
-            # The combine gradient's sqrt(3) rule tells the experts its rows' rounding errors (EP's GradSlot).
-            c_rule = None if sim is None else self.grad_rules.get("combine_grad")
-            slot = GradSlot() if c_rule is not None else None
-            y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
-                                            routing.padded_counts, self.precision, x_q=x_q,
-                                            row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
-                                            storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows,
-                                            grad_slot=slot)
-            y = unpermute(y_perm, routing)
-            if sim is not None:
-                y = simulate_exchange(y, sim.combine, sim.combine_grad, c_rule, slot,
-                                      None if slot is None else routing.src_row)
+            y = self._routed_local(x2)
         if self.shared_w13 is not None:
             y = y + self._shared(x2)
         return y

@@ -3,7 +3,7 @@
 The FP8 expert GEMMs read every expert weight W as 128x128-block FP8 codes, and their dgrad reads W^T
 (:data:`moe_fp4.gemm.engines.FP8_WEIGHTS` holds the pair per weight version). With torch's AdamW the pair is
 made in the next forward: one more pass over the weights per optimizer step, which BF16 training does
-not pay (about 2 ms of an 11.8 ms DeepSeek-V3 expert step on the H100, bench/RESULTS.md).
+not pay.
 :class:`AdamWFP8Weights` is torch.optim.AdamW, except that each weight the FP8 GEMMs read takes a fused
 step (``kernels/adamw.py``): one pass updates W and its moments and writes the FP8 pair of the new W
 into the cache, so the next forward and backward find it there.

@@ -1,5 +1,5 @@
 """Memory into speed: choose the (micro-batch, recomputation policy) with the highest measured tokens/s
-that fits a memory budget (issue 30). ``moe_fp4.plan`` for any model; ``moe-fp4 compare --plan auto``
+that fits a memory budget. ``moe_fp4.plan`` for any model; ``moe-fp4 compare --plan auto``
 runs the same choice per precision mode.
 
 The rule, per policy in order of cost (none, swiglu, moe, layer: each recomputes more than the one
@@ -8,8 +8,7 @@ before, so it fits at least as large a micro-batch):
 1. measure the whole batch in one pass; if it does not fit, the exact largest micro-batch below it
    (:func:`search_largest_batch`, every candidate one measured step) in an accumulated step of two
    passes: a later pass holds the earlier passes' gradients, so two passes of b need more memory than
-   one pass of b (on an H200, dsv3-layers fp8: 16 sequences in one pass 77.7 GiB, two passes of 15
-   89.9 GiB), and the one-pass step is not on the same curve;
+   one pass of b, and the one-pass step is not on the same curve;
 2. split the step's batch into the fewest near-equal micro-batches of at most that size
    (:func:`micro_batch`);
 3. time that split, unless a cheaper policy already runs the same number of passes (same launches,
@@ -35,8 +34,8 @@ from moe_fp4.model.moe import MoE, Recompute, same_policy
 
 GiB = 2**30
 # Steps per timed candidate: untimed first (kernels compile, the allocator settles), then timed (median).
-# Three timed steps after one warmup gave fp4/fp8 0.82x at one split of the small preset on an H100 where
-# the next budget's same-split pair gave 0.99x: too few for a host-bound step.
+# A host-bound step varies from step to step: the median of a few timed steps after one warmup can misorder two
+# modes, so each candidate takes two warmups and six timed steps.
 PLAN_WARMUP_STEPS = 2
 PLAN_TIMED_STEPS = 6
 # A timed split that peaked above the budget is retimed at most this many micro-batch sizes down per policy.
@@ -72,8 +71,8 @@ def micro_batch(per_rank: int, cap: int) -> int:
 MAX_SEARCH_PROBES = 24   # bisection over batches up to 2^20 needs about 20 after the first three
 # Without a floor per sequence (min_step) a fitted prediction is capped at this many times the largest batch
 # measured to fit: a line through two probes that barely differ (weights and optimizer state dominate)
-# predicts absurd batches (issue 49: 5,085,096 after two dsv3-layers probes). With the floor, such a line is
-# not fitted, and a batch the floor already rules out is not measured.
+# predicts absurd batches (millions of sequences). With the floor, such a line is not fitted, and a batch the
+# floor already rules out is not measured.
 PREDICTION_CAP = 4
 
 
@@ -308,9 +307,9 @@ def choose(policies, measure, timed, batch: int, budget_bytes: float, log=None, 
                 out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes))
                 break
             # The probes measure a fresh model's second step; the timed steps come after it, and under expert
-            # parallelism a rank's rows follow the routing, which drifts from its first balance (dsv3-layers,
-            # EP 2, H200s: one pass of 16 sequences probed 51.76 GiB and peaked at 55.11 GiB in the timed
-            # steps). A split that ran over the budget is no plan: the next smaller one, timed again.
+            # parallelism a rank's rows follow the routing, which drifts from its first balance, so a timed
+            # step can peak above its probe. A split that ran over the budget is no plan: the next smaller one,
+            # timed again.
             last = size_down == MAX_SIZES_DOWN or micro == 1
             out.append(Candidate(policy, cap, micro, passes, peak, tps, probes=probes,
                                  why=OVER_BUDGET + ("" if not last else "; no smaller split tried")))

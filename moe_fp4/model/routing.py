@@ -12,8 +12,13 @@ import torch
 
 from moe_fp4.exchange.ep import counts_to_host
 from moe_fp4.formats.conversions import gather_sum
-from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
-    quantize_expert_tokens
+from moe_fp4.model.experts import (
+    TOKEN_ALIGN,
+    Precision,
+    gather_expert_tokens,
+    grouped_swiglu_experts,
+    quantize_expert_tokens,
+)
 from moe_fp4.model.replay import once
 from moe_fp4.saved.hook import StorageFormat
 

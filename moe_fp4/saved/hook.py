@@ -68,10 +68,18 @@ import torch
 from torch import nn
 
 from moe_fp4.saved.accounting import CompressionStats, HookStats
-from moe_fp4.saved.packing import (_COMPILE_MSG, ActiveCompression, _is_compiling, _warn_once, as_current,
-                                   compress_saved_activations, current_compression, pause_compression)
-from moe_fp4.saved.policy import (CompressionConfig, SkipReason, StorageFormat, is_expert_module,
-                                  select_modules)
+from moe_fp4.saved.packing import (
+    _COMPILE_MSG,
+    ActiveCompression,
+    _is_compiling,
+    _warn_once,
+    as_current,
+    compress_saved_activations,
+    current_compression,
+    pause_compression,
+)
+from moe_fp4.saved.policy import CompressionConfig, SkipReason, StorageFormat, is_expert_module, select_modules
+
 
 class CompressionHandle:
     """What :func:`register_activation_compression` returns.
@@ -167,15 +175,18 @@ def register_activation_compression(model: nn.Module, config: CompressionConfig 
     return CompressionHandle(scopes, [n for n, _ in kept], handles)
 
 
-@torch.compiler.disable
 def _warn_compiled() -> None:
     _warn_once("compile", _COMPILE_MSG)
 
 
 def _enter_hook(scope: compress_saved_activations | pause_compression):
+    # Disabled for torch.compile here, when a hook is registered, not at import: torch.compiler.disable
+    # imports torch._dynamo, which would make ``import moe_fp4`` pay for it.
+    warn_compiled = torch.compiler.disable(_warn_compiled)
+
     def pre_hook(module, args):
         if _is_compiling():
-            _warn_compiled()
+            warn_compiled()
             return
         scope.__enter__()
 

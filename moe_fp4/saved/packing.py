@@ -16,6 +16,7 @@ from moe_fp4.formats.conversions import quantize_mxfp4, quantize_nvfp4
 from moe_fp4.saved.accounting import CompressionStats, kept_tag, note_packed
 from moe_fp4.saved.policy import _BLOCK, CompressionConfig, SkipReason, StorageFormat, _skip_reason, _storage_ptrs
 
+
 class ActiveCompression:
     """One entry of a compression scope on one thread (what :func:`current_compression` returns).
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moe_fp4.formats.choices import Choice
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES
 from moe_fp4.kernels.numerics import MXFP4_BLOCK
 from moe_fp4.kernels.nvfp4 import NVFP4_BLOCK
@@ -26,8 +27,10 @@ _FLOAT8_DTYPES = tuple(
 _DEVICES = ("cpu", "cuda")
 
 
-class StorageFormat(str, enum.Enum):
+class StorageFormat(Choice):
     """What the hook stores a saved tensor as."""
+
+    __parameter__ = "storage"
 
     MXFP4 = "mxfp4"   # E2M1 + an E8M0 scale per 32: 17 bytes a block
     NVFP4 = "nvfp4"   # E2M1 + an E4M3 scale per 16 + a float32 per tensor: 9 bytes a block
@@ -100,7 +103,7 @@ class CompressionConfig:
         any unquantized (SkipReason.NON_FINITE). Off by default: a NaN/Inf then turns its 32-block to NaN.
     storage: the format the hook stores tensors in: ``StorageFormat.MXFP4`` (default; 4.25 bits an
         element) or ``StorageFormat.NVFP4`` (E4M3 scales per 16 and a float32 scale per tensor: 4.5 bits,
-        about 1.5 dB more SQNR; issue 27). moe_fp4's own FP8 activations (``compress_fp8``) are converted
+        about 1.5 dB more SQNR). moe_fp4's own FP8 activations (``compress_fp8``) are converted
         to the same format straight from their codes (FP8 -> MXFP4 or FP8 -> NVFP4).
     """
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_bench_rounds import BENCH, _load
 
 targets = _load("tools/engine_targets")

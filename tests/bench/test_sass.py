@@ -40,8 +40,9 @@ def test_the_column_kernel_at_the_launcher_defaults_does_not_spill(tmp_path):
     # against the dump's own instruction lines.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     dump = tmp_path / "colwise.sass"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "tools" / "sass.py"), "mxfp4_to_fp8_colwise", "--path", "both",
-                          "--dump", str(dump)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "tools" / "sass.py"), "mxfp4_to_fp8_colwise",
+                          "--path", "both", "--dump", str(dump)], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("mxfp4_to_fp8_colwise")]
     assert len(rows) == 1, run.stdout

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-import pytest
+from optional_stacks import import_or_skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Relative loss difference of the FP8 variants from the stack's bf16 experts at each of 4 steps of the tiny
@@ -35,7 +35,7 @@ def _follows(rows: dict, bf16: str) -> None:
 
 
 def test_hf_experts_tiny(tmp_path):
-    pytest.importorskip("transformers.integrations.moe")
+    import_or_skip("transformers.integrations.moe")
     stdout, rows = _run("hf_experts.py", tmp_path)
     assert list(rows) == ["grouped_mm", "moe_fp4_fp8", "moe_fp4"], rows.keys()
     _follows(rows, "grouped_mm")
@@ -43,7 +43,7 @@ def test_hf_experts_tiny(tmp_path):
 
 
 def test_torchtitan_experts_tiny(tmp_path):
-    pytest.importorskip("torchtitan.models.deepseek_v3")
+    import_or_skip("torchtitan.models.deepseek_v3")
     stdout, rows = _run("torchtitan_experts.py", tmp_path, "--variants", "bf16", "moe_fp4_fp8", "moe_fp4")
     assert list(rows) == ["bf16", "moe_fp4_fp8", "moe_fp4"], rows.keys()
     assert all("skipped" not in r for r in rows.values()), rows
@@ -55,7 +55,7 @@ def test_torchtitan_on_a_torch_without_fsdps_new_names():
     """bench/torchtitan_compat.py: with torch.distributed.fsdp.DataParallelMeshDims removed (as in torch 2.11)
     torchtitan's DeepSeek-V3 imports, the name is reported, and the stand-in raises when called or subclassed;
     on this torch nothing is stood in for."""
-    pytest.importorskip("torchtitan.models.deepseek_v3")
+    import_or_skip("torchtitan.models.deepseek_v3")
     code = f"""
 import sys
 sys.path.insert(0, {os.path.join(ROOT, "bench")!r})

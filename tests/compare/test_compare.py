@@ -16,8 +16,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from cli_run import CLI_TIMEOUT_S, cli_env as _env, run_cli as _cli, assert_ok as _ok  # noqa: F401
+from cli_run import CLI_TIMEOUT_S  # noqa: F401
+from cli_run import assert_ok as _ok
+from cli_run import run_cli as _cli
 from distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -733,6 +734,7 @@ def test_micro_batch_and_per_rank_batch():
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp4"])
 def test_accumulated_step_equals_one_pass(mode):
     from helpers import lowest, sqnr_db, torch_references
+
     from moe_fp4.compare.config import Env
     from moe_fp4.compare.train import Trainer, _lm_loss
     from moe_fp4.gemm.engines import FP8_WEIGHTS

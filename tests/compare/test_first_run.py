@@ -258,6 +258,78 @@ def test_help_is_written_for_a_terminal(capsys, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# `moe-fp4 --help` and every one-line error waited for moe_fp4's whole import (torch._dynamo included);
+# Ctrl-C while it loaded printed a 40-line traceback.
+
+_LIGHT = ("import sys, moe_fp4, moe_fp4.compare, moe_fp4.compare.cli; "
+          "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+
+
+def test_the_command_line_starts_without_torch():
+    # Its modules import torch and the model inside main(), where Ctrl-C is the command line's to handle;
+    # --help (the whole parser) and argparse's errors need neither.
+    for code in (_LIGHT, _LIGHT.replace("; print(", "; moe_fp4.compare.cli._parser().format_help(); print(")):
+        run = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                             timeout=CLI_TIMEOUT_S, cwd=ROOT, check=False)
+        assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+def test_the_parsers_choices_are_the_models():
+    from moe_fp4.compare.cli import PRESET_LR_HELP, PRESET_NAMES, RECOMPUTE_CHOICES
+    from moe_fp4.compare.config import PRESET_LR
+    from moe_fp4.model.decoder import PRESETS
+    from moe_fp4.model.moe import Recompute
+
+    assert PRESET_NAMES == tuple(PRESETS) and PRESET_LR_HELP == PRESET_LR
+    assert RECOMPUTE_CHOICES == tuple(r.value for r in Recompute)
+
+
+def test_the_facade_names_resolve_on_first_use():
+    import moe_fp4
+    import moe_fp4.compare
+
+    for package in (moe_fp4, moe_fp4.compare):
+        missing = [name for name in package.__all__ if getattr(package, name, None) is None]
+        assert not missing and set(package.__all__) <= set(dir(package)), (package.__name__, missing)
+    assert moe_fp4.register_activation_compression.__module__ == "moe_fp4.saved.hook"
+    assert moe_fp4.formats.__name__ == "moe_fp4.formats" and moe_fp4.compare.runner.__name__ == "moe_fp4.compare.runner"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        moe_fp4.nope   # noqa: B018
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_ctrl_c_before_training_is_one_line(tmp_path, after_s):
+    # --hook: torch, then transformers in the package check, load for seconds before the first step; SIGINT
+    # lands in one of them (on this machine the first step comes after about 5 s).
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "moe_fp4", "compare", "--preset", "tiny", "--hook", "--steps", "2", "--no-progress",
+           "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out}\n{err}"
+    assert err.strip().splitlines() == ["moe-fp4: interrupted (Ctrl-C)"], err
+    assert "training" not in out, out
+
+
+def test_hook_with_a_broken_transformers_is_one_line(tmp_path):
+    # Installed but failing at import (built for another torch): named before any work, like a missing one.
+    (tmp_path / "transformers").mkdir()
+    broken = 'raise ImportError("cannot import name \'X\' from \'torch\'")\n'
+    (tmp_path / "transformers" / "__init__.py").write_text(broken)
+    run = _compare(["--hook", "--steps", "2", "--no-progress", "--out", tmp_path / "out"], PYTHONPATH=str(tmp_path))
+    _refused(run, "--hook trains a Hugging Face MoE model: it needs transformers, which is installed but cannot be "
+                  "imported (ImportError: cannot import name 'X' from 'torch'); install a transformers that works "
+                  "with torch ")
+
+
+# ---------------------------------------------------------------------------------------------------
 # The output: summary rows before the table header, "M" for MiB and millions, torch.jit warnings.
 
 def test_table_header_comes_first(first_run):

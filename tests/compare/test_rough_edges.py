@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
 GiB = 2**30
 
@@ -75,6 +76,85 @@ def test_missing_plot_and_progress_packages_are_notes(monkeypatch):
     notes = optional_notes(plots=True, progress=True)
     assert len(notes) == 2 and 'pip install "moe_fp4[plot]"' in notes[0] and "pip install tqdm" in notes[1]
     assert optional_notes(plots=False, progress=False) == []
+
+
+def test_broken_plot_and_progress_packages_are_notes(monkeypatch):
+    # Installed (find_spec finds them) but failing at import: the same notes, with the error.
+    from moe_fp4.compare.preflight import optional_notes
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    real = importlib.import_module
+
+    def broken(name, *a):
+        if name.partition(".")[0] in ("matplotlib", "tqdm"):
+            raise ImportError(f"cannot import name 'X' from {name!r}")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.setattr(sys, "stderr", TTY())
+    notes = optional_notes(plots=True, progress=True)
+    assert notes == ["matplotlib is installed but cannot be imported (ImportError: cannot import name 'X' from "
+                     "'matplotlib'), so no plots (pip install \"moe_fp4[plot]\", or pass --no-plots)",
+                     "tqdm is installed but cannot be imported (ImportError: cannot import name 'X' from 'tqdm'): "
+                     "progress is a line per tenth of the steps instead of a bar (pip install tqdm)"], notes
+
+
+def test_preflight_imports_quietly(monkeypatch, caplog):
+    # The package check imports what --hook needs under the same filters as the run: torchao's known lines
+    # (imported by transformers) are dropped there, any other line of the same logger still shows.
+    from moe_fp4.compare import preflight
+
+    real = importlib.import_module
+
+    def noisy(name, *a):
+        if name == "noisy_package":
+            logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so")
+            logging.getLogger("torchao").warning("a line of torchao's own")
+            return sys
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(importlib, "import_module", noisy)
+    with caplog.at_level(logging.WARNING):
+        assert preflight.import_problem("noisy_package") is None
+    assert [r.getMessage() for r in caplog.records if r.name == "torchao"] == ["a line of torchao's own"], caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------
+# `MoE(cfg, precision="fp16")` said only "'fp16' is not a valid Precision": every enum-valued argument
+# names its parameter and its choices (moe_fp4.formats.choices.Choice), before any work.
+
+def test_enum_arguments_name_the_parameter_and_the_choices(monkeypatch):
+    from moe_fp4 import exchange_role
+    from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.exchange.swap import swap_all_to_all
+    from moe_fp4.model.decoder import PRESETS, DecoderLM
+    from moe_fp4.model.moe import MoE, MoEConfig
+
+    def refuse(*_a, **_k):
+        raise AssertionError("weights were allocated before the argument was refused")
+
+    cfg = MoEConfig(hidden=128, ffn=128, num_experts=4, top_k=2)
+    cases = [
+        (lambda: MoE(cfg, precision="fp16"), "precision='fp16' is not one of 'bf16', 'fp8', 'fp4'"),
+        (lambda: MoE(cfg, recompute="all"), "recompute='all' is not one of 'none', 'swiglu', 'moe', 'dense', 'layer'"),
+        (lambda: MoE(cfg, storage="fp4"), "storage='fp4' is not one of 'mxfp4', 'nvfp4'"),
+        (lambda: DecoderLM(PRESETS["tiny"], precision="int8"), "precision='int8' is not one of 'bf16', 'fp8', 'fp4'"),
+        (lambda: EPConfig(combine="fp16"),
+         "EPConfig.combine='fp16' is not one of 'mxfp4', 'fp8', 'bf16', 'native', 'nvfp4', 'mxfp4-sr', 'nvfp4-sr'"),
+        (lambda: EPConfig(dispatch_grad="fp4"), "EPConfig.dispatch_grad='fp4' is not one of 'mxfp4', 'fp8', 'bf16', "
+                                                "'native', 'nvfp4', 'mxfp4-sr', 'nvfp4-sr', 'auto'"),
+        (lambda: swap_all_to_all(dispatch="mxfp8").__enter__(), "wire format 'mxfp8' is not one of 'mxfp4', 'fp8'"),
+        (lambda: exchange_role("merge").__enter__(), "role='merge' is not one of 'dispatch', 'combine'"),
+    ]
+    monkeypatch.setattr(torch, "empty", refuse)
+    for build, message in cases:
+        with pytest.raises(ValueError) as e:
+            build()
+        assert str(e.value).startswith(message), (message, str(e.value))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,8 +310,8 @@ def test_mode_lines_name_the_saved_format_and_the_wire():
 
 
 def test_the_sqrt3_line_names_the_weight_ratio_and_the_fallback():
-    from moe_fp4.exchange.ep import GradWireRule
     from moe_fp4.compare.report import grad_wire_line
+    from moe_fp4.exchange.ep import GradWireRule
 
     rule = GradWireRule("mxfp4-sr", patience=1)
     x = torch.ones(2, 32)
@@ -309,7 +389,7 @@ def test_plot_titles_say_what_was_held_equal():
 
 
 def test_memory_plot_keeps_the_legend_off_the_bars(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
+    import_or_skip("matplotlib")
     import matplotlib.pyplot as plt
 
     from moe_fp4.compare.plots import write_plots
@@ -346,9 +426,10 @@ OOM_LINE = (r"batch \d+ x 64 does not fit on .+ in mode fp8 \(out of memory\)\. 
 def _failing_run(monkeypatch, tmp_path, modes, fail):
     """moe-fp4 compare on the tiny preset with train_mode replaced: ``fail(mode)`` raises for the modes it
     chooses, the others train for real -> (exit code, the modes trained)."""
+    from helpers import torch_references
+
     import moe_fp4.compare.cli
     import moe_fp4.compare.runner
-    from helpers import torch_references
 
     trained = []
 
@@ -399,9 +480,10 @@ def test_plan_with_nothing_that_fits_one_mode_trains_the_others(monkeypatch, cap
     """--plan auto where one mode fits no sequence under any policy (dsv3-layers, EP 2, 44 GiB: fp8 needs 44.44
     GiB for one sequence with every layer recomputed): that mode is named as failed, the others are planned
     and trained (it used to end the whole run)."""
+    from helpers import torch_references
+
     import moe_fp4.compare.cli
     import moe_fp4.compare.runner
-    from helpers import torch_references
     from moe_fp4.model.planner import NothingFits
 
     planned = []

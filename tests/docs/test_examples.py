@@ -29,7 +29,8 @@ def test_ep_swap_all_to_all_example():
     assert len(found) == 6, run.stdout
     for rank, name, db in found:
         assert float(db) >= SWAP_EXAMPLE_FLOOR_DB, (rank, name, db)
-    # Each rank says what it sent: the dispatch in MXFP4 (136 B a 256-value row: 128 B of codes, 8 scales), everything else in bf16.
+    # Each rank says what it sent: the dispatch in MXFP4 (136 B a 256-value row: 128 B of codes, 8 scales),
+    # everything else in bf16.
     sent = re.findall(r"rank (\d) sent: (.*)", run.stdout)
     assert len(sent) == 2, run.stdout
     for _, line in sent:

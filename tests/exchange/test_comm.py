@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 H = 256                      # two FP8 tiles, eight MXFP4 blocks per row
@@ -57,7 +56,7 @@ EP_LOOP_SPLITS = {2: [[0, 3], [2, 1]], 4: [[2, 0, 0, 1], [1, 3, 0, 0], [0, 1, 0,
 # and every exchange (bf16/fp32/fp16 inputs, all split patterns, world 2 and 4): mxfp4 18.48 dB
 # (world 4), fp8 31.15 dB (world 2); each floor is about 1 dB under. World 8: mxfp4 18.70, fp8 31.20 dB.
 GRAD_SQNR_FLOOR_DB = {"mxfp4": 17.4, "fp8": 30.1}
-# Ceilings, about 1 dB over the highest value measured (2026-11-27, CPU, every rank and exchange at worlds 2,
+# Ceilings, about 1 dB over the highest value measured (CPU, every rank and exchange at worlds 2,
 # 4 and 8: mxfp4 18.48-19.16 dB, fp8 31.15-31.88 dB): a backward that sent another format (bf16: inf; fp8
 # for mxfp4) measures far above. Each gradient is also checked bit for bit against its round trip.
 GRAD_SQNR_CEILING_DB = {"mxfp4": 20.2, "fp8": 32.9}
@@ -128,7 +127,8 @@ def _convert(fmt: str, output: str, x):
         return {"bf16": f.dequantize, "fp8": lambda: f, "mxfp4": lambda: moe_fp4.quantize_mxfp4(f)}[output]()
     if fmt == "bf16":
         x = x.to(torch.bfloat16).to(x.dtype)   # bfloat16 on the wire, the input's dtype on arrival
-    return {"bf16": lambda: x, "fp8": lambda: moe_fp4.quantize_fp8(x), "mxfp4": lambda: moe_fp4.quantize_mxfp4(x)}[output]()
+    return {"bf16": lambda: x, "fp8": lambda: moe_fp4.quantize_fp8(x),
+            "mxfp4": lambda: moe_fp4.quantize_mxfp4(x)}[output]()
 
 
 def _rt(x, fmt: str = "mxfp4"):
@@ -176,10 +176,10 @@ def _check_equal_split_exchange(rank: int, world: int, fmt: str = "bf16", hidden
 
 
 def _exchange_cases(rank: int, world: int):
-    import torch.distributed as dist
-
-    import moe_fp4
+    """Every forward/backward/output combination on every split pattern and input dtype, then the
+    containers and the group forms (:func:`_containers_case`) and a subgroup (:func:`_subgroup_case`)."""
     from helpers import sqnr_db
+
     from moe_fp4.exchange.a2a import Received, all_to_all
 
     torch.set_num_threads(1)
@@ -223,7 +223,19 @@ def _exchange_cases(rank: int, world: int):
                     sqnr[bwd].append(sqnr_db(x_ref.grad, x.grad, f"gradient, {case}"))   # fails on NaN / Inf
                 ran.add((fwd, bwd, out))
 
-    # Containers travel as they are (their own format) or are converted directly; no gradient.
+    _containers_case(rank, world)
+    _subgroup_case(rank, world)
+    return {"ran": sorted(ran), "sqnr": sqnr}
+
+
+def _containers_case(rank: int, world: int) -> None:
+    """Containers travel as they are (their own format) or are converted directly; no gradient. Then
+    check=False (splits already agreed) and the group forms give the same rows."""
+    import torch.distributed as dist
+
+    import moe_fp4
+    from moe_fp4.exchange.a2a import all_to_all
+
     S = SPLITS[world][0]
     sends, recvs = S[rank], _recv(S, rank)
     xs = [_rows(r, sum(S[r]), torch.bfloat16) for r in range(world)]
@@ -245,13 +257,19 @@ def _exchange_cases(rank: int, world: int):
             _assert_same(res.value, expected, case)
             assert tuple(res.grad_carrier.shape) == (sum(recvs), H) and not res.grad_carrier.requires_grad, case
 
-    # check=False (splits already agreed) and the group forms give the same rows.
+    # check=False and the group forms
     base = all_to_all(xs[rank], recvs, sends)
     _assert_same(base, _rt(want), "default formats: mxfp4 forward, bf16 output")
     for kwargs in ({"check": False}, {"group": dist.group.WORLD}, {"group": dist.group.WORLD.group_name}):
         _assert_same(all_to_all(xs[rank], recvs, sends, **kwargs), base, str(kwargs))
 
-    # A subgroup (world 4: ranks 0 and 2): group ranks, not global ranks, index the splits.
+
+def _subgroup_case(rank: int, world: int) -> None:
+    """A subgroup (world 4: ranks 0 and 2): group ranks, not global ranks, index the splits."""
+    import torch.distributed as dist
+
+    from moe_fp4.exchange.a2a import all_to_all
+
     if world == 4:
         members = [0, 2]
         sub = dist.new_group(members)
@@ -262,7 +280,6 @@ def _exchange_cases(rank: int, world: int):
             got = all_to_all(ys[me], _recv(T, me), T[me], group=sub, forward="bf16")
             _assert_same(got, _route(T, ys, me), "subgroup routing")
             _assert_same(all_to_all(ys[me], _recv(T, me), T[me], group=sub), _rt(_route(T, ys, me)), "subgroup mxfp4")
-    return {"ran": sorted(ran), "sqnr": sqnr}
 
 
 def _comm_cases(rank: int, world: int):
@@ -275,7 +292,7 @@ def _comm_cases(rank: int, world: int):
             "errors": _error_cases(rank, world)}
 
 
-# World 8 ran here until 2026-11-28; dropped for the CI machine's time (36 s of rank start-up before its cases).
+# World 8 is left out for the CI machine's time (36 s of rank start-up before its cases).
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def comm_results(request):
     world = request.param
@@ -286,7 +303,8 @@ def test_all_to_all_routing_values_and_gradients(comm_results):
     world, results = comm_results
     results = [res["exchange"] for res in results]
     for rank, res in enumerate(results):
-        assert res["ran"] == sorted(set(COMBOS) | set(FEW)), f"rank {rank} did not run every forward/backward/output combination"
+        assert res["ran"] == sorted(set(COMBOS) | set(FEW)), (
+            f"rank {rank} did not run every forward/backward/output combination")
     from helpers import highest, in_band, lowest
 
     for fmt, floor in GRAD_SQNR_FLOOR_DB.items():
@@ -348,9 +366,13 @@ def _swapped(comm) -> bool:
     return all(getattr(importlib.import_module(m), a) is f for m, a, f in _swappable(comm))
 
 
-def _dropin_cases(rank: int, world: int):
+def _dropin_setup(rank: int, world: int):
+    """The shared setup of the drop-in cases: DROPIN_SPLITS[world] (S, this rank's ``sends`` / ``recvs``,
+    ``n`` rows sent, ``m`` received), every rank's bf16 rows ``xs`` and loss weights ``ws``, this rank's
+    ``x`` and ``w``, the rows it receives ``want`` and the gradient it gets back ``want_grad``, the group,
+    and torch's own functions (``torch_a2a``, ``torch_a2a_ag``, ``torch_nn_a2a``, and every swappable
+    attribute's in ``originals``), read before any swap."""
     import importlib
-    import sys
     import types
 
     import torch.distributed as dist
@@ -358,31 +380,40 @@ def _dropin_cases(rank: int, world: int):
     import torch.distributed.nn.functional as dnn
 
     from moe_fp4.exchange import swap as comm
-    from moe_fp4.exchange.wire import row_bytes
 
     torch.set_num_threads(1)
-    group = dist.group.WORLD
-    torch_a2a, torch_a2a_ag, torch_nn_a2a = funcol.all_to_all_single, funcol.all_to_all_single_autograd, dnn.all_to_all_single
+    S = DROPIN_SPLITS[world]
+    bf16 = torch.bfloat16
+    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
+    ws = [_weights(d, sum(_recv(S, d)), bf16) for d in range(world)]
+    return types.SimpleNamespace(
+        rank=rank, world=world, group=dist.group.WORLD, S=S, sends=S[rank], recvs=_recv(S, rank),
+        n=sum(S[rank]), m=sum(_recv(S, rank)), xs=xs, ws=ws, x=xs[rank], w=ws[rank], want=_route(S, xs, rank),
+        want_grad=_route(_transpose(S), ws, rank), torch_a2a=funcol.all_to_all_single,
+        torch_a2a_ag=funcol.all_to_all_single_autograd, torch_nn_a2a=dnn.all_to_all_single,
+        originals={(m, a): getattr(importlib.import_module(m), a) for m, a, _ in _swappable(comm)})
+
+
+def _swapped_names_case(d) -> None:
+    from moe_fp4.exchange import swap as comm
+
     assert {(m, a) for m, a, _ in comm.SWAPPED} == {
         (_FUNCOL, "all_to_all_single"), (_FUNCOL, "all_to_all_single_autograd"), (_NN, "all_to_all_single"),
         (_C10D, "all_to_all"), ("torch.distributed", "all_to_all"), (_C10D, "all_to_all_single"),
         ("torch.distributed", "all_to_all_single"), ("spmd_types", "all_to_all")}
-    originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _ in _swappable(comm)}
 
-    S = DROPIN_SPLITS[world]
-    sends, recvs = S[rank], _recv(S, rank)
-    n, m = sum(sends), sum(recvs)
-    bf16 = torch.bfloat16
-    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
-    ws = [_weights(d, sum(_recv(S, d)), bf16) for d in range(world)]
-    x, w, want = xs[rank], ws[rank], _route(S, xs, rank)
-    want_grad = _route(_transpose(S), ws, rank)
 
-    # functional_all_to_all_single: torch's rows of the MXFP4 round trip (exact), differentiable like
-    # torch's (bf16 backward: the same gradient).
+def _functional_dropin_case(d) -> None:
+    """functional_all_to_all_single: torch's rows of the MXFP4 round trip (exact), differentiable like
+    torch's (bf16 backward: the same gradient); functional_all_to_all_single_autograd: the same rows, and
+    the gradient torch's gives."""
+    from moe_fp4.exchange import swap as comm
+
+    x, w, want, want_grad, recvs, sends, group = d.x, d.w, d.want, d.want_grad, d.recvs, d.sends, d.group
+    n, m = d.n, d.m
     xf, xft = x.clone().requires_grad_(), _rt(x).requires_grad_()
     got = comm.functional_all_to_all_single(xf, recvs, sends, group)
-    got_t = _wait(torch_a2a(xft, recvs, sends, group))
+    got_t = _wait(d.torch_a2a(xft, recvs, sends, group))
     _assert_same(got, got_t, "functional drop-in")
     _assert_same(got, _rt(want), "functional drop-in, routed")
     (got * w).sum().backward()
@@ -392,40 +423,50 @@ def _dropin_cases(rank: int, world: int):
     got3 = comm.functional_all_to_all_single(x.view(n, 2, H // 2), recvs, sends, group)
     assert tuple(got3.shape) == (m, 2, H // 2)
     _assert_same(got3, got.view(m, 2, H // 2), "functional drop-in, [N, 2, H/2] rows")
-    xe = _rows(rank, 2 * world, bf16)
+    xe = _rows(d.rank, 2 * d.world, torch.bfloat16)
     _assert_same(comm.functional_all_to_all_single(xe, None, None, group),
-                 _wait(torch_a2a(_rt(xe), None, None, group)), "functional drop-in, equal splits")
+                 _wait(d.torch_a2a(_rt(xe), None, None, group)), "functional drop-in, equal splits")
 
-    # functional_all_to_all_single_autograd: same rows, and the gradient torch's gives (bf16 backward).
     xa, xt = x.clone().requires_grad_(), _rt(x).requires_grad_()
     ya = comm.functional_all_to_all_single_autograd(xa, recvs, sends, group)
-    yt = _wait(torch_a2a_ag(xt, recvs, sends, group))
+    yt = _wait(d.torch_a2a_ag(xt, recvs, sends, group))
     _assert_same(ya, yt, "autograd drop-in")
     (ya * w).sum().backward()
     (yt * w).sum().backward()
     _assert_same(xa.grad, xt.grad, "autograd drop-in gradient")
     _assert_same(xa.grad, want_grad, "autograd drop-in gradient, routed")
 
-    # nn_all_to_all_single: fills `output`, returns the rows, differentiable.
+
+def _nn_dropin_case(d) -> None:
+    """nn_all_to_all_single: fills `output`, returns the rows, differentiable."""
+    from moe_fp4.exchange import swap as comm
+
+    x, w, recvs, sends, group, m, bf16 = d.x, d.w, d.recvs, d.sends, d.group, d.m, torch.bfloat16
     buf, buf_t = torch.full((m, H), float("nan"), dtype=bf16), torch.empty(m, H, dtype=bf16)
     xn, xnt = x.clone().requires_grad_(), _rt(x).requires_grad_()
     yn = comm.nn_all_to_all_single(buf, xn, recvs, sends, group)
-    ynt = torch_nn_a2a(buf_t, xnt, recvs, sends, group)
+    ynt = d.torch_nn_a2a(buf_t, xnt, recvs, sends, group)
     _assert_same(yn, ynt, "nn drop-in")
     _assert_same(buf, buf_t, "nn drop-in fills output")
     (yn * w).sum().backward()
     (ynt * w).sum().backward()
     _assert_same(xn.grad, xnt.grad, "nn drop-in gradient")
-    buf_e, buf_et = torch.empty(2 * world, H, dtype=bf16), torch.empty(2 * world, H, dtype=bf16)
-    _assert_same(comm.nn_all_to_all_single(buf_e, xe), torch_nn_a2a(buf_et, _rt(xe)), "nn drop-in, defaults")
+    xe = _rows(d.rank, 2 * d.world, bf16)
+    buf_e, buf_et = torch.empty(2 * d.world, H, dtype=bf16), torch.empty(2 * d.world, H, dtype=bf16)
+    _assert_same(comm.nn_all_to_all_single(buf_e, xe), d.torch_nn_a2a(buf_et, _rt(xe)), "nn drop-in, defaults")
     with pytest.raises(ValueError, match=r"output has shape \(%d, %d\)" % (m + 1, H)):
         comm.nn_all_to_all_single(torch.empty(m + 1, H, dtype=bf16), x, recvs, sends, group)
 
-    # c10d_all_to_all, the list form (torch.distributed.all_to_all): one tensor per peer, uneven row
-    # counts (gloo's own list all-to-all needs equal ones), the rows in MXFP4 on the wire, written into
-    # the outputs in their dtype; not differentiable, returns None like torch's.
+
+def _list_dropin_case(d) -> None:
+    """c10d_all_to_all, the list form (torch.distributed.all_to_all): one tensor per peer, uneven row
+    counts (gloo's own list all-to-all needs equal ones), the rows in MXFP4 on the wire, written into
+    the outputs in their dtype; not differentiable, returns None like torch's."""
+    from moe_fp4.exchange import swap as comm
+
+    x, want, recvs, sends, group, m, world = d.x, d.want, d.recvs, d.sends, d.group, d.m, d.world
     ins = list(x.split(sends))
-    outs = [torch.full((r, H), float("nan"), dtype=bf16) for r in recvs]
+    outs = [torch.full((r, H), float("nan"), dtype=torch.bfloat16) for r in recvs]
     assert comm.c10d_all_to_all(outs, ins, group) is None
     _assert_same(torch.cat(outs), _rt(want), "list drop-in")
     outs32 = [torch.empty(r, 2, H // 2) for r in recvs]     # float32, [r, 2, H/2] rows
@@ -433,46 +474,71 @@ def _dropin_cases(rank: int, world: int):
     _assert_same(torch.cat(outs32).view(m, H), _rt(want.float()), "list drop-in, float32 [r, 2, H/2]")
     # async_op=True goes through torch's function unchanged (it returns a work handle; equal sizes
     # here, as gloo's needs): the exact float32 rows, and the call counted with its reason.
-    xq = _rows(rank, 2 * world, torch.float32)
-    want_eq = _route([[2] * world] * world, [_rows(r, 2 * world, torch.float32) for r in range(world)], rank)
+    xq = _rows(d.rank, 2 * world, torch.float32)
+    want_eq = _route([[2] * world] * world, [_rows(r, 2 * world, torch.float32) for r in range(world)], d.rank)
     with comm.swap_all_to_all(report=False) as cfg_default:
         eq_outs = [torch.empty(2, H) for _ in range(world)]
         comm.c10d_all_to_all(eq_outs, list(xq.split(2)), group, async_op=True).wait()
         _assert_same(torch.cat(eq_outs), want_eq, "list drop-in, async_op: torch's, exact")
     assert cfg_default.calls == {("all_to_all", "unmarked", "async_op"): 1}
 
-    # What cannot travel quantized goes through torch's own function, unchanged.
+
+def _passthrough_case(d) -> None:
+    """What cannot travel quantized goes through torch's own function, unchanged."""
+    from moe_fp4.exchange import swap as comm
+
+    S, recvs, sends, group, world = d.S, d.recvs, d.sends, d.group, d.world
     counts = torch.tensor(sends, dtype=torch.int64)
-    for fn, orig in ((comm.functional_all_to_all_single, torch_a2a), (comm.functional_all_to_all_single_autograd, torch_a2a_ag)):
+    for fn, orig in ((comm.functional_all_to_all_single, d.torch_a2a),
+                     (comm.functional_all_to_all_single_autograd, d.torch_a2a_ag)):
         got = _wait(fn(counts, None, None, group))
         assert got.dtype == torch.int64 and got.tolist() == recvs, fn.__name__
         assert torch.equal(got, _wait(orig(counts, None, None, group)))
     got = comm.nn_all_to_all_single(torch.empty(world, dtype=torch.int64), counts)
     assert got.dtype == torch.int64 and got.tolist() == recvs
     ints = [torch.arange(sum(S[r]) * 8, dtype=torch.int32).view(-1, 8) + 1000 * r for r in range(world)]
-    narrow = [xs_r[:, :48].contiguous() for xs_r in xs]     # 48 values a row: not a multiple of 32
+    narrow = [xs_r[:, :48].contiguous() for xs_r in d.xs]     # 48 values a row: not a multiple of 32
     flat = [torch.arange(sum(S[r]), dtype=torch.float32) + 100 * r for r in range(world)]
     for name, ts in (("int32 rows", ints), ("48-value rows", narrow), ("1-D float", flat)):
-        got = _wait(comm.functional_all_to_all_single(ts[rank], recvs, sends, group))
-        _assert_same(got, _route(S, ts, rank), name)
+        got = _wait(comm.functional_all_to_all_single(ts[d.rank], recvs, sends, group))
+        _assert_same(got, _route(S, ts, d.rank), name)
 
-    # The active SwapConfig picks the formats; rows that do not fit the format go through torch's, and
-    # leaving the scope says so (report=True, the default).
+
+def _active_config_case(d) -> None:
+    """The active SwapConfig picks the formats; rows that do not fit the format go through torch's, and
+    leaving the scope says so (report=True, the default)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_fp4.exchange import swap as comm
+
+    x, w, want, S, recvs, sends, group = d.x, d.w, d.want, d.S, d.recvs, d.sends, d.group
     with pytest.warns(RuntimeWarning, match=r"uncompressed, not in their role's wire format: all_to_all_single "
                                             r"\[unmarked\] \(row size\): 1"), \
             comm.swap_all_to_all(forward="fp8", backward="mxfp4") as cfg:
         _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "fp8 config")
-        x64 = [t[:, :64].contiguous() for t in xs]              # a multiple of 32, not of 128
-        _assert_same(_wait(funcol.all_to_all_single(x64[rank], recvs, sends, group)), _route(S, x64, rank),
+        x64 = [t[:, :64].contiguous() for t in d.xs]              # a multiple of 32, not of 128
+        _assert_same(_wait(funcol.all_to_all_single(x64[d.rank], recvs, sends, group)), _route(S, x64, d.rank),
                      "64-value rows with fp8 forward")
         xg = x.clone().requires_grad_()
         (funcol.all_to_all_single_autograd(xg, recvs, sends, group) * w).sum().backward()
-        _assert_same(xg.grad, _route(_transpose(S), [_rt(t, "mxfp4") for t in ws], rank), "mxfp4 backward config")
+        _assert_same(xg.grad, _route(_transpose(S), [_rt(t, "mxfp4") for t in d.ws], d.rank), "mxfp4 backward config")
     assert cfg.calls == {("all_to_all_single", "unmarked", "compressed"): 1,
                          ("all_to_all_single", "unmarked", "row size"): 1,
                          ("all_to_all_single_autograd", "unmarked", "compressed"): 1}
 
-    # swap_all_to_all replaces the SWAPPED attributes in the scope and restores them after.
+
+def _swap_and_restore_case(d) -> None:
+    """swap_all_to_all replaces the SWAPPED attributes in the scope (nested scopes: the innermost formats)
+    and restores them after, also when the body raises."""
+    import importlib
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.nn.functional as dnn
+
+    from moe_fp4.exchange import swap as comm
+
+    x, w, want, want_grad, recvs, sends, group, m = d.x, d.w, d.want, d.want_grad, d.recvs, d.sends, d.group, d.m
     assert not _swapped(comm)
     with comm.swap_all_to_all(report=False) as cfg:
         assert (cfg.dispatch.value, cfg.dispatch_grad.value, cfg.combine.value, cfg.combine_grad.value) == \
@@ -484,9 +550,9 @@ def _dropin_cases(rank: int, world: int):
             _assert_same(funcol.all_to_all_single(x, recvs, sends, group), _rt(want, "fp8"), "nested fp8")
         assert _swapped(comm)
         _assert_same(funcol.all_to_all_single(x, recvs, sends, group), _rt(want), "back to mxfp4 after the inner scope")
-        buf = torch.empty(m, H, dtype=bf16)
+        buf = torch.empty(m, H, dtype=torch.bfloat16)
         _assert_same(dnn.all_to_all_single(buf, x, recvs, sends, group), _rt(want), "swapped nn")
-        outs = [torch.empty(r, H, dtype=bf16) for r in recvs]
+        outs = [torch.empty(r, H, dtype=torch.bfloat16) for r in recvs]
         dist.all_to_all(outs, list(x.split(sends)), group=group)      # the list form, by torch's public name
         _assert_same(torch.cat(outs), _rt(want), "swapped torch.distributed.all_to_all")
         # Gradients flow through the swapped functions, also through an alias of torch's
@@ -494,29 +560,37 @@ def _dropin_cases(rank: int, world: int):
         # all_to_all_single by its module-global name, so it sends MXFP4 too.
         for name, fn in (("swapped all_to_all_single", funcol.all_to_all_single),
                          ("swapped all_to_all_single_autograd", funcol.all_to_all_single_autograd),
-                         ("alias of torch's all_to_all_single_autograd", torch_a2a_ag)):
+                         ("alias of torch's all_to_all_single_autograd", d.torch_a2a_ag)):
             xg = x.clone().requires_grad_()
             yg = _wait(fn(xg, recvs, sends, group))
             _assert_same(yg, _rt(want), name)
             (yg * w).sum().backward()
             _assert_same(xg.grad, want_grad, f"{name}: gradient")
-    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in _swappable(comm))
+    assert all(getattr(importlib.import_module(m_), a) is d.originals[(m_, a)] for m_, a, _ in _swappable(comm))
     with pytest.raises(RuntimeError, match="raised in the body"):
         with comm.swap_all_to_all(forward="fp8"):
             assert _swapped(comm)
             raise RuntimeError("raised in the body")
-    assert all(getattr(importlib.import_module(m_), a) is originals[(m_, a)] for m_, a, _ in _swappable(comm))
+    assert all(getattr(importlib.import_module(m_), a) is d.originals[(m_, a)] for m_, a, _ in _swappable(comm))
     # ... and the fp8 config is gone: the drop-in outside any scope sends MXFP4 again.
     _assert_same(comm.functional_all_to_all_single(x, recvs, sends, group), _rt(want), "config restored")
 
-    # modules=[...]: same-named attributes holding torch's functions are swapped too (a module object
-    # or a dotted name); an attribute holding something else is left alone.
+
+def _imported_names_case(d) -> None:
+    """modules=[...]: same-named attributes holding torch's functions are swapped too (a module object
+    or a dotted name); an attribute holding something else is left alone."""
+    import sys
+    import types
+
+    from moe_fp4.exchange import swap as comm
+
+    x, w, want, want_grad, recvs, sends, group = d.x, d.w, d.want, d.want_grad, d.recvs, d.sends, d.group
     loop = types.ModuleType("moe_fp4_test_ep_loop")
     exec(_IMPORTED_LOOP_SOURCE, loop.__dict__)
     sys.modules[loop.__name__] = loop
     nn_mod, fc_mod, other = (types.ModuleType(name) for name in ("nn_user", "funcol_user", "unrelated"))
-    nn_mod.all_to_all_single = torch_nn_a2a
-    fc_mod.all_to_all_single = torch_a2a
+    nn_mod.all_to_all_single = d.torch_nn_a2a
+    fc_mod.all_to_all_single = d.torch_a2a
 
     def own(*args):
         return args
@@ -532,16 +606,22 @@ def _dropin_cases(rank: int, world: int):
         _assert_same(yd, _rt(want), "imported-name loop sends MXFP4 in the scope")
         (yd * w).sum().backward()
         _assert_same(xd.grad, want_grad, "imported-name loop gradient")
-    assert loop.all_to_all_single_autograd is torch_a2a_ag
-    assert nn_mod.all_to_all_single is torch_nn_a2a and fc_mod.all_to_all_single is torch_a2a
+    assert loop.all_to_all_single_autograd is d.torch_a2a_ag
+    assert nn_mod.all_to_all_single is d.torch_nn_a2a and fc_mod.all_to_all_single is d.torch_a2a
     assert other.all_to_all_single is own
     _assert_same(loop.dispatch(x, recvs, sends, group), want, "imported-name loop is exact bf16 after the scope")
     del sys.modules[loop.__name__]
 
-    # An existing EP loop on torch's functional collectives: exact bf16 outside the scope. Inside, with
-    # the exchanges unmarked, both take the dispatch's formats (MXFP4, the combine too) and leaving
-    # the scope says so; marked with exchange_role, the dispatch is MXFP4 and the combine bf16. Its
-    # int64 count exchange goes through torch's function; gradients identical (bf16 back).
+
+def _ep_loop_case(d) -> None:
+    """An existing EP loop on torch's functional collectives (EP_LOOP_SPLITS): exact bf16 outside the
+    scope. Inside, with the exchanges unmarked, both take the dispatch's formats (MXFP4, the combine too)
+    and leaving the scope says so; marked with exchange_role, the dispatch is MXFP4 and the combine bf16.
+    Its int64 count exchange goes through torch's function; gradients identical (bf16 back)."""
+    from moe_fp4.exchange import swap as comm
+    from moe_fp4.exchange.wire import row_bytes
+
+    rank, world, group, bf16 = d.rank, d.world, d.group, torch.bfloat16
     S = EP_LOOP_SPLITS[world]
     sends, recvs = S[rank], _recv(S, rank)
     xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
@@ -584,7 +664,6 @@ def _dropin_cases(rank: int, world: int):
                                ("combine", "forward", "bf16"): sum(recvs) * row_bytes("bf16", H),
                                ("combine", "gradient", "bf16"): sum(sends) * row_bytes("bf16", H),
                                ("dispatch", "gradient", "bf16"): sum(recvs) * row_bytes("bf16", H)}
-    return {"ok": True, "spmd_types": _role_cases(rank, world)}
 
 
 _ROLE_DISPATCHER_SOURCE = """
@@ -604,49 +683,35 @@ class Dispatcher(Base):
     def exchange(self, x, output_split_sizes, input_split_sizes, group):
         return _wait(all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group))
 """
+# Four different formats, so that every value shows which role (and direction) it travelled in.
+_ROLE_FORMATS = dict(dispatch="fp8", dispatch_grad="mxfp4", combine="mxfp4", combine_grad="fp8")
 
 
-def _role_cases(rank: int, world: int):
-    """Dispatch and combine told apart, with four different formats so that every value shows which
-    role (and direction) it travelled in: a dispatcher's methods named in roles= (one inherited), the
-    gradients (run by autograd, outside any scope) in their role's gradient format, the c10d in-place
-    all_to_all_single drop-in, unmarked=, bad role specs, and spmd_types' all_to_all where installed."""
-    import importlib.util
-    import sys
-    import types
-
+def _roles_case(d, mod) -> None:
+    """A dispatcher's methods named in roles= (one inherited) tell the dispatch and the combine apart; the
+    gradients (run by autograd, outside any scope) travel in their role's gradient format; the c10d
+    in-place all_to_all_single drop-in in a combine scope; everything restored after the scope."""
     import torch.distributed as dist
 
     from moe_fp4 import exchange_role
-
     from moe_fp4.exchange import swap as comm
     from moe_fp4.exchange.wire import row_bytes
 
-    group = dist.group.WORLD
-    S = DROPIN_SPLITS[world]
-    sends, recvs = S[rank], _recv(S, rank)
-    n, m = sum(sends), sum(recvs)
-    bf16 = torch.bfloat16
-    xs = [_rows(r, sum(S[r]), bf16) for r in range(world)]
+    rank, world, S, x, want, recvs, sends, group = d.rank, d.world, d.S, d.x, d.want, d.recvs, d.sends, d.group
+    n, m, bf16 = d.n, d.m, torch.bfloat16
     wzs = [_weights(200 + r, sum(S[r]), bf16) for r in range(world)]     # loss weights of each rank's z
-    x, want = xs[rank], _route(S, xs, rank)
-    fmts = dict(dispatch="fp8", dispatch_grad="mxfp4", combine="mxfp4", combine_grad="fp8")
-
-    mod = types.ModuleType("moe_fp4_test_dispatcher")
-    exec(_ROLE_DISPATCHER_SOURCE, mod.__dict__)
-    sys.modules[mod.__name__] = mod
     torch_ag = mod.all_to_all_single_autograd
     exchange, exchange_back = mod.Dispatcher.exchange, mod.Base.exchange_back
     roles = {"dispatch": f"{mod.__name__}:Dispatcher.exchange", "combine": [f"{mod.__name__}:Dispatcher.exchange_back"]}
     with pytest.warns(RuntimeWarning, match=r"uncompressed, not in their role's wire format: "
                                             r"c10d.all_to_all_single \[combine\] \(async_op\): 1"), \
-            comm.swap_all_to_all(**fmts, roles=roles) as cfg:
+            comm.swap_all_to_all(**_ROLE_FORMATS, roles=roles) as cfg:
         assert mod.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd, "the module's own name"
-        d = mod.Dispatcher()
+        dispatcher = mod.Dispatcher()
         xg = x.clone().requires_grad_()
-        y = d.exchange(xg, recvs, sends, group)
+        y = dispatcher.exchange(xg, recvs, sends, group)
         _assert_same(y, _rt(want, "fp8"), "roles=: the dispatch in fp8")
-        z = d.exchange_back(y, sends, recvs, group)
+        z = dispatcher.exchange_back(y, sends, recvs, group)
         _assert_same(z, _rt(_rt(x, "fp8"), "mxfp4"), "roles=: the combine (inherited method) in mxfp4")
         # the c10d in-place drop-in, in a combine scope: fills `output`, returns None; async_op passes
         out = torch.full((m, H), float("nan"), dtype=bf16)
@@ -674,43 +739,72 @@ def _role_cases(rank: int, world: int):
     assert mod.Dispatcher.exchange is exchange and "exchange_back" not in vars(mod.Dispatcher)
     assert mod.Base.exchange_back is exchange_back and mod.all_to_all_single_autograd is torch_ag
 
-    # A module first imported inside the scope that imported a swapped name keeps the drop-in only
-    # while the scope lasts (else it would send MXFP4 ever after); its methods were not marked.
+
+def _late_import_case(d, mod) -> None:
+    """A module first imported inside the scope that imported a swapped name keeps the drop-in only
+    while the scope lasts (else it would send MXFP4 ever after); its methods were not marked."""
+    import sys
+    import types
+
+    from moe_fp4.exchange import swap as comm
+
     with comm.swap_all_to_all(report=False):
         late = types.ModuleType("moe_fp4_test_late_import")
         exec(_ROLE_DISPATCHER_SOURCE, late.__dict__)
         sys.modules[late.__name__] = late
         assert late.all_to_all_single_autograd is comm.functional_all_to_all_single_autograd
         assert not hasattr(late.Dispatcher.exchange, "__moe_fp4_role__")
-    assert late.all_to_all_single_autograd is torch_ag
+    assert late.all_to_all_single_autograd is d.torch_a2a_ag
     del sys.modules[late.__name__]
 
-    # unmarked="combine": calls outside every scope take the combine's formats.
+
+def _unmarked_combine_case(d, mod) -> None:
+    """unmarked="combine": calls outside every scope take the combine's formats."""
+    from moe_fp4.exchange import swap as comm
+
     with pytest.warns(RuntimeWarning, match=r"1 all-to-all call\(s\) ran outside any dispatch/combine scope and "
                                             r"were sent as the combine \(mxfp4/fp8\)"), \
-            comm.swap_all_to_all(**fmts, unmarked="combine", modules=[mod.__name__]) as cfg_u:
-        _assert_same(mod.Dispatcher().exchange(x, recvs, sends, group), _rt(want, "mxfp4"), "unmarked=combine")
+            comm.swap_all_to_all(**_ROLE_FORMATS, unmarked="combine", modules=[mod.__name__]) as cfg_u:
+        _assert_same(mod.Dispatcher().exchange(d.x, d.recvs, d.sends, d.group), _rt(d.want, "mxfp4"),
+                     "unmarked=combine")
     assert cfg_u.calls == {("all_to_all_single_autograd", "unmarked", "compressed"): 1}
 
-    # Bad role specs raise before anything runs, and leave nothing swapped.
+
+def _bad_role_specs_case(d, mod) -> None:
+    """Bad role specs raise before anything runs, and leave nothing swapped."""
+    import importlib
+
+    from moe_fp4.exchange import swap as comm
+
+    exchange = mod.Dispatcher.exchange
     for bad, match in (({"dispatch": "no_colon_here"}, "is not 'module:Class.method'"),
                        ({"dispatch": f"{mod.__name__}:Dispatcher.missing"}, "names no function|has no attribute"),
-                       ({"merge": f"{mod.__name__}:Dispatcher.exchange"}, "'merge' is not a valid Role")):
+                       ({"merge": f"{mod.__name__}:Dispatcher.exchange"},
+                        "role='merge' is not one of 'dispatch', 'combine'")):
         with pytest.raises((ValueError, AttributeError), match=match):
             with comm.swap_all_to_all(roles=bad):
                 raise AssertionError("the body must not run")
         assert not any(getattr(importlib.import_module(m_), a) is f for m_, a, f in _swappable(comm)), bad
         assert mod.Dispatcher.exchange is exchange
-    del sys.modules[mod.__name__]
+
+
+def _spmd_types_case(d) -> str:
+    """spmd_types.all_to_all (torchtitan's default backend): rows (V -> V, uneven splits) in the role's
+    formats and, differentiable, the gradient in the role's gradient format. Arguments it does not take
+    (an op_dtype) go to spmd_types' own, whose list all-to-all the list drop-in takes. -> "ran", or
+    "not installed" (reported as a skip by test_spmd_types_all_to_all_dropin)."""
+    import importlib.util
+
+    from moe_fp4 import exchange_role
+    from moe_fp4.exchange import swap as comm
+    from moe_fp4.exchange.wire import row_bytes
 
     if importlib.util.find_spec("spmd_types") is None:
-        return "not installed"   # reported as a skip by test_spmd_types_all_to_all_dropin
-    # spmd_types.all_to_all (torchtitan's default backend): rows (V -> V, uneven splits) in the role's
-    # formats and, differentiable, the gradient in the role's gradient format. Arguments it does not
-    # take (an op_dtype) go to spmd_types' own, whose list all-to-all the list drop-in takes.
+        return "not installed"
     import spmd_types as spmd
 
-    ws = [_weights(d, sum(_recv(S, d)), bf16) for d in range(world)]
+    rank, world, S, x, want, recvs, sends, group = d.rank, d.world, d.S, d.x, d.want, d.recvs, d.sends, d.group
+    bf16, ws = torch.bfloat16, d.ws
     with comm.swap_all_to_all(dispatch="mxfp4", dispatch_grad="fp8") as cfg_s:
         assert spmd.all_to_all is comm.spmd_all_to_all
         xs_g = x.clone().requires_grad_()
@@ -734,17 +828,45 @@ def _role_cases(rank: int, world: int):
     assert cfg_s.calls == {("spmd_types.all_to_all", "dispatch", "compressed"): 2,
                            ("spmd_types.all_to_all", "dispatch", "to spmd_types' own"): 1,
                            ("all_to_all", "dispatch", "compressed"): 1}, cfg_s.calls
-    assert cfg_s.wire[("dispatch", "gradient", "fp8")] == m * row_bytes("fp8", H)
+    assert cfg_s.wire[("dispatch", "gradient", "fp8")] == d.m * row_bytes("fp8", H)
     return "ran"
+
+
+# The drop-in cases in the order every rank runs them (the same collectives in the same order on every
+# rank), all on one _dropin_setup; the role cases share one dispatcher module (_ROLE_DISPATCHER_SOURCE).
+DROPIN_CASES = (_swapped_names_case, _functional_dropin_case, _nn_dropin_case, _list_dropin_case, _passthrough_case,
+                _active_config_case, _swap_and_restore_case, _imported_names_case, _ep_loop_case)
+ROLE_CASES = (_roles_case, _late_import_case, _unmarked_combine_case, _bad_role_specs_case)
+
+
+def _dropin_cases(rank: int, world: int):
+    """-> {"ran": the names of the cases run, "spmd_types": _spmd_types_case's outcome}."""
+    import sys
+    import types
+
+    d = _dropin_setup(rank, world)
+    ran = []
+    for case in DROPIN_CASES:
+        case(d)
+        ran.append(case.__name__)
+    mod = types.ModuleType("moe_fp4_test_dispatcher")
+    exec(_ROLE_DISPATCHER_SOURCE, mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    for case in ROLE_CASES:
+        case(d, mod)
+        ran.append(case.__name__)
+    del sys.modules[mod.__name__]
+    return {"ran": ran, "spmd_types": _spmd_types_case(d)}
 
 
 def test_dropins_and_swap(comm_results):
     world, results = comm_results
-    assert [res["dropins"]["ok"] for res in results] == [True] * world
+    names = [case.__name__ for case in DROPIN_CASES + ROLE_CASES]
+    assert [res["dropins"]["ran"] for res in results] == [names] * world
 
 
 def test_spmd_types_all_to_all_dropin(comm_results):
-    """spmd_types.all_to_all (torchtitan's default backend) is checked inside _role_cases where spmd_types
+    """spmd_types.all_to_all (torchtitan's default backend) is checked by _spmd_types_case where spmd_types
     is installed: this test reports whether it ran, as a skip with the reason where it could not."""
     world, results = comm_results
     ran = {res["dropins"]["spmd_types"] for res in results}
@@ -758,7 +880,32 @@ def test_spmd_types_all_to_all_dropin(comm_results):
 # Errors: raised on every rank, then a normal exchange in the same processes.
 
 
-def _error_cases(rank: int, world: int):
+class _Expect:
+    """The error cases' shared setup: this rank's rows ``x`` [n = 2 * world, H], equal splits ``even``, the
+    ``last`` rank; called as ``expect(what, call, pattern, cls, bad_rank)`` it runs one case on every rank,
+    then a normal exchange, and records ``what`` in ``checked``."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.n, self.even, self.last = rank, world, 2 * world, [2] * world, world - 1
+        self.x = _rows(rank, self.n, torch.bfloat16)
+        self.checked = []
+
+    def __call__(self, what, call, pattern, cls=ValueError, bad_rank=None):
+        """Every rank raises: ``cls`` on ``bad_rank`` (all ranks if None), ValueError on the others."""
+        with pytest.raises(cls if bad_rank in (None, self.rank) else ValueError, match=pattern):
+            call()
+        self.checked.append(what)
+        _check_equal_split_exchange(self.rank, self.world)
+
+    def others(self, bad_rank, own_pattern):
+        """The pattern this rank raises when only ``bad_rank``'s input is wrong."""
+        import re
+
+        return own_pattern if self.rank == bad_rank else re.escape(f"rank(s) [{bad_rank}] rejected their input")
+
+
+def _split_errors(e: _Expect) -> None:
+    """Splits that do not sum to N, or that disagree across ranks (also through a swapped drop-in)."""
     import re
 
     import torch.distributed as dist
@@ -767,21 +914,7 @@ def _error_cases(rank: int, world: int):
     from moe_fp4.exchange.a2a import all_to_all
     from moe_fp4.exchange.swap import swap_all_to_all
 
-    torch.set_num_threads(1)
-    n, even = 2 * world, [2] * world
-    x = _rows(rank, n, torch.bfloat16)
-    last = world - 1
-    checked = []
-
-    def expect(what, call, pattern, cls=ValueError, bad_rank=None):
-        """Every rank raises: ``cls`` on ``bad_rank`` (all ranks if None), ValueError on the others."""
-        with pytest.raises(cls if bad_rank in (None, rank) else ValueError, match=pattern):
-            call()
-        checked.append(what)
-        _check_equal_split_exchange(rank, world)
-
-    def others(bad_rank, own_pattern):
-        return own_pattern if rank == bad_rank else re.escape(f"rank(s) [{bad_rank}] rejected their input")
+    rank, n, even, x, expect, others = e.rank, e.n, e.even, e.x, e, e.others
 
     # input_split_sizes that do not sum to N, on rank 0 only
     sends = [*even[:-1], 3] if rank == 0 else even
@@ -799,6 +932,16 @@ def _error_cases(rank: int, world: int):
 
     # the same through a swapped drop-in
     expect("splits disagree through the drop-in", swapped_call, disagree)
+
+
+def _hidden_size_errors(e: _Expect) -> None:
+    """H not a multiple of the wire format's block, on every rank or on one."""
+    import re
+
+    from moe_fp4.exchange.a2a import all_to_all
+
+    rank, x, last, expect, others = e.rank, e.x, e.last, e, e.others
+
     # H not a multiple of 32 (mxfp4) / 128 (fp8, either direction, or an fp8 output)
     x48, x64 = x[:, :48].contiguous(), x[:, :64].contiguous()
     expect("H % 32 for mxfp4", lambda: all_to_all(x48, forward="mxfp4"),
@@ -812,18 +955,39 @@ def _error_cases(rank: int, world: int):
     # H % 32 on one rank only
     xh = x48 if rank == last else x
     expect("H % 32 on one rank", lambda: all_to_all(xh), others(last, re.escape("H = 48 must be a multiple of 32")))
+
+
+def _one_rank_input_errors(e: _Expect) -> None:
+    """An input only one rank gets wrong: its dtype, its shape, its type, a format name."""
+    import re
+
+    from moe_fp4.exchange.a2a import all_to_all
+
+    rank, n, x, last, expect, others = e.rank, e.n, e.x, e.last, e, e.others
+
     # an integer tensor on one rank
     xi = torch.zeros(n, H, dtype=torch.int64) if rank == last else x
     expect("int dtype on one rank", lambda: all_to_all(xi),
            others(last, re.escape("x must be bfloat16, float16 or float32") + ".*got torch.int64"), TypeError, last)
     # not [N, H], not a tensor, an unknown format name: on one rank, raised on all after the count exchange
     xs3 = x.view(n, 2, H // 2) if rank == 0 else x
-    expect("3-D x on one rank", lambda: all_to_all(xs3), others(0, re.escape(f"x must be [N, H], got shape {(n, 2, H // 2)}")))
+    expect("3-D x on one rank", lambda: all_to_all(xs3),
+           others(0, re.escape(f"x must be [N, H], got shape {(n, 2, H // 2)}")))
     xl = x.tolist() if rank == 1 else x
     expect("a list for x on one rank", lambda: all_to_all(xl),
            others(1, re.escape("x must be a tensor, an FP8BlockTensor or an MXFP4Tensor, got list")), TypeError, 1)
     expect("unknown format name on one rank", lambda: all_to_all(x, backward="mxfp8" if rank == last else "bf16"),
-           others(last, "'mxfp8' is not a valid WireFormat"))
+           others(last, "wire format 'mxfp8' is not one of 'mxfp4', 'fp8'"))
+
+
+def _disagreement_errors(e: _Expect) -> None:
+    """Ranks that disagree on the dtype, H or a format."""
+    import re
+
+    from moe_fp4.exchange.a2a import all_to_all
+
+    rank, world, x, expect = e.rank, e.world, e.x, e
+
     # ranks that disagree on dtype, H, formats
     expect("dtype disagreement", lambda: all_to_all(x.float() if rank == 1 else x), "ranks disagree on dtype")
     expect("H disagreement", lambda: all_to_all(x[:, :128].contiguous() if rank == 1 else x),
@@ -832,6 +996,16 @@ def _error_cases(rank: int, world: int):
            "ranks disagree on forward format")
     expect("output format disagreement", lambda: all_to_all(x, output="mxfp4" if rank == 1 else "bf16"),
            "ranks disagree on output format")
+
+
+def _split_list_errors(e: _Expect) -> None:
+    """Split lists of the wrong length, negative sizes, equal splits that do not divide."""
+    import re
+
+    from moe_fp4.exchange.a2a import all_to_all
+
+    rank, world, n, even, x, expect, others = e.rank, e.world, e.n, e.even, e.x, e, e.others
+
     # split lists of the wrong length, negative sizes, equal splits that do not divide
     expect("input_split_sizes too long", lambda: all_to_all(x, even, [*even, 0] if rank == 0 else even),
            others(0, re.escape(f"input_split_sizes has {world + 1} entries for a group of {world} ranks")))
@@ -842,10 +1016,21 @@ def _error_cases(rank: int, world: int):
     xo = x[:n - 1] if rank == 0 else x
     expect("None splits that do not divide", lambda: all_to_all(xo),
            others(0, re.escape(f"{n - 1} rows do not divide into {world} ranks")))
+
+
+# The error groups in the order every rank runs them; their cases, in order, are ERROR_CASES.
+ERROR_GROUPS = (_split_errors, _hidden_size_errors, _one_rank_input_errors, _disagreement_errors, _split_list_errors)
+
+
+def _error_cases(rank: int, world: int):
+    torch.set_num_threads(1)
+    e = _Expect(rank, world)
+    for group in ERROR_GROUPS:
+        group(e)
     # nothing is left half-done: a quantized exchange with gradients works too
     _check_equal_split_exchange(rank, world, "mxfp4")
     _check_equal_split_exchange(rank, world, "fp8")
-    return checked
+    return e.checked
 
 
 def test_errors_raise_on_every_rank_and_nothing_hangs(comm_results):

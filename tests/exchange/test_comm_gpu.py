@@ -12,9 +12,8 @@ could not reveal rows swapped within a sender's block).
 import os
 
 import pytest
-import torch
-
 import test_ep
+import torch
 from distributed import run_ranks
 
 pytestmark = [pytest.mark.gpu,
@@ -23,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
 WORLD = int(os.environ.get("MOE_FP4_TEST_WORLD", 0)) or max(
     (w for w in (2, 4, 8) if w <= torch.cuda.device_count()), default=2)
 # test_ep's CPU floors (emulated GEMMs), except fp8's w2: cuBLAS's accumulation order moves other FP8
-# code flips of the output gradient. Lowest over ranks measured on 2x H200 (commit 3f8ea4c): bf16 out
+# code flips of the output gradient. Lowest over ranks measured on 2x H200: bf16 out
 # 49.82, dx 46.12, w13 46.86, w2 45.96, router 46.93; fp8 49.57, 39.11, 36.55, 35.29, 46.16; fp4 50.14,
 # 38.96, 35.29, 34.61, 45.85 -- every value above the CPU floor but fp8 w2 (35.7): 1 dB under it.
 EP_MATCH_FLOOR_DB_GPU = {p: dict(row) for p, row in test_ep.EP_MATCH_FLOOR_DB.items()}
@@ -53,8 +52,9 @@ def _a2a_case(rank, world, device="cuda"):
     sender packed (its whole send buffer: NVFP4's tensor scale is the sender's), routed; the gradient
     of per-element random loss weights comes back, bit for bit, as the CPU reference round trip of each
     receiver's gradient rows (stochastic formats: the same seed, step and sender rank), routed back."""
-    import moe_fp4
     from helpers import same_bits
+
+    import moe_fp4
     from moe_fp4.exchange import wire as W
 
     hidden = 1024
@@ -166,6 +166,7 @@ def test_ep_layer_nccl_matches_single_gpu_layer():
     accumulation order alone, remeasure on the GPU and widen with the numbers in the comment, as
     EP_MATCH_FLOOR_DB_GPU does."""
     from helpers import lowest
+
     from moe_fp4.exchange.recipes import RECIPES
 
     results = run_ranks(_layer_case, WORLD, backend="nccl")

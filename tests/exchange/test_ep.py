@@ -23,7 +23,6 @@ import math
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 
@@ -47,7 +46,7 @@ def config(world: int) -> dict:
 # SQNR floors (dB) of the EP layer against the same layer without EP, 1 dB under the lowest value
 # measured on any rank at world 2 and 4: bf16 out 49.42, dx 44.38, w13 45.38, w2 45.73, router 44.39;
 # fp8 out 49.30, dx 33.26, w13 32.47, w2 36.78, router 44.97; fp4 out 49.45, dx 33.44, w13 29.47,
-# w2 34.77, router 43.78. (Remeasured 2026-11-27 on CPU: out, dx, w13 and w2 bit-identical at every world,
+# w2 34.77, router 43.78. (Remeasured on CPU: out, dx, w13 and w2 bit-identical at every world,
 # the router 48.2-49.9 dB.) No ceiling: both sides run the same precision and formats, so equal is the
 # ideal; what travels is checked by the rows' bytes per role (check_wire).
 EP_MATCH_FLOOR_DB = {
@@ -55,18 +54,18 @@ EP_MATCH_FLOOR_DB = {
     "fp8": {"out": 48.3, "dx": 32.2, "w13": 31.4, "w2": 35.7, "router": 43.9},
     "fp4": {"out": 48.4, "dx": 32.4, "w13": 28.4, "w2": 33.7, "router": 42.7},
 }
-# At world 8 (E = 8, one expert per rank; 2026-11-23, CPU) out, dx, w13 and w2 are bit-identical on
+# At world 8 (E = 8, one expert per rank; CPU) out, dx, w13 and w2 are bit-identical on
 # every rank (SQNR inf) in all three precisions; the summed router gradient is at 48.25 dB at the lowest.
 # Quantized combine and gradient exchanges against the bf16 defaults, fp8 layer, two configurations
 # (QUANTIZED_WIRES), each checked within a band: floor AND ceiling, so that a wire that sends another
 # format than the configured one (fp8, bf16: SQNR 30 dB to inf) fails, besides the per-role row bytes.
 # mixed (combine mxfp4, dispatch_grad fp8, combine_grad mxfp4): measured out 18.54, dx 23.04 dB at the
 # lowest at world 2 and 4, floors 1 dB under; at world 8 the lowest are out 18.30, dx 23.15 (every rank).
-# Over worlds 2, 4 and 8 (CPU, 2026-11-27): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
+# Over worlds 2, 4 and 8 (CPU): out 18.30-18.78, dx 23.15-25.47; ceilings 1 dB over the highest.
 # nvfp4 (all three nvfp4), same runs: out 20.17-20.65, dx 20.15-21.84; floor and ceiling 1 dB around.
 # sr (the combine gradient alone in mxfp4-sr, as fp4-sr sends it): the forward is the unquantized wire's (out
-# inf, checked equal); dx measured 24.28-27.17 dB over every rank with tokens at worlds 2, 4 and 8 (CPU,
-# 2026-11-28); band 1 dB around (the bf16 wire sent instead: inf).
+# inf, checked equal); dx measured 24.28-27.17 dB over every rank with tokens at worlds 2, 4 and 8 (CPU);
+# band 1 dB around (the bf16 wire sent instead: inf).
 QUANTIZED_WIRES = {
     "mixed": dict(combine="mxfp4", dispatch_grad="fp8", combine_grad="mxfp4"),
     "nvfp4": dict(combine="nvfp4", dispatch_grad="nvfp4", combine_grad="nvfp4"),
@@ -190,8 +189,7 @@ EXACT_RECIPE = {"bf16": "bf16", "fp8": "fp8", "fp4": "paper"}
 
 def _compare(rank, world, precision, ep_kwargs=None, device="cpu"):
     import torch.distributed as dist
-
-    from helpers import sqnr_db   # fails on NaN / Inf (docs/testing.md)
+    from helpers import sqnr_db  # fails on NaN / Inf (docs/testing.md)
 
     ref, m, el = _layers(rank, world, precision, {"recipe": EXACT_RECIPE[precision], **(ep_kwargs or {})}, device)
     xs = _tokens(world, precision, device)
@@ -220,7 +218,7 @@ def _against_default_wire(rank, world, formats, token_scale=1.0, default=None, d
     dispatch, bf16 otherwise), on this rank's tokens times ``token_scale`` -> output and input-gradient
     SQNR in dB (None for a rank without tokens) and the wire log of the quantized step. ``default``: the
     default-wire step's (y, dx) on the same tokens, when already run."""
-    from helpers import sqnr_db   # fails on NaN / Inf (docs/testing.md)
+    from helpers import sqnr_db  # fails on NaN / Inf (docs/testing.md)
 
     _, m_q, _ = _layers(rank, world, "fp8", {**UNQUANTIZED_REST, **formats}, device)
     x = _tokens(world, "fp8", device)[rank] * token_scale
@@ -295,7 +293,7 @@ def _auto_rule(rank, world):
     return {"local": local, "ratio": ratios}
 
 
-# The sqrt(3) rule's weight noise (issue 47): (precision, auto_format) cases, the slot path (mxfp4: the rows reach
+# The sqrt(3) rule's weight noise: (precision, auto_format) cases, the slot path (mxfp4: the rows reach
 # the experts as they arrived) and the decoded path (nvfp4-sr), FC2 inputs in bf16, FP8 and MXFP4.
 WEIGHT_NOISE_CASES = (("bf16", "mxfp4"), ("fp8", "mxfp4"), ("fp8", "nvfp4-sr"), ("fp4", "mxfp4-sr"))
 
@@ -443,8 +441,8 @@ def _ep_case(rank, world):
     return out
 
 
-# Worlds 2 and 4 (world 4: one expert per rank). World 8 ran here until 2026-11-28 and agreed with them
-# (the measurements below); it was dropped for the CI machine's time: 37 s of rank start-up before its cases.
+# Worlds 2 and 4 (world 4: one expert per rank). World 8 agrees with them (the measurements below) and is left
+# out for the CI machine's time: 37 s of rank start-up before its cases.
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def ep_results(request):
     world = request.param
@@ -588,7 +586,7 @@ def test_dispatch_plan_sends_each_token_once_per_rank(ep_results):
 
 
 # ---------------------------------------------------------------------------------------------
-# Recomputation under expert parallelism (issue 30, moe_fp4.model.moe.Recompute; the single-process policies are
+# Recomputation under expert parallelism (moe_fp4.model.moe.Recompute; the single-process policies are
 # in test_recompute.py): no exchange is repeated and the gradients are bit-identical to no recomputation.
 
 def _ep_policies(rank, world):
@@ -652,7 +650,7 @@ def test_ep_sqrt3_rule_decides_from_the_whole_group(ep_results):
 
 
 # sum_ranks ||dW2(auto) - dW2(bf16 combine gradient)||^2 over the rule's estimate sum_r ||a_r||^2 ||e_r||^2, world 2,
-# measured 2026-11-28 on CPU: bf16 mxfp4 1.000 (the same FC2 input on both sides: only the cross terms differ),
+# measured on CPU: bf16 mxfp4 1.000 (the same FC2 input on both sides: only the cross terms differ),
 # fp8 mxfp4 1.122, fp8 nvfp4-sr 1.067, fp4 mxfp4-sr 1.026 (the FP8 weight-gradient operands round dY again, on
 # each side differently). Band: 0.9 to 1.25. An estimate from the wrong rows, of the payload alone (no a_r
 # weighting: ratios 6-9 here) or missing a rank's rows would leave it.
@@ -687,9 +685,9 @@ def test_ep_nvfp4_dispatch_feeds_the_expert_gemms(ep_results):
             in_band(got[name], floor, NVFP4_DISPATCH_CEILING_DB[name], f"rank {rank} nvfp4 dispatch {name}")
 
 
-# NVFP4 dispatch against the fp8 dispatch, fp8 layer (CPU, 2026-11-26): measured out 15.87-17.07 dB, dx
+# NVFP4 dispatch against the fp8 dispatch, fp8 layer (CPU): measured out 15.87-17.07 dB, dx
 # 13.87-19.46 dB over every rank with tokens at worlds 2, 4 and 8. Floors 1 dB under the lowest. A row
 # decoded with another sender's tensor scale would be off by at least 10x (SQNR below 0 dB). Ceilings 1 dB
-# over the highest (remeasured 2026-11-27, the same range): a dispatch that sent fp8 instead measures inf.
+# over the highest (remeasured: the same range): a dispatch that sent fp8 instead measures inf.
 NVFP4_DISPATCH_FLOOR_DB = {"out": 14.8, "dx": 12.8}
 NVFP4_DISPATCH_CEILING_DB = {"out": 18.1, "dx": 20.5}

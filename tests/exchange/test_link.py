@@ -9,8 +9,14 @@ import torch.distributed as dist
 from moe_fp4.compare.report import wire_text
 from moe_fp4.exchange.ep import EPConfig
 from moe_fp4.exchange.link import Link, detect_link, host_id, link_of, p2p_disabled
-from moe_fp4.exchange.recipes import (LINK_RECIPE, PRECISION_RECIPE, RECIPES, default_recipe, default_recipe_name,
-                                      follows_link)
+from moe_fp4.exchange.recipes import (
+    LINK_RECIPE,
+    PRECISION_RECIPE,
+    RECIPES,
+    default_recipe,
+    default_recipe_name,
+    follows_link,
+)
 
 
 def test_link_of_the_ranks():

@@ -40,7 +40,7 @@ def test_each_precision_has_its_recipe_and_fp8_sends_both_gemm_streams_in_fp8():
     assert default_recipe("fp8").as_dict() == {"dispatch": "fp8", "combine": "bf16", "dispatch_grad": "bf16",
                                                "combine_grad": "fp8"}
     # fp4's without a link to follow (the peer link's): both GEMM-feeding streams in MXFP4, the summed streams in
-    # FP8 (the fastest lossless recipe within one host, bench/RESULTS.md 2026-11-28; per link: test_link.py).
+    # FP8 (the fastest within one host of the MXFP4 recipes, which train alike; per link: test_link.py).
     assert default_recipe("fp4") is RECIPES["fp4-fp8sums"]
     with pytest.raises(ValueError, match="no default wire recipe for precision 'int8'"):
         default_recipe("int8")

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import INPUT_KINDS, make_input, same_bits, torch_references
 
 import moe_fp4
-from helpers import INPUT_KINDS, make_input, same_bits, torch_references
-from moe_fp4.exchange.wire import HIDDEN_MULTIPLE, OutputFormat, WireFormat, row_bytes, seed_stochastic_rounding, unpack, views
+from moe_fp4.exchange.wire import (
+    HIDDEN_MULTIPLE,
+    OutputFormat,
+    WireFormat,
+    row_bytes,
+    seed_stochastic_rounding,
+    unpack,
+    views,
+)
 from moe_fp4.exchange.wire import pack as _wire_pack
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

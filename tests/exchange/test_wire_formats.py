@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
+from optional_stacks import import_or_skip
 
 H = 64
 
@@ -70,8 +70,8 @@ def test_stochastic_rows_reproducible_from_the_seed_and_distinct_per_rank(fmt):
 
 def test_stochastic_formats_are_refused_for_values():
     from moe_fp4.compare.cli import parse_wire
-    from moe_fp4.exchange.swap import SwapConfig
     from moe_fp4.exchange.ep import EPConfig
+    from moe_fp4.exchange.swap import SwapConfig
 
     for make in (lambda: EPConfig(combine="mxfp4-sr"), lambda: SwapConfig(dispatch="nvfp4-sr")):
         with pytest.raises(ValueError, match="for gradients only"):
@@ -84,7 +84,7 @@ def test_stochastic_formats_are_refused_for_values():
 
 
 def test_the_hugging_face_formats_refuse_them_too():
-    pytest.importorskip("transformers.distributed.expert_parallel")
+    import_or_skip("transformers.distributed.expert_parallel")
     from moe_fp4.integrations.hf import HFEPFormats
 
     with pytest.raises(ValueError, match="for gradients only"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import INPUT_KINDS, make_input, same_bits
+
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import transpose as KT
 

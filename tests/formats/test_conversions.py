@@ -6,11 +6,21 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    INPUT_KINDS,
+    dequant_transpose_quantize,
+    highest,
+    in_band,
+    lowest,
+    make_input,
+    pow2_ceil_exponent,
+    same_bits,
+    same_values,
+    sqnr_db,
+)
 
 import moe_fp4
 from moe_fp4.formats import reference as REF
-from helpers import (INPUT_KINDS, dequant_transpose_quantize, highest, in_band, lowest, make_input,
-                     pow2_ceil_exponent, same_bits, same_values, sqnr_db)
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
 # Round-trip SQNR floors for N(0, 1) data, set 1.5 dB under what this suite's inputs measure
@@ -137,7 +147,8 @@ def test_the_tests_sqnr_fails_on_nan_and_inf():
     y = x.clone()
     y[1, 3] = math.nan
     assert math.isnan(moe_fp4.formats.metrics.sqnr_db(x, y)) and not math.nan < 10.0   # what the helper prevents
-    with pytest.raises(AssertionError, match=r"the result is not finite: 1 of 128 values are NaN or Inf \(first at \(1, 3\)"):
+    with pytest.raises(AssertionError,
+                       match=r"the result is not finite: 1 of 128 values are NaN or Inf \(first at \(1, 3\)"):
         sqnr_db(x, y, "dW2")
     with pytest.raises(AssertionError, match="the reference is not finite"):
         sqnr_db(y, x)

@@ -93,7 +93,8 @@ def test_fused_fp8_and_mxfp4_quantization_rejects_bad_input():
         with pytest.raises(TypeError, match=f"quantize_fp8_and_mxfp4: expected a bfloat16/float16/float32 tensor, "
                                             f"got {dtype}"):
             fn(torch.ones(2, 128).to(dtype))
-    with pytest.raises(ValueError, match=r"quantize_fp8_and_mxfp4: the input must be contiguous \(got strides \(1, 4\)\)"):
+    with pytest.raises(ValueError,
+                       match=r"quantize_fp8_and_mxfp4: the input must be contiguous \(got strides \(1, 4\)\)"):
         fn(torch.ones(128, 4).t())
     with pytest.raises(TypeError, match="quantize_fp8_and_mxfp4: expected a torch.Tensor, got list"):
         fn([1.0] * 128)
@@ -105,6 +106,7 @@ def test_fp8_to_fp8_colwise_rejects_bad_input_and_takes_a_short_last_tile(refere
     # On the reference conversion behind the public function's checks (``references``): the kernel equals
     # it bit for bit, short tiles included, in test_kernels.py / test_fp8_colwise.py.
     from helpers import same_bits
+
     from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 
     fn = moe_fp4.fp8_to_fp8_colwise

@@ -12,14 +12,21 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from helpers import make_input, same_bits
+
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import transpose as KT
 from moe_fp4.kernels.numerics import encode_e4m3, exp2_int, fp8_scale_exponent
-from moe_fp4.kernels.triton_numerics import (e4m3x4_to_f16x2, e4m3x4_to_f16x2_asm, f16x2x2_to_e4m3x4,
-                                             f16x2x2_to_e4m3x4_asm, max_abs_f16x2, max_abs_f16x2_asm,
-                                             mul_f16x2, mul_f16x2_asm)
+from moe_fp4.kernels.triton_numerics import (
+    e4m3x4_to_f16x2,
+    e4m3x4_to_f16x2_asm,
+    f16x2x2_to_e4m3x4,
+    f16x2x2_to_e4m3x4_asm,
+    max_abs_f16x2,
+    max_abs_f16x2_asm,
+    mul_f16x2,
+    mul_f16x2_asm,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ASMS = [False] + ([True] if DEVICE == "cuda" else [])

@@ -10,19 +10,34 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from helpers import INPUT_KINDS, make_input, same_bits
+
 import moe_fp4
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import mxfp4 as KMX
 from moe_fp4.kernels import transpose as KT
 from moe_fp4.kernels.numerics import decode_e2m1, encode_e2m1, encode_e4m3, exp2_int, pack_nibbles
-from moe_fp4.kernels.triton_numerics import (bytes_0246, bytes_0246_asm, bytes_transpose4x4, bytes_transpose4x4_asm,
-                                             e2m1_decode_scaled, e2m1_pairs_to_base_flagged,
-                                             e2m1_pairs_to_base_flagged_asm, e2m1_rne_mag,
-                                             e2m1x4_to_e4m3x4, e2m1x4_to_e4m3x4_asm, e2m1x4_to_e4m3x4_tables,
-                                             e2m1x2_rne_bf16x2, e4m3_rne, e4m3_rne_asm, e4m3x4_to_e2m1x4,
-                                             f32x2_to_e4m3x2_asm, max15x2, max_u16x2_asm, nibbles_to_byte_lanes)
+from moe_fp4.kernels.triton_numerics import (
+    bytes_0246,
+    bytes_0246_asm,
+    bytes_transpose4x4,
+    bytes_transpose4x4_asm,
+    e2m1_decode_scaled,
+    e2m1_pairs_to_base_flagged,
+    e2m1_pairs_to_base_flagged_asm,
+    e2m1_rne_mag,
+    e2m1x2_rne_bf16x2,
+    e2m1x4_to_e4m3x4,
+    e2m1x4_to_e4m3x4_asm,
+    e2m1x4_to_e4m3x4_tables,
+    e4m3_rne,
+    e4m3_rne_asm,
+    e4m3x4_to_e2m1x4,
+    f32x2_to_e4m3x2_asm,
+    max15x2,
+    max_u16x2_asm,
+    nibbles_to_byte_lanes,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIGH = [torch.bfloat16, torch.float16, torch.float32]
@@ -559,8 +574,9 @@ def test_e2m1_decode_every_code_times_every_scale_byte():
     bytes_ = torch.arange(255, dtype=torch.uint8).repeat_interleave(32)  # 0xFF (NaN) is handled by callers
     out = torch.empty(codes.numel(), dtype=torch.int32, device=DEVICE)
     _probe(_probe_decode_kernel, codes.numel(), codes.to(DEVICE), bytes_.to(DEVICE), out)
-    packed = (codes[0::2] | (codes[1::2] << 4)).view(-1, 16)
-    want = KMX.dequantize_mxfp4_ref(packed, bytes_[0::32].view(-1, 1), torch.float32).flatten()
+    # The exact value as a float32 product: +-Inf past float32 (byte 254 with |code| >= 2, 253 with >= 4),
+    # which the decodes then saturate (f32_to_out_bits).
+    want = decode_e2m1(codes) * exp2_int(bytes_.to(torch.int32) - 127)
     assert same_bits(out.view(torch.float32).cpu(), want)
 
 
@@ -688,7 +704,8 @@ def test_mxfp4_to_fp8_colwise_rows_validation():
     for rows, exc, msg in ((torch.tensor([0, 8], device=DEVICE), ValueError, "must index q's 8 rows"),
                            (torch.tensor([-1], device=DEVICE), ValueError, "must index"),
                            (torch.tensor([0.0], device=DEVICE), TypeError, "must be a 1-D int32/int64"),
-                           (torch.zeros(2, 2, dtype=torch.long, device=DEVICE), TypeError, "must be a 1-D int32/int64")):
+                           (torch.zeros(2, 2, dtype=torch.long, device=DEVICE), TypeError,
+                            "must be a 1-D int32/int64")):
         with pytest.raises(exc, match=f"^mxfp4_to_fp8_colwise: rows {msg}"):
             moe_fp4.mxfp4_to_fp8_colwise(q, rows)
     empty = moe_fp4.mxfp4_to_fp8_colwise(q, torch.zeros(0, dtype=torch.long, device=DEVICE))
@@ -700,21 +717,23 @@ def _colwise_definition(data, scale):
     return K8.quantize_fp8_rowwise_ref(KMX.dequantize_mxfp4_ref(data, scale, torch.float32).t().contiguous())
 
 
-def test_colwise_differs_from_the_definition_only_where_values_overflow_to_inf():
-    # The documented exception (docs/formats.md): row 0 quantizes to code 6 (4.0) at scale byte 254,
-    # 2^128, Inf once dequantized. The definition leaves it out of the column amax (scale 2^119 from
-    # row 1's 2^127) and writes the NaN byte; the conversion encodes it as the finite 2^128 (scale
-    # 2^120, bytes 0x78 0x70). Every other column is identical.
-    x = torch.full((128, 32), 2.0**100)
-    x[0, 0] = 1.75 * 2.0**127
-    x[1, 0] = 2.0**127
-    data, scale = (t.to(DEVICE) for t in KMX.quantize_mxfp4_rowwise_ref(x))
+def test_colwise_differs_from_the_definition_only_where_values_overflow_float32():
+    # The documented exception (docs/formats.md): row 0 holds code 5 (3.0) at scale byte 254, 1.5 * 2^128,
+    # past float32. The definition's float32 decode saturates it to float32's largest finite value (column
+    # scale 2^120, byte 0x78 = 256); the conversion encodes the value itself (scale 2^120, byte 0x7C = 384).
+    # Row 1's 2^127 is 0x70 in both, and every other column is identical.
+    data = torch.full((128, 16), 0x22, dtype=torch.uint8)        # codes 2, 2: 1.0
+    scale = torch.full((128, 1), 227, dtype=torch.uint8)          # 2^100
+    data[0, 0], scale[0, 0] = 0x25, 254                          # element 0: 3.0 * 2^127, element 1: 2^127
+    scale[1, 0] = 254                                            # 2^127
+    data, scale = data.to(DEVICE), scale.to(DEVICE)
     want = _colwise_definition(data, scale)
     got = KT.mxfp4_to_fp8_colwise(data, scale)
     _check(got, KT.mxfp4_to_fp8_colwise_ref(data, scale))
-    assert want[1][0, 0].item() == 2.0**119 and want[0][0, :2].view(torch.uint8).tolist() == [0x7F, 0x78]
-    assert got[1][0, 0].item() == 2.0**120 and got[0][0, :2].view(torch.uint8).tolist() == [0x78, 0x70]
-    _check((got[0][1:], got[1][1:]), (want[0][1:], want[1][1:]))
+    assert want[1][0, 0].item() == 2.0**120 and want[0][0, :2].view(torch.uint8).tolist() == [0x78, 0x70]
+    assert got[1][0, 0].item() == 2.0**120 and got[0][0, :2].view(torch.uint8).tolist() == [0x7C, 0x70]
+    _check((got[0][0, 2:], got[1][1:]), (want[0][0, 2:], want[1][1:]))
+    _check(got[0][1:], want[0][1:])
 
 
 @pytest.mark.parametrize("shape", [(130, 128), (64, 256)])
@@ -874,8 +893,8 @@ def test_fp8_to_mxfp4_every_block_maximum_with_every_smaller_byte():
 # The interpreter runs a kernel's semantics; the GPU runs what Triton compiled for one (shape, config,
 # stride) at a time. On sm90 with Triton 3.6 the FP8 row quantizer, reshaping its row-chunk load before
 # the tile reduction, gave tile scales a binade low for some of them (8 x 128 at its default config,
-# all-to-all wire rows at 200 x 256, 4 x 2 tiles on 4 warps at 4096 x 7168; bench/RESULTS.md, issue 28
-# section), while the CPU tests and the default config at 4096 x 7168 were exact. This sweeps every row
+# all-to-all wire rows at 200 x 256, 4 x 2 tiles on 4 warps at 4096 x 7168; bench/RESULTS.md), while the
+# CPU tests and the default config at 4096 x 7168 were exact. This sweeps every row
 # kernel over small and large shapes, several configs and, where the kernel writes into given views, a
 # padded (wire-like) row stride, bit for bit against its reference.
 

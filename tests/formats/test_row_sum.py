@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import same_bits
+
 from moe_fp4.kernels.row_sum import gather_sum, gather_sum_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Stochastic rounding of the E2M1 codes (issue 27, first piece): Triton's Philox reproduced bit for bit
+"""Stochastic rounding of the E2M1 codes: Triton's Philox reproduced bit for bit
 in torch, the rounding rule against a brute-force reading of it, reproducibility, and unbiasedness of
 MXFP4 and NVFP4 against nearest rounding's bias, and the MXFP4 kernel bit for bit against its reference
 (the Philox check runs Triton's own ``tl.philox`` under the interpreter on CPU, or compiled on a GPU)."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import binade_blocks
 
 import moe_fp4
 import moe_fp4.formats.reference
-from helpers import binade_blocks
 from moe_fp4.kernels.numerics import encode_e2m1_stochastic, philox4x32, random_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,8 +8,14 @@ import torch
 
 import moe_fp4
 from moe_fp4.formats import reference
-from moe_fp4.gemm.engines import FP8WeightTensor, GemmBackend, fp8_mm_nt, gemm_backend, quantize_fp8_colwise, \
-    quantize_fp8_weight
+from moe_fp4.gemm.engines import (
+    FP8WeightTensor,
+    GemmBackend,
+    fp8_mm_nt,
+    gemm_backend,
+    quantize_fp8_colwise,
+    quantize_fp8_weight,
+)
 
 # cuBLAS accumulates in float32 in another order and rounds the output to bf16 once: the relative
 # error against the float32 emulation is about 2^-9 (measured on H200: see the GPU test's message).
@@ -165,7 +171,8 @@ def test_weight_kernel_on_gpu_matches_reference():
         got = quantize_fp8_weight_128x128(w.cuda(), write_q=True, write_t=True, asm=asm)
         for g, r in zip(got, ref):
             g = g.cpu()
-            assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32 else torch.equal(g, r)
+            assert (torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype != torch.float32
+                    else torch.equal(g, r))
 
 
 @pytest.mark.parametrize("rows", [1, 128, 384])
@@ -288,8 +295,8 @@ def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monk
     # bookkeeping, not the kernels: the pure-torch references (conftest's `references`) spare 4 steps of
     # interpreted conversions.
     precision = "fp8"
-    from moe_fp4.model import experts
     from moe_fp4.gemm import engines as gemm
+    from moe_fp4.model import experts
 
     cache = FP8WeightCache()
     monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)

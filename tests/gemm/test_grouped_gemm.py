@@ -15,8 +15,14 @@ import pytest
 import torch
 
 import moe_fp4
-from moe_fp4.gemm.engines import GemmBackend, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad, grouped_gemm_backend, \
-    quantize_fp8_weight, use_grouped_backend
+from moe_fp4.gemm.engines import (
+    GemmBackend,
+    grouped_fp8_mm_nt,
+    grouped_fp8_mm_wgrad,
+    grouped_gemm_backend,
+    quantize_fp8_weight,
+    use_grouped_backend,
+)
 from moe_fp4.kernels import fp8 as K8
 from moe_fp4.kernels import grouped_gemm as G
 
@@ -269,7 +275,8 @@ def test_gpu_grouped_gemms_match_scaled_mm_per_expert(h, f, e):
     assert torch.equal(G.grouped_mm_nt(xq.data, xq.scale, w13.data, w13.scale, counts, config=POINTERS_OF_DEFAULT),
                        G.grouped_mm_nt(xq.data, xq.scale, w13.data, w13.scale, counts))
     with use_grouped_backend("triton"):
-        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
+        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts),
+                           grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
         got = grouped_fp8_mm_wgrad(_colwise(dy), _colwise(x), counts)
     with use_grouped_backend("scaled_mm"):
         ref = grouped_fp8_mm_wgrad(_colwise(dy), _colwise(x), counts)
@@ -312,16 +319,12 @@ def test_gluon_config_shared_memory_per_layout():
     assert GL.GluonConfig(num_stages=4).smem_bytes(torch.bfloat16, wgrad=True) > GL.SMEM_LIMIT
     with pytest.raises(ValueError, match="num_stages"):
         GL.GluonConfig(num_stages=1)
-    # The wide layout stages [64, 128] boxes, the quarter one [64, 64]: 64 KiB of staging either way,
-    # fprop/dgrad and weight gradients alike; the in-kernel MXFP4 decoder keeps quarters (a wide box
-    # would not fit beside its stages).
-    assert c.staging(torch.bfloat16) == 2 == c.staging(torch.bfloat16, wgrad=True) and c.staging(torch.float32) == 1
-    quarters = GL.GluonConfig(wide=False)
-    assert quarters.staging(torch.bfloat16) == 4 == quarters.staging(torch.bfloat16, wgrad=True)
-    assert quarters.store_box(wgrad=True) == GL.QUARTER and c.store_box(wgrad=True) == GL.WIDE_BOX
-    assert quarters.smem_bytes(torch.bfloat16, wgrad=True) == c.smem_bytes(torch.bfloat16, wgrad=True)
-    mx = GL.NT_MXFP4_CONFIGS[torch.bfloat16]
-    assert not mx.wide and mx.smem_bytes(torch.bfloat16, mxfp4=True) + GL.MBARRIER_BYTES <= GL.SMEM_LIMIT
+    # Staging in [64, 128] boxes (one half of a wave), 64 KiB by default, fprop/dgrad and weight
+    # gradients alike.
+    assert GL.STORE_BOX == [64, 128]
+    assert c.staging(torch.bfloat16) == 2 and c.staging(torch.float32) == 1
+    assert GL.GluonConfig(d_bufs=1).smem_bytes(torch.bfloat16) == 3 * (256 + 128) * 128 + 32 * 1024
+    assert c.smem_bytes(torch.bfloat16) + GL.MBARRIER_BYTES <= GL.SMEM_LIMIT
 
 
 def test_gluon_engine_is_chosen_only_where_it_runs(monkeypatch):
@@ -372,17 +375,18 @@ def _inner_loops_of(lines, opcode: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not GL.AVAILABLE, reason="this Triton has no (compatible) Gluon")
-@pytest.mark.parametrize("kind,out_dtype,split", [("nt", "bfloat16", False), ("nt", "float32", False),
-                                                  ("nt_quarters", "bfloat16", False),
-                                                  ("nt_mxfp4", "bfloat16", False),
-                                                  ("wgrad", "bfloat16", False), ("wgrad", "float32", False),
-                                                  ("wgrad", "bfloat16", True), ("wgrad_quarters", "bfloat16", False)])
-def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split):
-    # No GPU needed: the installed Triton compiles the engine for Hopper. This is what catches Gluon API
-    # drift between Triton releases on the CPU machine (3.6 and 3.9 both compile it), and a change that
-    # makes the consumers spill (a branch around the second wave did: 156 spill instructions). In a
-    # process of its own without TRITON_INTERPRET: the interpreter, once it has run a kernel in this
-    # process, leaves Triton's shared jit functions (cdiv) in a state the Gluon frontend rejects.
+@pytest.mark.parametrize("kind,out_dtype,split,ones", [
+    ("nt", "bfloat16", False, False), ("nt", "float32", False, False), ("nt", "bfloat16", False, True),
+    ("wgrad", "bfloat16", False, False), ("wgrad", "float32", False, False), ("wgrad", "bfloat16", True, False),
+    ("wgrad", "bfloat16", True, True)])
+def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, kind, out_dtype, split, ones):
+    # No GPU needed: the installed Triton compiles the engine for Hopper (its wheel ships ptxas). This is
+    # what catches Gluon API drift between Triton releases on the CPU machine (the GPU image's 3.6 and
+    # later ones), and a change that makes the consumers spill (a branch around the second wave does).
+    # ``ones``: the integer arguments a launch may pass as 1 (one M tile, a scale stride at K = 128, one
+    # expert) equal to 1, which Triton specializes into constexprs. In a process of its own without
+    # TRITON_INTERPRET: the interpreter, once it has run a kernel in this process, leaves Triton's shared
+    # jit functions (cdiv) in a state the Gluon frontend rejects.
     import os
     import re
     import subprocess
@@ -390,44 +394,33 @@ def test_gluon_engine_compiles_for_sm90_with_wgmma_and_without_spills(tmp_path, 
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys, torch; from moe_fp4.kernels import gluon_grouped_gemm as GL; "
-            "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else "
-            "None if sys.argv[3] == 'nt_mxfp4' else GL.GluonConfig(wide=not sys.argv[3].endswith('_quarters')); "
-            "k = GL.compile_sm90(k=1024, kind=sys.argv[3].replace('_quarters', ''), "
-            "out_dtype=getattr(torch, sys.argv[4]), config=cfg); "
+            "cfg = GL.GluonConfig(num_stages=4, split=True) if sys.argv[5] == 'True' else None; "
+            "k = GL.compile_sm90(k=1024, kind=sys.argv[3], "
+            "out_dtype=getattr(torch, sys.argv[4]), config=cfg, ones=sys.argv[6] == 'True'); "
             "open(sys.argv[1], 'wb').write(k.asm['cubin']); open(sys.argv[2], 'w').write(k.asm['ptx'])")
     cubin, ptx_path = tmp_path / "kernel.cubin", tmp_path / "kernel.ptx"
-    run = subprocess.run([sys.executable, "-c", code, str(cubin), str(ptx_path), kind, out_dtype, str(split)], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
+    argv = [str(cubin), str(ptx_path), kind, out_dtype, str(split), str(ones)]
+    # -P as this process has it: a run from the checkout with an installed package keeps the source tree's
+    # moe_fp4/ (which lacks kernels/, shipped as moe_fp4.kernels) off sys.path.
+    safe = ["-P"] if sys.flags.safe_path else []
+    run = subprocess.run([sys.executable, *safe, "-c", code, *argv], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = ptx_path.read_text()
-    wide = kind in ("nt", "wgrad")
-    if wide:
-        # Per K (token) block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
-        wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
-        assert wgmmas == 2 * 8
-    else:
-        # Per K block and consumer warpgroup: 4 quarters x 4 k32 steps, all m64n64k32 E4M3 -> F32.
-        wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx))
-        assert wgmmas == 2 * 16
+    # Per K (token) block and consumer warpgroup: 2 halves x 4 k32 steps, m64n128k32 E4M3 -> F32.
+    wgmmas = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
+    assert wgmmas == 2 * 8
     assert "setmaxnreg" in ptx   # the producer gives its registers to the consumers
     sass = _cuobjdump(cubin.read_bytes(), "-sass", tmp_path)
-    # Quarters, two raw accumulators per consumer: only the last wgmma of a K block is waited for to
-    # zero outstanding (ptxas serializes every wgmma, a wait to zero after each, when it runs out of
-    # registers: the first wgrad kernel did, 32 waits). Wide: one raw accumulator, each of the two
-    # halves' chains waited for (2 per consumer), never each k32 step.
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == (4 if wide else 2)
+    # One raw accumulator per consumer: each of the two halves' chains waited for (2 per consumer), never
+    # each k32 step (ptxas serializes every wgmma, a wait to zero after each, when it runs out of registers).
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 4
     lines = _sass_lines(sass)
     loops = _inner_loops_of(lines, "QGMMA")
     assert len(loops) == 2, loops   # each consumer's K loop
     in_loops = [ins for addr, ins in lines if any(a <= addr <= b for a, b in loops)]
     assert not [ins for ins in in_loops if re.search(r"\b(LDL|STL)\b", ins)], "spills inside a K loop"
-    if kind == "nt_mxfp4":
-        # The decoder: two warps of its own (setmaxnreg to 72), the converter's prmt decode. At 72
-        # registers it spills a few values (Triton 3.6: 46 local loads and stores, outside the
-        # consumers' K loops, which the check above covers); it is not the engine's default path.
-        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", ptx)
-        assert "prmt.b32" in ptx
-    if kind in ("nt", "nt_quarters"):
+    if kind == "nt":
         usage = _cuobjdump(cubin.read_bytes(), "-res-usage", tmp_path)
         assert re.search(r"STACK:0\b", usage), usage
         assert "LDL" not in sass
@@ -490,23 +483,19 @@ def test_gpu_gluon_grouped_nt_matches_triton_and_reference(h, f, e):
         _check_engine(got, twin, ref64, mag)
         # bf16 output: the same float32 accumulator rounded once.
         assert torch.equal(GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts), got.to(torch.bfloat16))
-        # The quarter layout (m64n64 wgmmas, GluonConfig(wide=False)) is held to the same bounds.
-        quarters = GL.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, torch.float32,
-                                    config=GL.GluonConfig(wide=False))
-        print(f"quarter layout bit-identical to the wide one: {torch.equal(quarters, got)}")
-        _check_engine(quarters, twin, ref64, mag)
     with use_grouped_backend("gluon"):
-        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts), grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
+        assert torch.equal(grouped_fp8_mm_nt(xmx, w13, counts),
+                           grouped_fp8_mm_nt(moe_fp4.mxfp4_to_fp8(xmx), w13, counts))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
 @pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_gpu_gluon_mxfp4_decoded_in_kernel_equals_converting_first(spread, out_dtype):
-    # The decoder partition against mxfp4_to_fp8_rowwise + the FP8-A kernel, bit for bit: ragged
-    # experts (0 rows, one wave, odd multiples of 128, the last tile past R), blocks far below their
-    # tile's maximum (spread: the general decode path), a NaN block (its row's outputs NaN, nothing else).
+def test_gpu_gluon_mxfp4_operand_equals_converting_first(spread, out_dtype):
+    # An MXFP4 A against mxfp4_to_fp8_rowwise + the FP8-A kernel, bit for bit: ragged experts (0 rows,
+    # one wave, odd multiples of 128, the last tile past R), blocks far below their tile's maximum
+    # (spread: the converter's general path), a NaN block (its row's outputs NaN, nothing else).
     torch.manual_seed(31)
     counts = [0, 128, 384, 640, 0, 256, 128]
     r, h, n = sum(counts), 1024, 384
@@ -514,8 +503,7 @@ def test_gpu_gluon_mxfp4_decoded_in_kernel_equals_converting_first(spread, out_d
     x[300, 64:96] = float("nan")
     q = moe_fp4.quantize_mxfp4(x)
     w = _weights(len(counts), n, h, seed=43)
-    cfg = GL.NT_MXFP4_CONFIGS[out_dtype]
-    got = GL.grouped_mm_nt(q.data, q.scale, w.data, w.scale, counts, out_dtype, cfg)
+    got = GL.grouped_mm_nt(q.data, q.scale, w.data, w.scale, counts, out_dtype)
     fd, fs = K8.mxfp4_to_fp8_rowwise(q.data, q.scale)
     first = GL.grouped_mm_nt(fd, fs, w.data, w.scale, counts, out_dtype)
     assert torch.equal(got.isnan(), first.isnan())
@@ -524,11 +512,8 @@ def test_gpu_gluon_mxfp4_decoded_in_kernel_equals_converting_first(spread, out_d
     # A strided view of the codes (a column slice of a wider buffer) gives the same bits.
     wide = torch.zeros(r, q.data.shape[1] + 64, dtype=torch.uint8, device="cuda")
     wide[:, 32:32 + q.data.shape[1]] = q.data
-    strided = GL.grouped_mm_nt(wide[:, 32:32 + q.data.shape[1]], q.scale, w.data, w.scale, counts, out_dtype, cfg)
+    strided = GL.grouped_mm_nt(wide[:, 32:32 + q.data.shape[1]], q.scale, w.data, w.scale, counts, out_dtype)
     assert torch.equal(torch.nan_to_num(strided), torch.nan_to_num(got))
-    # The engine's default for an MXFP4 A (convert first) agrees too.
-    default = GL.grouped_mm_nt(q.data, q.scale, w.data, w.scale, counts, out_dtype)
-    assert torch.equal(torch.nan_to_num(default), torch.nan_to_num(got))
 
 
 @pytest.mark.gpu
@@ -562,8 +547,8 @@ def _wgrad_ref64(a, b, counts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
-@pytest.mark.parametrize("config", [GL.GluonConfig(), GL.GluonConfig(num_stages=4, split=True),
-                                    GL.GluonConfig(wide=False)], ids=["waves", "split", "quarters"])
+@pytest.mark.parametrize("config", [GL.GluonConfig(), GL.GluonConfig(num_stages=4, split=True)],
+                         ids=["waves", "split"])
 @pytest.mark.parametrize("n,k,e", [(7168, 2048, 6), (1408, 2048, 9), (384, 640, 5)])
 def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     # Ragged reality for the K-grouped GEMM: experts without tokens (their dW is zeros, written), one
@@ -588,10 +573,6 @@ def test_gpu_gluon_wgrad_matches_triton_and_reference(n, k, e, config):
     if config == GL.WGRAD_CONFIG:   # the layer's path: moe_fp4.gemm.engines picks the engine and its config
         with use_grouped_backend("gluon"):
             assert torch.equal(grouped_fp8_mm_wgrad(a, b, counts), got)
-    if config.wide:   # [64, 128] halves and [64, 64] quarters: the same wgmma dots, the same promotion
-        quarters = GL.GluonConfig(num_stages=config.num_stages, split=config.split, wide=False)
-        assert torch.equal(GL.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, torch.float32,
-                                               config=quarters), got)
 
 
 @pytest.mark.gpu

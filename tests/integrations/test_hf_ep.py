@@ -40,9 +40,10 @@ import traceback
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-transformers = pytest.importorskip("transformers")
-_ep_module = pytest.importorskip("transformers.distributed.expert_parallel")
+transformers = import_or_skip("transformers")
+_ep_module = import_or_skip("transformers.distributed.expert_parallel")
 if not hasattr(_ep_module, "EPImplementationInterface"):
     pytest.skip("this transformers has no EPImplementationInterface (pluggable expert parallelism)",
                 allow_module_level=True)
@@ -173,7 +174,7 @@ def _local_experts(model, ref_params):
 
 
 def _compare_forward(ref_logits, ref_loss, logits, loss) -> dict:
-    from helpers import sqnr_db   # fails on NaN / Inf (docs/testing.md)
+    from helpers import sqnr_db  # fails on NaN / Inf (docs/testing.md)
 
     return {"logits_sqnr": sqnr_db(ref_logits, logits, "logits"), "logits_rel": _rel_err(ref_logits, logits),
             "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
@@ -255,8 +256,8 @@ def _spies(calls: dict, wire: list):
     """Count MoeFp4EP.__call__ per registered class into ``calls`` and record each exchange's wire
     format (moe_fp4.exchange.ep.pack, with which every moe_fp4 exchange packs its rows) into ``wire``."""
     from moe_fp4.exchange import ep
-    from moe_fp4.integrations import hf
     from moe_fp4.exchange.wire import WireFormat
+    from moe_fp4.integrations import hf
 
     real_call, real_pack = hf.MoeFp4EP.__call__, ep.pack
 
@@ -446,7 +447,8 @@ def test_activation_compression_composes(ranks):
         assert 0 < c["bytes_after"] < c["bytes_before"], (rank, c)
         _backward_ok(r, "moe_fp4", rank)
         _backward_ok(c, "moe_fp4 under register_activation_compression", rank)
-        assert COMPRESSED_GRAD_SQNR_FLOOR_DB < c["grads_sqnr"] < COMPRESSED_GRAD_SQNR_CEILING_DB, (rank, c["grads_sqnr"])
+        assert COMPRESSED_GRAD_SQNR_FLOOR_DB < c["grads_sqnr"] < COMPRESSED_GRAD_SQNR_CEILING_DB, (
+            rank, c["grads_sqnr"])
         assert COMPRESSED_WORST_PARAM_SQNR_FLOOR_DB < c["worst_param_sqnr"] < COMPRESSED_WORST_PARAM_SQNR_CEILING_DB, (
             rank, c["worst_param"], c["worst_param_sqnr"])
 

@@ -40,21 +40,24 @@ import time
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-transformers = pytest.importorskip("transformers")
-_ep_module = pytest.importorskip("transformers.distributed.expert_parallel")
+transformers = import_or_skip("transformers")
+_ep_module = import_or_skip("transformers.distributed.expert_parallel")
 if not hasattr(_ep_module, "EPImplementationInterface"):
     pytest.skip("this transformers has no EPImplementationInterface (pluggable expert parallelism)",
                 allow_module_level=True)
 
+# These imports follow the import_or_skip / pytest.skip checks above on purpose (E402): the module is skipped
+# before importing what needs transformers' expert-parallel interface.
 from distributed import run_ranks  # noqa: E402
 from test_hf_ep import (  # noqa: E402
     _backward_ok,
-    _build as _build_model,
     _ep_step,
     _reference_step,
     _spies,
 )
+from test_hf_ep import _build as _build_model  # noqa: E402
 
 WORLD = 2
 SEQS, SEQ_LEN = 2, 16          # per rank; different tokens on each rank

@@ -26,15 +26,17 @@ import sys
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("transformers.integrations.moe")
+transformers = import_or_skip("transformers")
+import_or_skip("transformers.integrations.moe")
+
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 import moe_fp4  # noqa: E402,F401 - registers the implementations
 from moe_fp4.formats.metrics import sqnr_db  # noqa: E402
 from moe_fp4.integrations import hf_experts  # noqa: E402
 from moe_fp4.model.experts import Precision  # noqa: E402
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 E, K, VOCAB = 4, 2, 128

@@ -10,9 +10,10 @@ import os
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-pytest.importorskip("transformers.integrations.moe")
-_ep_module = pytest.importorskip("transformers.distributed.expert_parallel")
+import_or_skip("transformers.integrations.moe")
+_ep_module = import_or_skip("transformers.distributed.expert_parallel")
 if not hasattr(_ep_module, "EPImplementationInterface"):
     pytest.skip("this transformers has no EPImplementationInterface (pluggable expert parallelism)",
                 allow_module_level=True)

@@ -26,7 +26,8 @@ Measured with transformers 5.24 (CPU, 2026-11-28; the counts are not written int
 
 ``"moe_fp4_fp8"`` against each accepted family's float64 eager forward (SQNR, dB, lowest / highest over the 53):
 out 23.35 / 24.00, dx 23.31 / 23.93, dw13 23.34 / 23.81, dw2 23.41 / 23.88 (band: test_hf_experts.py's
-22.4-24.8, 22.6-24.8, 22.6-24.7, 22.5-24.7); router-weight gradient 21.55 / 25.07 (its own band, DWEIGHTS_BAND_DB: see BANDED).
+22.4-24.8, 22.6-24.8, 22.6-24.7, 22.5-24.7); router-weight gradient 21.55 / 25.07 (its own band,
+DWEIGHTS_BAND_DB: see BANDED).
 ``"moe_fp4"``'s forward bit-identical to ``"moe_fp4_fp8"``'s in all 53.
 
 Found by introspection at collection time, not from a list: every ``transformers/models/<family>/modeling_*.py``
@@ -58,9 +59,9 @@ router-weight gradient in its own band with its dropped slots exactly 0; ``"moe_
 never answered by a wider band; there is none. (What a wrong acceptance looks like: with ``_is_silu`` made to
 accept anything, Gemma 4's and DiffusionGemma's GELU experts are accepted and fail here at 18.1 / 18.3 dB out.
 A difference that only shows in large activations, such as a clamp in a family's own ``_apply_gate``, would not
-show at these weights: those are refused by ``unfit_reason`` as a whole.) Per refused family: both names raise ValueError
-carrying ``unfit_reason``'s text at the first call, before the engine is entered (its entry point is replaced by
-one that fails the test).
+show at these weights: those are refused by ``unfit_reason`` as a whole.) Per refused family: both names raise
+ValueError carrying ``unfit_reason``'s text at the first call, before the engine is entered (its entry point is
+replaced by one that fails the test).
 
 Runtime: about 25 s with ``-n 2`` on the 2-core CPU machine (13 s in one process): the module imports the 67
 modeling modules and builds every experts module on ``meta`` at collection, then runs tiny modules only.
@@ -79,15 +80,17 @@ import zlib
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-transformers = pytest.importorskip("transformers")
-hf_moe = pytest.importorskip("transformers.integrations.moe")
+transformers = import_or_skip("transformers")
+hf_moe = import_or_skip("transformers.integrations.moe")
 
-import moe_fp4  # noqa: E402,F401 - registers the implementations
 from helpers import sqnr_db  # noqa: E402
-from moe_fp4.integrations import hf_experts  # noqa: E402
 from test_hf_experts import MODULE_CEILING_DB, MODULE_FLOOR_DB, _reference  # noqa: E402
 from transformers.configuration_utils import PreTrainedConfig  # noqa: E402
+
+import moe_fp4  # noqa: E402,F401 - registers the implementations
+from moe_fp4.integrations import hf_experts  # noqa: E402
 
 MODELS = os.path.join(os.path.dirname(transformers.__file__), "models")
 E, FFN, HIDDEN, K, T = 4, 128, 128, 2, 64

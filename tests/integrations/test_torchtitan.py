@@ -26,9 +26,9 @@ import subprocess
 import sys
 
 import pytest
+from optional_stacks import import_or_skip
 
-pytest.importorskip("torchtitan.models.qwen3")
-pytest.importorskip("spmd_types")
+import_or_skip("torchtitan.models.qwen3", "spmd_types")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "torchtitan_ep_mxfp4.py")

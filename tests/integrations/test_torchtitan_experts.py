@@ -24,17 +24,27 @@ import math
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-pytest.importorskip("torchtitan.models.qwen3")
+# test_integrations_gpu.py imports the same modules first, with stand-ins for what an older torch lacks.
+import_or_skip("torchtitan.models.qwen3", "torchtitan.models.common.moe", "torchtitan.models.common.token_dispatcher")
 # torchtitan's MoE router runs under autocast(float32), which CPU autocast declines with this warning.
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported:UserWarning")
 
+# These imports follow import_or_skip on purpose (E402): the module is skipped before importing torchtitan
+# where it (or one of the modules named above) is missing.
 from helpers import in_band, sqnr_db  # noqa: E402
-from moe_fp4.gemm.engines import FP8_WEIGHTS, quantize_fp8_weight_pair  # noqa: E402
-from moe_fp4.integrations.torchtitan import FP8_PAIRS, GroupedExpertsConverter, MoEFP4GroupedExperts, \
-    MoEFP4RoutedExperts, PaddedTokenDispatcher  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts  # noqa: E402
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # noqa: E402
+
+from moe_fp4.gemm.engines import FP8_WEIGHTS, quantize_fp8_weight_pair  # noqa: E402
+from moe_fp4.integrations.torchtitan import (  # noqa: E402
+    FP8_PAIRS,
+    GroupedExpertsConverter,
+    MoEFP4GroupedExperts,
+    MoEFP4RoutedExperts,
+    PaddedTokenDispatcher,
+)
 
 E, D, F = 4, 128, 128
 TOKENS = (100, 200, 0, 128)            # real rows per expert; each group padded to 128 (expert 2 empty)

@@ -11,13 +11,18 @@ and the MXFP4-input test still take the Triton kernels through the whole layer, 
 
 import pytest
 import torch
+from helpers import in_band, sqnr_db, torch_references
 
 import moe_fp4
-from helpers import in_band, sqnr_db, torch_references
-from moe_fp4.model.experts import TOKEN_ALIGN, Precision, gather_expert_tokens, grouped_swiglu_experts, \
-    quantize_expert_tokens
-from moe_fp4.model import routing as routing_module
 from moe_fp4.exchange.ep import counts_to_host
+from moe_fp4.model import routing as routing_module
+from moe_fp4.model.experts import (
+    TOKEN_ALIGN,
+    Precision,
+    gather_expert_tokens,
+    grouped_swiglu_experts,
+    quantize_expert_tokens,
+)
 from moe_fp4.model.moe import MoE, MoEConfig, make_routing, permute, row_weights, unpermute
 from moe_fp4.saved.accounting import saved_bytes
 
@@ -34,13 +39,13 @@ SQNR_FLOOR_DB = {
             "shared_w2": 20.3},
     "fp4": {"out": 22.5, "dx": 17.0, "w13": 13.6, "w2": 14.1, "router": 13.9, "shared_w13": 13.9,
             "shared_w2": 14.9},
-    # fp4 with storage="nvfp4" (issue 27), measured over seeds 0-3: out 23.44-23.71, dx 19.44-20.30, w13
+    # fp4 with storage="nvfp4", measured over seeds 0-3: out 23.44-23.71, dx 19.44-20.30, w13
     # 16.11-16.40, w2 17.62-17.83, router 16.94-21.74, shared_w13 16.52-17.16, shared_w2 18.39-19.05:
     # 1.4-2.8 dB above MXFP4 storage on every gradient. Floors 1 dB under the lowest.
     "fp4-nvfp4": {"out": 22.4, "dx": 18.4, "w13": 15.1, "w2": 16.6, "router": 15.9, "shared_w13": 15.5,
                   "shared_w2": 17.3},
 }
-# SQNR ceilings (dB), about 1 dB over the highest value measured over seeds 0-3 (CPU, 2026-11-27; fp8: out
+# SQNR ceilings (dB), about 1 dB over the highest value measured over seeds 0-3 (CPU; fp8: out
 # 23.44-23.71, dx 22.59-23.70, w13 21.47-22.05, w2 20.49-20.76, router 22.49-24.83, shared_w13 22.20-23.35,
 # shared_w2 21.31-21.81; fp4: dx 17.48-18.16, w13 14.61-14.85, w2 14.96-15.14, router 14.91-17.55,
 # shared_w13 14.91-15.49, shared_w2 15.86-16.41; fp4-nvfp4 as above). A precision that stopped quantizing
@@ -163,7 +168,7 @@ def test_precision_switch_keeps_weights(three_modes, references):
     again, _ = _step(m, x, "bf16")
     assert torch.equal(again["out"], res["bf16"][0]["out"])
     assert torch.equal(again["w13"], res["bf16"][0]["w13"])
-    with pytest.raises(ValueError, match="'fp16' is not a valid Precision"):
+    with pytest.raises(ValueError, match="precision='fp16' is not one of 'bf16', 'fp8', 'fp4'"):
         m.precision = "fp16"
 
 
@@ -230,8 +235,8 @@ def test_layer_makes_its_fp8_weights_while_the_counts_are_read(monkeypatch, refe
     wait (prefetch_fp8_weights); the experts then find every pair cached (forward, backward and a
     checkpoint's recomputation), the numbers are those of the layer without the cache, and bf16
     quantizes nothing."""
-    from moe_fp4.model import experts
     from moe_fp4.gemm.engines import FP8WeightCache
+    from moe_fp4.model import experts
 
     cache = FP8WeightCache()
     monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)
@@ -556,7 +561,7 @@ def test_config_and_input_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# With the saved-tensor hook (issue 5): fp8 stores its FP8 activations as MXFP4 straight from the codes,
+# With the saved-tensor hook: fp8 stores its FP8 activations as MXFP4 straight from the codes,
 # fp4 is not compressed twice.
 
 def test_hook_handshake_fp8_direct_and_fp4_not_twice(references):
@@ -594,6 +599,7 @@ def test_hook_with_nvfp4_storage_converts_the_fp8_activations_to_nvfp4(reference
     # Inside a scope with storage=nvfp4 the fp8 precision's FP8 activations become NVFP4 straight from
     # their codes (no BF16 round trip): bit-identical to quantize_nvfp4 of the FP8 values.
     from helpers import same_bits
+
     from moe_fp4.model import experts
 
     made = []

@@ -4,11 +4,11 @@ Marked gpu; skipped without CUDA."""
 
 import pytest
 import torch
+from helpers import in_band, lowest, sqnr_db  # fail on NaN / Inf (docs/testing.md)
+from test_moe import EXPERT_LABELS, FP4_SAVED_RATIO_MAX
 
-from helpers import in_band, lowest, sqnr_db   # fail on NaN / Inf (docs/testing.md)
 from moe_fp4.model.moe import MoE, MoEConfig
 from moe_fp4.saved.accounting import saved_bytes
-from test_moe import EXPERT_LABELS, FP4_SAVED_RATIO_MAX
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,7 @@ def test_layer_step_syncs_the_host_once(precision, monkeypatch):
     (moe_fp4.exchange.ep.counts_to_host), which CUDA's sync debug mode does not flag; it flags every other sync."""
     import warnings
 
-    from moe_fp4.model import routing as routing_module   # make_routing reads the counts through it
+    from moe_fp4.model import routing as routing_module  # make_routing reads the counts through it
 
     cfg = MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2)
     m = MoE(cfg, precision, device="cuda")

@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-
-from cli_run import assert_ok as _ok, run_cli as _cli
+from cli_run import assert_ok as _ok
+from cli_run import run_cli as _cli
 
 GIB = 2**30
 POLICIES = ("none", "swiglu", "moe", "layer")
@@ -56,8 +56,7 @@ def _brute_cap(policy, budget, batch):
 @pytest.mark.parametrize("budget_gib, batch", [(80, 64), (45, 64), (30, 64), (20, 64), (200, 64), (12, 7),
                                                (72, 64), (74.5, 64), (20.5, 12)])
 def test_choose_times_each_distinct_split_and_takes_the_fastest(budget_gib, batch):
-    from moe_fp4.model.planner import micro_batch
-    from moe_fp4.model.planner import choose
+    from moe_fp4.model.planner import choose, micro_batch
 
     budget = budget_gib * GIB
     measure, timed, calls = _model(budget, batch)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import same_bits
+
 from moe_fp4.kernels import swiglu as KS
 from moe_fp4.kernels.fp8 import quantize_fp8_rowwise_ref
 from moe_fp4.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4_rowwise, quantize_mxfp4_rowwise_ref

@@ -10,14 +10,20 @@ import warnings
 
 import pytest
 import torch
+from helpers import in_band, lowest, same_bits, sqnr_db
+from optional_stacks import import_or_skip
 from torch import nn
 
 import moe_fp4
 from moe_fp4.saved import hook as H
 from moe_fp4.saved import packing as P
 from moe_fp4.saved import policy as Pol
-from moe_fp4.saved.hook import CompressionConfig, SkipReason, compress_saved_activations, register_activation_compression
-from helpers import in_band, lowest, same_bits, sqnr_db
+from moe_fp4.saved.hook import (
+    CompressionConfig,
+    SkipReason,
+    compress_saved_activations,
+    register_activation_compression,
+)
 
 
 def mx_roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -821,7 +827,7 @@ def test_wrapper_subclass_parameters_are_recognised_and_activations_compressed(r
 def test_torchao_fp8_training_weights_have_their_inner_storage():
     # The same with torchao's own wrapper where torchao imports (not in CI's extras; its FP8 grouped GEMM
     # needs a GPU, so only the hook's side is checked here: bench/experts.py runs torchao + hook on a GPU).
-    pytest.importorskip("torchao.prototype.moe_training.config")
+    import_or_skip("torchao.prototype.moe_training.config", "torchao.quantization")
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 

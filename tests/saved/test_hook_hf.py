@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from optional_stacks import import_or_skip
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_skip("transformers")
 
-from helpers import torch_references  # noqa: E402
+from helpers import (  # noqa: E402  (sqnr_db fails on NaN / Inf: docs/testing.md)
+    in_band,
+    sqnr_db,
+    torch_references,  # noqa: E402
+)
+
 from moe_fp4.saved import packing as H  # noqa: E402
 from moe_fp4.saved.hook import CompressionConfig, register_activation_compression  # noqa: E402
-from helpers import in_band, sqnr_db  # noqa: E402  (sqnr_db fails on NaN / Inf: docs/testing.md)
 
 # Measured on this configuration (torch 2.13 CPU, transformers 5.x, seed 0, the four cases): all parameter
 # gradients together 32.2-36.8 dB; the worst single parameter 15.1-15.8 dB (an expert weight or the router:
