@@ -155,10 +155,22 @@ def mxfp4_bytes_to_f32_bits(b, sbyte):
     bf16, as float32."""
     nan = sbyte == 255
     s = tl.where(nan, 2, sbyte)
-    lo = e2m1_decode_scaled(b & 15, s).to(tl.float32, bitcast=True)
-    hi = e2m1_decode_scaled((b >> 4) & 15, s).to(tl.float32, bitcast=True)
-    return (f32_to_out_bits(lo, nan, tl.bfloat16, EXACT=True) << 16,
-            f32_to_out_bits(hi, nan, tl.bfloat16, EXACT=True) << 16)
+    lo = tl.where(nan, 0x7FC00000, e2m1_decode_scaled(b & 15, s))
+    hi = tl.where(nan, 0x7FC00000, e2m1_decode_scaled((b >> 4) & 15, s))
+    # A decoded code is exact in float32 (+-Inf past its range) and has one mantissa bit, so it is a bf16
+    # value or +-Inf: only scale bytes 253 and 254 reach Inf (4 * 2^126 = 2^128). Tiles without them, all
+    # but the rarest, skip the per-element saturation.
+    if tl.max(tl.where(nan, 0, sbyte)) >= 253:
+        lo = _inf_to_bf16_max(lo)
+        hi = _inf_to_bf16_max(hi)
+    return lo, hi
+
+
+@triton.jit
+def _inf_to_bf16_max(bits):
+    """int32 fp32 bits of a bf16 value or +-Inf -> the same with +-Inf as +-bf16's largest finite."""
+    mag = bits & 0x7FFFFFFF
+    return tl.where(mag == 0x7F800000, (bits ^ mag) | 0x7F7F0000, bits)
 
 
 @triton.jit
