@@ -557,39 +557,9 @@ def mxfp4_tile_exponents(sb, valid3):
 
 
 @triton.jit
-def mxfp4_tiles_to_e4m3(byte, sb, valid3):
-    """Direct MXFP4 -> FP8 1x128 conversion of whole tiles, in registers (the rule of
-    ``fp8.mxfp4_to_fp8_rowwise_ref``). Shared by the row-wise converter and the grouped GEMM, which
-    decodes its MXFP4 A operand this way so that it is bit-identical to "convert, then GEMM".
-
-    byte: int32 [BM, T, 4, 16] MXFP4 bytes (two codes each) of T tiles of 128 values per row;
-    sb: int32 [BM, T, 4] their E8M0 scale bytes; valid3: bool [BM, T, 4], False for masked blocks
-    -> (q_lo, q_hi: int32 [BM, T, 4, 16] E4M3 bytes of the low / high nibbles, S: int32 [BM, T]
-    tile exponents: the FP8 scale is 2^S).
-    """
-    nan, S, e_rel, normal = mxfp4_tile_exponents(sb, valid3)
-    nan4 = nan[:, :, :, None]
-    if normal:
-        # Every block within 11 binades of its tile's largest: every value is an E4M3 normal or zero.
-        e4 = e_rel[:, :, :, None]
-        q_lo = e2m1_to_e4m3_normal(byte & 15, e4)
-        q_hi = e2m1_to_e4m3_normal(byte >> 4, e4)
-    else:
-        # General path: c * 2^(E - S) as exact fp32 bits (decode with the shifted byte E - S + 127;
-        # below 0 the values are under 6 * 2^-127 and round to zero like byte 0's), then RNE.
-        shifted = tl.maximum(e_rel + 127, 0)[:, :, :, None]
-        q_lo = e4m3_rne(e2m1_decode_scaled(byte & 15, shifted).to(tl.float32, bitcast=True))
-        q_hi = e4m3_rne(e2m1_decode_scaled(byte >> 4, shifted).to(tl.float32, bitcast=True))
-    q_lo = tl.where(nan4, 0x7F, q_lo)
-    q_hi = tl.where(nan4, 0x7F, q_hi)
-    return q_lo, q_hi, S
-
-
-@triton.jit
 def mxfp4_words_to_e4m3(x, sb, valid3, ASM: tl.constexpr):
     """Direct MXFP4 -> FP8 1x128 conversion of whole tiles, four codes per integer operation (the rule
-    of ``fp8.mxfp4_to_fp8_rowwise_ref``). Shared by the row-wise converter's word kernel and the Gluon
-    GEMM's MXFP4 decode stage, so that decoding inside the GEMM is bit-identical to converting first.
+    of ``fp8.mxfp4_to_fp8_rowwise_ref``), for the row-wise converter's word kernel.
 
     x: int32 [BM, T, 4, 2, 4], each holding four E2M1 codes in its low 16 bits (code i in bits
     4i..4i+3; higher bits ignored): the 32 words of each of T tiles per row, as 4 blocks x 8 words;
@@ -606,7 +576,7 @@ def mxfp4_words_to_e4m3(x, sb, valid3, ASM: tl.constexpr):
 def e2m1_words_to_e4m3(x, nan, e_rel, normal, ASM: tl.constexpr):
     """The codes half of mxfp4_words_to_e4m3, with the block exponents of mxfp4_tile_exponents given
     (nan, e_rel: [BM, T, 4]) and ``normal`` a scalar that is True only when every block of x has
-    e_rel >= -5: a caller may decide it once for more rows than x holds (the Gluon decoder: per stage).
+    e_rel >= -5: a caller may decide it once for more rows than x holds.
     -> int32 [BM, T, 4, 2, 4] E4M3 bytes."""
     if normal:
         # Every block within 11 binades of its tile's largest: all values are E4M3 normals or zero,
