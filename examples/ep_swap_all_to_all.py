@@ -86,6 +86,7 @@ def main() -> None:
         print(f"{world} rank{'s' if world > 1 else ''} on {device.type}: "
               "MXFP4 dispatch, bf16 combine vs torch's bf16 all-to-all")
         print("\n".join(line for rank_lines in every for line in rank_lines), flush=True)
+    dist.barrier()   # no rank tears its process groups down while another still uses them
     dist.destroy_process_group()
 
 

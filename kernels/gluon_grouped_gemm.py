@@ -74,6 +74,7 @@ from moe_fp4.kernels.grouped_gemm import (
     _tma_ok,
     _wgrad_shapes,
     device_ints,
+    device_offsets,
     group_offsets,
 )
 from moe_fp4.kernels.grouped_gemm import grouped_mm_wgrad as grouped_wgrad_twin
@@ -97,6 +98,30 @@ def _hopper(index: int) -> bool:
     # at each launch (the layer step issues its kernels from Python, and right after the routing's sync
     # the GPU waits while the host issues them).
     return torch.cuda.is_available() and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def m_tiles_on_device(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """counts: int tensor [E] (multiples of 128, summing to at most ``rows``, a multiple of 128) -> int32
+    [3, (rows / 128 + E + 1) // 2] on counts' device, built there (no host sync): first row, expert and
+    waves of each M tile, the tiles of :func:`m_tiles` first, then tiles of expert E (stored as zeros)
+    over the rows past the groups, then entries with no waves (nothing). The length is a static bound:
+    expert e has ceil(c_e / 256) tiles and the tail ceil(tail / 256), at most rows / 256 + (E + 1) / 2."""
+    n_exp = counts.shape[0]
+    c = counts.to(torch.int64)
+    per = (c + TILE_M - 1) // TILE_M
+    tile_end = torch.cumsum(per, 0)
+    row_end = torch.cumsum(c, 0)
+    j = torch.arange((rows // WAVE_M + n_exp + 1) // 2, device=c.device)
+    e = torch.searchsorted(tile_end, j, right=True)
+    ec = e.clamp(max=n_exp - 1)
+    local = j - (tile_end - per)[ec]
+    row = (row_end - c)[ec] + local * TILE_M
+    waves = ((c[ec] - local * TILE_M) // WAVE_M).clamp(max=2)
+    tail = e >= n_exp
+    tail_row = row_end[-1] + (j - tile_end[-1]) * TILE_M
+    row = torch.where(tail, tail_row, row)
+    waves = torch.where(tail, ((rows - tail_row) // WAVE_M).clamp(0, 2), waves)
+    return torch.stack([row, e, waves]).to(torch.int32)
 
 
 def m_tiles(counts) -> tuple[list[int], list[int], list[int]]:
@@ -127,7 +152,8 @@ if AVAILABLE:
     class _NtPartitions:
         """What the M-grouped kernel's partitions share: the TMA descriptors of A, B and the output, the
         ring (A and B stages, its ``ready`` and ``empty`` barriers), the output staging buffers, A's and
-        B's scales and the tile table (first row, expert and waves of each M tile)."""
+        B's scales and the tile table (first row, expert and waves of each M tile; expert E marks a tile of
+        zeros past the groups, see :func:`m_tiles_on_device`)."""
 
         a_desc: tma.tensor_descriptor
         b_desc: tma.tensor_descriptor
@@ -148,6 +174,7 @@ if AVAILABLE:
         tiles_m: gl.tensor
         tiles_n: gl.tensor
         N: gl.tensor
+        num_experts: gl.tensor
         KB: gl.constexpr
         NUM_STAGES: gl.constexpr
         GROUP_M: gl.constexpr
@@ -156,7 +183,7 @@ if AVAILABLE:
         @gluon.constexpr_function
         def __init__(self, a_desc, b_desc, d_desc, a_smem, b_smem, d_smem, ready, empty, a_scale_ptr, stride_as_k,
                      b_scale_ptr, stride_bs_e, stride_bs_n, tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m,
-                     tiles_n, N, KB, NUM_STAGES, GROUP_M, D_BUFS):
+                     tiles_n, N, num_experts, KB, NUM_STAGES, GROUP_M, D_BUFS):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.d_desc = d_desc
@@ -176,6 +203,7 @@ if AVAILABLE:
             self.tiles_m = tiles_m
             self.tiles_n = tiles_n
             self.N = N
+            self.num_experts = num_experts
             self.KB = gl.constexpr(KB)
             self.NUM_STAGES = gl.constexpr(NUM_STAGES)
             self.GROUP_M = gl.constexpr(GROUP_M)
@@ -206,14 +234,16 @@ if AVAILABLE:
         for t in range(gl.program_id(0), p.tiles_m * p.tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, p.tiles_m, p.tiles_n, p.GROUP_M)
             row0 = gl.load(p.tile_row_ptr + mt)
-            brow = gl.load(p.tile_expert_ptr + mt) * p.N + nt * BLOCK_N
-            for kb in range(p.KB):
-                s, phase = _slot(it, p.NUM_STAGES)
-                mbarrier.wait(p.empty.index(s), phase ^ 1)
-                mbarrier.expect(p.ready.index(s), nbytes)
-                _tma_load(p.a_desc, [row0, kb * 128], p.ready.index(s), p.a_smem.index(s))
-                _tma_load(p.b_desc, [brow, kb * 128], p.ready.index(s), p.b_smem.index(s))
-                it += 1
+            expert = gl.load(p.tile_expert_ptr + mt)
+            brow = expert * p.N + nt * BLOCK_N
+            if expert < p.num_experts:   # a tile of zeros past the groups loads nothing
+                for kb in range(p.KB):
+                    s, phase = _slot(it, p.NUM_STAGES)
+                    mbarrier.wait(p.empty.index(s), phase ^ 1)
+                    mbarrier.expect(p.ready.index(s), nbytes)
+                    _tma_load(p.a_desc, [row0, kb * 128], p.ready.index(s), p.a_smem.index(s))
+                    _tma_load(p.b_desc, [brow, kb * 128], p.ready.index(s), p.b_smem.index(s))
+                    it += 1
 
     @gluon.jit
     def _store_half(acc, p, n_store, row, col, WG: gl.constexpr):
@@ -304,9 +334,19 @@ if AVAILABLE:
         n_store = 0
         for t in range(gl.program_id(0), p.tiles_m * p.tiles_n, gl.num_programs(0)):
             mt, nt = _tile(t, p.tiles_m, p.tiles_n, p.GROUP_M)
-            if (WG == 0) | (gl.load(p.tile_waves_ptr + mt) == 2):
+            expert = gl.load(p.tile_expert_ptr + mt)
+            waves = gl.load(p.tile_waves_ptr + mt)
+            if expert >= p.num_experts:
+                # Past the groups (a static bound's tail): this warpgroup's wave, if the tile has it, is
+                # stored as zeros; nothing was loaded, so no stage is waited on or released.
+                if waves > WG:
+                    row0 = gl.load(p.tile_row_ptr + mt) + BASE
+                    zero = gl.zeros((SUB, BLOCK_N), gl.float32, layout)
+                    n_store = _store_half(zero, p, n_store, row0, nt * BLOCK_N, WG)
+                    n_store = _store_half(zero, p, n_store, row0 + SUB, nt * BLOCK_N, WG)
+            elif (WG == 0) | (waves == 2):
                 row0 = gl.load(p.tile_row_ptr + mt) + BASE
-                bs_ptr = (p.b_scale_ptr + gl.load(p.tile_expert_ptr + mt).to(gl.int64) * p.stride_bs_e
+                bs_ptr = (p.b_scale_ptr + expert.to(gl.int64) * p.stride_bs_e
                           + (nt * BLOCK_N // 128) * p.stride_bs_n)
                 col = nt * BLOCK_N
                 acc0, acc1, it = _wave(p, p.a_scale_ptr + row0 + rows, bs_ptr, it, BASE, SUB, layout)
@@ -325,7 +365,7 @@ if AVAILABLE:
     @gluon.jit
     def _grouped_mm_nt_kernel(a_desc, b_desc, d_desc, a_scale_ptr, stride_as_k,
                               b_scale_ptr, stride_bs_e, stride_bs_n,
-                              tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N,
+                              tile_row_ptr, tile_expert_ptr, tile_waves_ptr, tiles_m, N, num_experts,
                               K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               D_BUFS: gl.constexpr, num_warps: gl.constexpr):
         # a_desc: A [R, K] in [256, 128] boxes, b_desc: B viewed as [E N, K] in [BLOCK_N, 128] boxes,
@@ -345,7 +385,7 @@ if AVAILABLE:
         p = _NtPartitions(a_desc, b_desc, d_desc, a_smem, b_smem, d_smem, ready, empty,
                           a_scale_ptr, gl.to_tensor(stride_as_k), b_scale_ptr, gl.to_tensor(stride_bs_e),
                           gl.to_tensor(stride_bs_n), tile_row_ptr, tile_expert_ptr, tile_waves_ptr,
-                          gl.to_tensor(tiles_m), gl.to_tensor(tiles_n), gl.to_tensor(N),
+                          gl.to_tensor(tiles_m), gl.to_tensor(tiles_n), gl.to_tensor(N), gl.to_tensor(num_experts),
                           K // 128, NUM_STAGES, GROUP_M, D_BUFS)
         # The default partition (num_warps = 4) is warpgroup 0; warpgroup 1 and the producer are
         # workers: 232 registers for warpgroup 1, 40 for the producer.
@@ -697,7 +737,10 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out
     if mxfp4:
         a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
-    tables = _tile_tables(tuple(counts), a.device)
+    if isinstance(counts, torch.Tensor):
+        tables = m_tiles_on_device(counts, r)
+    else:
+        tables = _tile_tables(tuple(counts), a.device)
     tiles_m = tables.shape[1]
     a_scale = m_major(a_scale)          # the consumer reads 128 rows' scales of one K block at once
     b_scale = b_scale.contiguous()      # one scale per K block at consecutive addresses
@@ -706,7 +749,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     _grouped_mm_nt_kernel[grid](
         _desc(a, [TILE_M, FP8_TILE]), _desc(b.view(-1, k), [BLOCK_N, FP8_TILE]), _desc(out, STORE_BOX),
         a_scale, a_scale.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1),
-        tables[0], tables[1], tables[2], tiles_m, n,
+        tables[0], tables[1], tables[2], tiles_m, n, b.shape[0],
         K=k, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype), num_warps=NUM_WARPS)
     return out
 
@@ -764,7 +807,9 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     grid = (min(tiles, _num_sms(a.device.index or 0)),)
     _grouped_mm_wgrad_kernel[grid](
         _desc(a, [rows, FP8_TILE]), _desc(b, [FP8_TILE, FP8_TILE]), _desc(a_scale_t, [1, rows]),
-        _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), STORE_BOX), _offsets(counts, a.device),
+        _desc(b_scale_t, [1, FP8_TILE]), _desc(out.view(-1, k), STORE_BOX),
+        device_offsets(counts, torch.int32, a.device) if isinstance(counts, torch.Tensor)
+        else _offsets(counts, a.device),
         n_exp, n, k, NUM_STAGES=cfg.num_stages, GROUP_M=cfg.group_m, D_BUFS=cfg.staging(out_dtype),
         PING_PONG=cfg.split, num_warps=NUM_WARPS)
     return out
@@ -795,7 +840,7 @@ def compile_sm90(k: int = 1024, out_dtype: torch.dtype = torch.bfloat16, config:
         args = {"a_desc": _desc(a, [TILE_M, FP8_TILE]), "b_desc": _desc(b, [BLOCK_N, FP8_TILE]),
                 "d_desc": _desc(out, STORE_BOX), "a_scale_ptr": scale, "stride_as_k": r, "b_scale_ptr": scale,
                 "stride_bs_e": 16, "stride_bs_n": 16, "tile_row_ptr": tables, "tile_expert_ptr": tables,
-                "tile_waves_ptr": tables, "tiles_m": 2, "N": n}
+                "tile_waves_ptr": tables, "tiles_m": 2, "N": n, "num_experts": e}
         constexprs = {"K": k}
     elif kind == "wgrad":
         config = config or WGRAD_CONFIG

@@ -4,7 +4,9 @@ DeepSeek-V3 scaling: E4M3 operands with float32 power-of-two scales, float32 acc
 scales applied per 128-wide step of the contraction (one ``tl.dot`` per step, then
 ``acc += dot * scale_a * scale_b``). One launch covers every expert; rows are grouped by expert in
 128-aligned groups (``counts``: E multiples of 128), so no 128-row tile straddles two experts and a
-tile finds its expert in a small table instead of a host loop.
+tile finds its expert in a small table instead of a host loop. ``counts`` are host ints or an int
+tensor on the device; with a tensor nothing reads them on the host (no sync, CUDA-graph safe): R is then
+a static bound, and the rows past the groups are a tail the GEMMs leave out.
 
 - :func:`grouped_mm_nt` (fprop and dgrad, "M-grouped"): ``out[rows of e] = A[rows of e] @ B[e]^T``.
   A: FP8 [R, K] in 1x128 tiles along K, or MXFP4 [R, K] (converted to FP8 first by the row-wise
@@ -80,7 +82,7 @@ def _epilogue(acc, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
-                          M, N, K,
+                          M, N, K, E,
                           stride_am, stride_asm, stride_ask,
                           stride_be, stride_bn, stride_bse, stride_bsn,
                           stride_cm,
@@ -100,7 +102,11 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
     pid_n = (pid % per_group) // size_m
 
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    # A 128-row tile past the last expert's rows (device counts: R is a static bound) has expert id E: it
+    # contracts nothing and stores zeros, so those rows hold zeros as a padding row's output does.
     e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // 128).to(tl.int64)
+    k_steps = tl.where(e < E, tl.cdiv(K, BLOCK_K), 0)
+    e = tl.minimum(e, E - 1)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols_n < N
     as_ptrs = as_ptr + rows * stride_asm
@@ -112,7 +118,7 @@ def _grouped_mm_nt_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_expert_ptr,
         b_ptrs = b_ptr + e * stride_be + cols_n[:, None].to(tl.int64) * stride_bn + tl.arange(0, BLOCK_K)[None, :]
     bs_ptrs = bs_ptr + e * stride_bse + (cols_n // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, k_steps):
         if USE_TMA:
             a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
             sa = tl.load(as_ptrs)
@@ -235,7 +241,51 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(st % 16 == 0 for st in t.stride()[:-1]))
 
 
-def _check_counts(counts, rows: int, n_exp: int, fn: str) -> tuple[int, ...]:
+def _check_device_counts(counts: torch.Tensor, rows: int, n_exp: int, device, fn: str) -> torch.Tensor:
+    """Device counts: int32/int64 [E] on the operands' device, R a multiple of 128. Their values are not
+    read (that is a host sync): each must be a non-negative multiple of 128 and they may sum to at most R;
+    the rows past their sum are a static bound's tail, which the GEMMs leave out (fprop and dgrad write
+    zeros there)."""
+    if counts.dtype not in (torch.int32, torch.int64) or tuple(counts.shape) != (n_exp,):
+        raise ValueError(f"{fn}: device counts must be int32/int64 [{n_exp}], got {counts.dtype} "
+                         f"{tuple(counts.shape)}")
+    if counts.device != torch.device(device):
+        raise ValueError(f"{fn}: counts on {counts.device}, operands on {device}")
+    if rows % GROUP_ALIGN:
+        raise ValueError(f"{fn}: with device counts the rows R = {rows} must be a multiple of {GROUP_ALIGN}")
+    return counts
+
+
+def host_counts(counts) -> tuple[int, ...]:
+    """counts: E ints or an int tensor [E] -> E ints (a tensor's values are copied to the host: a sync)."""
+    return tuple(int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts))
+
+
+def device_offsets(counts, dtype: torch.dtype, device) -> torch.Tensor:
+    """counts: E ints or an int tensor [E] on ``device`` -> dtype [E + 1] group offsets on ``device``, without
+    a host sync (a tensor's cumulative sum on the device, a host list through pinned staging)."""
+    if not isinstance(counts, torch.Tensor):
+        return device_ints(group_offsets(counts), dtype, device)
+    out = torch.zeros(counts.shape[0] + 1, dtype=dtype, device=counts.device)
+    torch.cumsum(counts, 0, dtype=dtype, out=out[1:])
+    return out
+
+
+def tile_experts(counts, rows: int, device) -> torch.Tensor:
+    """counts: E ints or an int tensor [E] (multiples of 128) -> int32 [rows / 128]: the expert of each
+    128-row tile, E for a tile past the last group (a static bound's tail). Device counts: a search on
+    the device, no host sync."""
+    if not isinstance(counts, torch.Tensor):
+        return device_ints([e for e, c in enumerate(counts) for _ in range(c // GROUP_ALIGN)]
+                           + [len(counts)] * ((rows - sum(counts)) // GROUP_ALIGN), torch.int32, device)
+    ends = torch.cumsum(counts, 0)
+    starts = torch.arange(0, rows, GROUP_ALIGN, device=counts.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, starts, right=True).to(torch.int32)
+
+
+def _check_counts(counts, rows: int, n_exp: int, fn: str, device=None):
+    if isinstance(counts, torch.Tensor):
+        return _check_device_counts(counts, rows, n_exp, device, fn)
     key = counts if isinstance(counts, tuple) else tuple(counts)
     try:
         return _checked_counts(key, rows, n_exp, fn)
@@ -281,7 +331,7 @@ def _nt_shapes(a, a_scale, b, b_scale, counts, fn: str):
         raise ValueError(f"{fn}: A's rows and B's [N, K] matrices must be contiguous")
     if len({a.device, a_scale.device, b.device, b_scale.device}) != 1:
         raise ValueError(f"{fn}: operands on different devices")
-    return mxfp4, r, n, k, _check_counts(counts, r, n_exp, fn)
+    return mxfp4, r, n, k, _check_counts(counts, r, n_exp, fn, a.device)
 
 
 def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
@@ -289,7 +339,9 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     """A: float8_e4m3fn [R, K] with a_scale float32 [R, K/128] (any strides), or MXFP4 uint8 [R, K/2]
     with a_scale uint8 [R, K/32] (row-major; converted to FP8 first by mxfp4_to_fp8_rowwise); B:
     float8_e4m3fn [E, N, K] with b_scale float32 [E, N/128, K/128] (128x128 blocks); counts: E ints,
-    multiples of 128, summing to R -> out_dtype [R, N]: rows of expert e times B[e]^T, one launch."""
+    multiples of 128, summing to R, or an int tensor [E] on A's device (values unread: multiples of 128
+    summing to at most R; the rows past their sum come out zero) -> out_dtype [R, N]: rows of expert e
+    times B[e]^T, one launch. Device counts cost no host sync."""
     mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
     _check_out_dtype(out_dtype, "grouped_mm_nt")
     out = torch.empty(r, n, dtype=out_dtype, device=a.device)
@@ -299,8 +351,7 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         return out.zero_()
     if mxfp4:
         a, a_scale = mxfp4_to_fp8_rowwise(a, a_scale)
-    tile_expert = device_ints([e for e, c in enumerate(counts) for _ in range(c // GROUP_ALIGN)], torch.int32,
-                              a.device)
+    tile_expert = tile_experts(counts, r, a.device)
     bs = b_scale.contiguous()
     cfg = config
     even_n = n % cfg.block_n == 0
@@ -311,12 +362,23 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cfg.block_n, FP8_TILE])
     grid = (triton.cdiv(r, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _grouped_mm_nt_kernel[grid](
-        a_arg, a_scale, b_arg, bs, out, tile_expert, r, n, k,
+        a_arg, a_scale, b_arg, bs, out, tile_expert, r, n, k, b.shape[0],
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
         OUT_DTYPE=_TL_DTYPES[out_dtype], MASK_N=not even_n, USE_TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=FP8_TILE, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _ref_counts(counts, rows: int, fn: str) -> tuple[int, ...]:
+    """The twins read device counts on the host (a sync: they are the references) and check their values."""
+    if not isinstance(counts, torch.Tensor):
+        return counts
+    counts = host_counts(counts)
+    if any(c < 0 or c % GROUP_ALIGN for c in counts) or sum(counts) > rows:
+        raise ValueError(f"{fn}: counts must be non-negative multiples of {GROUP_ALIGN} summing to at most "
+                         f"{rows}, got {counts}")
+    return counts
 
 
 def _dequant_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -329,6 +391,7 @@ def grouped_mm_nt_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     """Pure-torch twin of grouped_mm_nt: per expert, float32 matmul of the exactly dequantized operands
     (an MXFP4 A is converted to FP8 by mxfp4_to_fp8_rowwise_ref first). ``config`` is ignored."""
     mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
+    counts = _ref_counts(counts, r, "grouped_mm_nt")
     if mxfp4:
         a, a_scale = mxfp4_to_fp8_rowwise_ref(a, a_scale)
     out = torch.zeros(r, n, dtype=out_dtype, device=a.device)
@@ -354,22 +417,26 @@ def _wgrad_shapes(a, a_scale, b, b_scale, counts, fn: str):
         raise ValueError(f"{fn}: A is [N, R] = {tuple(a.shape)}, B must be [K, R], got {tuple(b.shape)}")
     if len({a.device, a_scale.device, b.device, b_scale.device}) != 1:
         raise ValueError(f"{fn}: operands on different devices")
-    return a.shape[0], b.shape[0], _check_counts(counts, a.shape[1], len(tuple(counts)), fn)
+    n_exp = counts.shape[0] if isinstance(counts, torch.Tensor) and counts.dim() == 1 else len(tuple(counts))
+    return a.shape[0], b.shape[0], _check_counts(counts, a.shape[1], n_exp, fn, a.device)
 
 
 def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts,
                      out_dtype: torch.dtype = torch.float32, config: GemmConfig = WGRAD_CONFIG) -> torch.Tensor:
     """A: float8_e4m3fn [N, R] with a_scale float32 [N, R/128], B: float8_e4m3fn [K, R] with b_scale
     float32 [K, R/128] (both in 1x128 tiles along R, the tokens; scales any strides); counts: E ints,
-    multiples of 128, summing to R -> out_dtype [E, N, K]: out[e] = A[:, cols of e] @ B[:, cols of e]^T
-    (zeros for an expert without rows), one launch."""
+    multiples of 128, summing to R, or an int tensor [E] on A's device (values unread, summing to at most
+    R: the columns past their sum are left out) -> out_dtype [E, N, K]: out[e] = A[:, cols of e] @
+    B[:, cols of e]^T (zeros for an expert without rows), one launch."""
     n, k, counts = _wgrad_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_wgrad")
     _check_out_dtype(out_dtype, "grouped_mm_wgrad")
     n_exp = len(counts)
     out = torch.empty(n_exp, n, k, dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    offsets = device_ints(group_offsets(counts), torch.int64, a.device)
+    if a.shape[1] == 0:   # no tokens: every expert's gradient is zero
+        return out.zero_()
+    offsets = device_offsets(counts, torch.int64, a.device)
     cfg = config
     even = n % cfg.block_m == 0 and k % cfg.block_n == 0
     tma = cfg.use_tma and even and _tma_ok(a) and _tma_ok(b)
@@ -394,6 +461,7 @@ def grouped_mm_wgrad_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor
     """Pure-torch twin of grouped_mm_wgrad (float32 matmul of the exactly dequantized operands per
     expert). ``config`` is ignored."""
     n, k, counts = _wgrad_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_wgrad")
+    counts = _ref_counts(counts, a.shape[1], "grouped_mm_wgrad")
     out = torch.zeros(len(counts), n, k, dtype=out_dtype, device=a.device)
     af, bf = _dequant_rows(a, a_scale), _dequant_rows(b, b_scale)
     offs = group_offsets(counts)

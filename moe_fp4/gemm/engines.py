@@ -425,8 +425,10 @@ def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, count
                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a: FP8BlockTensor [R, K] (1x128 tiles along K) or MXFP4Tensor [R, K] (converted to FP8 first, as
     ``mxfp4_to_fp8`` converts it), rows grouped by expert; b: FP8WeightTensor
-    [E, N, K]; counts: E ints, multiples of 128, summing to R -> out_dtype [R, N]: expert e's rows
-    times b[e]^T. Fprop (x W^T) and dgrad (dy W, with ``b`` = the transposed weights)."""
+    [E, N, K]; counts: E ints, multiples of 128, summing to R, or an int tensor [E] on a's device (no
+    host sync; values unread, summing to at most R, the rows past them come out zero) -> out_dtype [R, N]:
+    expert e's rows times b[e]^T. Fprop (x W^T) and dgrad (dy W, with ``b`` = the transposed weights).
+    The scaled_mm backend reads device counts on the host (one GEMM per expert)."""
     if not isinstance(a, (FP8BlockTensor, MXFP4Tensor)) or not isinstance(b, FP8WeightTensor):
         raise TypeError(f"grouped_fp8_mm_nt: expected FP8BlockTensor/MXFP4Tensor and FP8WeightTensor, "
                         f"got {type(a).__name__} and {type(b).__name__}")
@@ -445,9 +447,11 @@ def _grouped_nt_scaled_mm(a, b: FP8WeightTensor, counts, out_dtype) -> torch.Ten
 
     # Same validation as the kernels (shapes, counts), then one cuBLAS GEMM per expert.
     grouped_kernels._nt_shapes(a.data, a.scale, b.data, b.scale, counts, "grouped_fp8_mm_nt")
+    counts = grouped_kernels._ref_counts(counts, a.m, "grouped_fp8_mm_nt")   # per expert: read on the host
     if isinstance(a, MXFP4Tensor):
         a = mxfp4_to_fp8(a)
-    out = torch.empty(a.m, b.data.shape[1], dtype=out_dtype, device=a.device)
+    alloc = torch.zeros if sum(counts) < a.m else torch.empty   # the rows past the groups are zeros
+    out = alloc(a.m, b.data.shape[1], dtype=out_dtype, device=a.device)
     offs = grouped_kernels.group_offsets(counts)
     for e in range(len(offs) - 1):
         if offs[e + 1] > offs[e]:
@@ -459,7 +463,8 @@ def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """a: FP8BlockTensor [N, R], b: FP8BlockTensor [K, R], both in 1x128 tiles along R (the tokens,
     grouped by expert: ``*_colwise`` of the row-wise activations); counts: E ints, multiples of 128,
-    summing to R -> out_dtype [E, N, K]: out[e] = a[:, tokens of e] @ b[:, tokens of e]^T, the
+    summing to R, or an int tensor [E] on a's device (no host sync; the columns past their sum are left
+    out) -> out_dtype [E, N, K]: out[e] = a[:, tokens of e] @ b[:, tokens of e]^T, the
     weight gradient dY_e^T X_e (zeros for an expert without tokens)."""
     if not isinstance(a, FP8BlockTensor) or not isinstance(b, FP8BlockTensor):
         raise TypeError(f"grouped_fp8_mm_wgrad: expected two FP8BlockTensors, got {type(a).__name__} and "
@@ -470,6 +475,7 @@ def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
         kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32
         return fn(a.data, a.scale, b.data, b.scale, counts, kernel_dtype).to(out_dtype)
     n, k, counts = grouped_kernels._wgrad_shapes(a.data, a.scale, b.data, b.scale, counts, "grouped_fp8_mm_wgrad")
+    counts = grouped_kernels._ref_counts(counts, a.data.shape[1], "grouped_fp8_mm_wgrad")
     out = torch.zeros(len(counts), n, k, dtype=out_dtype, device=a.device)
     offs = grouped_kernels.group_offsets(counts)
     for e in range(len(counts)):

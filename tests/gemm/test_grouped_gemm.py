@@ -592,3 +592,79 @@ def test_gpu_gluon_wgrad_nan_stays_in_its_expert_and_row():
     odd = _colwise(torch.randn(768, 200, device="cuda"))
     assert torch.equal(GL.grouped_mm_wgrad(odd.data, odd.scale, b.data, b.scale, counts),
                        G.grouped_mm_wgrad(odd.data, odd.scale, b.data, b.scale, counts))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device counts: an int tensor [E] whose values no launcher reads on the host, over a static bound of rows.
+
+@pytest.mark.parametrize("counts,tail", [((128, 0, 256), 256), ((384,), 0), ((0, 0, 128), 128), ((0, 0), 384)])
+def test_device_counts_equal_host_counts_and_zero_the_tail(counts, tail):
+    # The rows past the groups (a static bound's tail) hold garbage inputs here: fprop and dgrad store zeros
+    # there, the weight gradient leaves those tokens out; every other bit equals the host-count GEMM's.
+    n, k = 256, 384
+    r = sum(counts)
+    a = moe_fp4.quantize_fp8(_acts(r + tail, k, seed=3) * 7)
+    w = _weights(len(counts), n, k, seed=5)
+    dev = torch.tensor(counts, device=DEVICE)
+    for fn in (G.grouped_mm_nt, G.grouped_mm_nt_ref):
+        host = fn(a.data[:r], a.scale[:r], w.data, w.scale, counts, torch.float32)
+        got = fn(a.data, a.scale, w.data, w.scale, dev, torch.float32)
+        assert torch.equal(got[:r], host) and not got[r:].any(), fn.__name__
+    ga, gb = moe_fp4.quantize_fp8(_acts(n, r + tail, seed=7)), moe_fp4.quantize_fp8(_acts(k, r + tail, seed=9))
+    for fn in (G.grouped_mm_wgrad, G.grouped_mm_wgrad_ref):
+        host = fn(ga.data[:, :r].contiguous(), ga.scale[:, :r // 128].contiguous(), gb.data[:, :r].contiguous(),
+                  gb.scale[:, :r // 128].contiguous(), counts)
+        assert torch.equal(fn(ga.data, ga.scale, gb.data, gb.scale, dev), host), fn.__name__
+    with use_grouped_backend("emulated"):
+        assert torch.equal(grouped_fp8_mm_nt(a, w, dev, torch.float32)[:r],
+                           grouped_fp8_mm_nt(a.rows(0, r), w, counts, torch.float32))
+
+
+def test_device_counts_are_validated_by_shape_not_by_value():
+    a = moe_fp4.quantize_fp8(_acts(256, 256, seed=1))
+    w = _weights(2, 128, 256, seed=2)
+    for bad, match in ((torch.tensor([128]), r"int32/int64 \[2\]"), (torch.tensor([128.0, 0.0]), "int32/int64"),
+                       (torch.tensor([[128, 0]]), r"\[2\]")):
+        with pytest.raises(ValueError, match=match):
+            G.grouped_mm_nt(a.data, a.scale, w.data, w.scale, bad.to(DEVICE))
+    # The twins read the values (they are the references) and refuse a sum past R.
+    with pytest.raises(ValueError, match="at most 256"):
+        G.grouped_mm_nt_ref(a.data, a.scale, w.data, w.scale, torch.tensor([256, 128], device=DEVICE))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gluon_device_tile_table_equals_the_host_one_then_covers_the_tail(seed):
+    # m_tiles_on_device: the host table's tiles first, then zero tiles over exactly the tail's rows, then
+    # entries with no waves; its length is the static bound however the rows fall.
+    g = torch.Generator().manual_seed(seed)
+    e = int(torch.randint(1, 9, (), generator=g))
+    counts = [128 * int(c) for c in torch.randint(0, 6, (e,), generator=g)]
+    rows = sum(counts) + 128 * int(torch.randint(0, 5, (), generator=g))
+    table = GL.m_tiles_on_device(torch.tensor(counts), rows)
+    assert table.dtype == torch.int32 and table.shape == (3, (rows // 128 + e + 1) // 2)
+    host = GL.m_tiles(counts)
+    n = len(host[0])
+    assert [table[i, :n].tolist() for i in range(3)] == [list(h) for h in host]
+    tail = table[:, n:]
+    zero = tail[:, tail[2] > 0]
+    assert (zero[1] == e).all()
+    covered = sorted(r for row, waves in zip(zero[0].tolist(), zero[2].tolist()) for r in range(row, row + 128 * waves))
+    assert covered == list(range(sum(counts), rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon engine needs Hopper (sm90)")
+def test_gpu_gluon_device_counts_equal_host_counts_and_zero_the_tail():
+    counts = [0, 128, 384, 640, 0, 256, 128]
+    r, tail, h, n = sum(counts), 640, 1024, 384
+    a = moe_fp4.quantize_fp8(_acts(r + tail, h, seed=11).to(torch.bfloat16) * 3)
+    w = _weights(len(counts), n, h, seed=13)
+    dev = torch.tensor(counts, device="cuda")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        host = GL.grouped_mm_nt(a.data[:r], a.scale[:r], w.data, w.scale, counts, out_dtype)
+        got = GL.grouped_mm_nt(a.data, a.scale, w.data, w.scale, dev, out_dtype)
+        assert torch.equal(got[:r], host) and not got[r:].any()
+    ga, gb = moe_fp4.quantize_fp8(_acts(n, r + tail, seed=7)), moe_fp4.quantize_fp8(_acts(h, r + tail, seed=9))
+    host = GL.grouped_mm_wgrad(ga.data[:, :r].contiguous(), ga.scale[:, :r // 128].contiguous(),
+                               gb.data[:, :r].contiguous(), gb.scale[:, :r // 128].contiguous(), counts)
+    assert torch.equal(GL.grouped_mm_wgrad(ga.data, ga.scale, gb.data, gb.scale, dev), host)
