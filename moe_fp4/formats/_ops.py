@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from moe_fp4.formats import kernel_ops
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor, NVFP4Tensor
 from moe_fp4.kernels import fp8 as _fp8
 from moe_fp4.kernels import mxfp4 as _mxfp4
@@ -21,7 +22,9 @@ from moe_fp4.kernels.numerics import Rounding
 
 
 def _pick(module, name: str, use_triton: bool):
-    return getattr(module, name if use_triton else name + "_ref")
+    """-> ``module.<name>`` (use_triton) or its twin ``<name>_ref``, through its ``moe_fp4::<name>`` op where it
+    has one (:mod:`moe_fp4.formats.kernel_ops`): the same signature and results."""
+    return kernel_ops.kernel(module, name, use_triton)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ All three are frozen dataclasses whose ``__post_init__`` checks every structural
 shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
 *values* (scales are powers of two, no NaN scale where NaN is not allowed) read the data, so they
 live in :func:`check_fp8_scale_values`, which the public conversion functions call on CPU tensors
-always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1``, and :func:`check_mxfp4_finite`, behind
+always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1`` (outside torch.compile), and :func:`check_mxfp4_finite`, behind
 ``MXFP4Tensor.check_finite()``.
 """
 
@@ -55,7 +55,10 @@ def _fail(cls, msg: str):
 
 
 def check_values_enabled(t: torch.Tensor) -> bool:
-    """Value checks (which read the data) run on CPU always, on GPUs only when asked for."""
+    """Value checks (which read the data) run on CPU always, on GPUs only when asked for, and never inside
+    torch.compile: a compiled region reads no value on the host (the checks run where it is called eagerly)."""
+    if torch.compiler.is_compiling():
+        return False
     return t.device.type != "cuda" or os.environ.get("MOE_FP4_CHECK_VALUES", "0") == "1"
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from moe_fp4.formats import kernel_ops
 from moe_fp4.formats.containers import HIGH_PRECISION_DTYPES, FP8BlockTensor, MXFP4Tensor, _fail
 from moe_fp4.formats.conversions import _check_out_dtype
 from moe_fp4.kernels import adamw as adamw_kernels
@@ -115,7 +116,7 @@ def _quantize_weight(w: torch.Tensor, write_q: bool, write_t: bool, fn: str):
     if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK:
         raise ValueError(f"{fn}: N = {n} and K = {k} must be multiples of {WEIGHT_BLOCK}")
     w3 = w.detach().reshape(-1, n, k).contiguous()
-    kernel = fp8_kernels.quantize_fp8_weight_128x128 if _use_triton(w3) else fp8_kernels.quantize_fp8_weight_128x128_ref
+    kernel = kernel_ops.kernel(fp8_kernels, "quantize_fp8_weight_128x128", _use_triton(w3))
     return kernel(w3, write_q=write_q, write_t=write_t)
 
 
