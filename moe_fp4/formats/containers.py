@@ -56,8 +56,9 @@ def _fail(cls, msg: str):
 
 def check_values_enabled(t: torch.Tensor) -> bool:
     """Value checks (which read the data) run on CPU always, on GPUs only when asked for, and never inside
-    torch.compile: a compiled region reads no value on the host (the checks run where it is called eagerly)."""
-    if torch.compiler.is_compiling():
+    torch.compile or on fake tensors (a compiled region and an op's fake read no value on the host; the checks
+    run where the conversion is called eagerly)."""
+    if torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(t):
         return False
     return t.device.type != "cuda" or os.environ.get("MOE_FP4_CHECK_VALUES", "0") == "1"
 

@@ -436,11 +436,32 @@ def grouped_fp8_mm_nt(a: FP8BlockTensor | MXFP4Tensor, b: FP8WeightTensor, count
     if b.data.dim() != 3:
         raise ValueError(f"grouped_fp8_mm_nt: b must be an [E, N, K] stack, got {tuple(b.data.shape)}")
     _check_out_dtype(out_dtype, "grouped_fp8_mm_nt")
+    if isinstance(counts, torch.Tensor):   # the op: one node for torch.compile, nothing read on the host
+        return torch.ops.moe_fp4.grouped_mm_nt(a.data, a.scale, b.data, b.scale, counts, out_dtype)
+    return _grouped_nt(a, b, counts, out_dtype)
+
+
+def _grouped_nt(a, b: FP8WeightTensor, counts, out_dtype) -> torch.Tensor:
     backend, fn = _grouped_impl("grouped_mm_nt", a.device)
     if backend is GemmBackend.SCALED_MM:
         return _grouped_nt_scaled_mm(a, b, counts, out_dtype)
     kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32
     return fn(a.data, a.scale, b.data, b.scale, counts, kernel_dtype).to(out_dtype)
+
+
+@torch.library.custom_op("moe_fp4::grouped_mm_nt", mutates_args=())
+def _grouped_nt_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                   counts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_fp8_mm_nt with device counts on plain tensors (A FP8 or MXFP4 codes): the engine is chosen when
+    the op runs (grouped_gemm_backend)."""
+    shape = (a.shape[0], a.shape[1] * (2 if a.dtype == torch.uint8 else 1))
+    cls = MXFP4Tensor if a.dtype == torch.uint8 else FP8BlockTensor
+    return _grouped_nt(cls(a, a_scale, shape, torch.bfloat16), FP8WeightTensor(b, b_scale), counts, out_dtype)
+
+
+@_grouped_nt_op.register_fake
+def _(a, a_scale, b, b_scale, counts, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
 def _grouped_nt_scaled_mm(a, b: FP8WeightTensor, counts, out_dtype) -> torch.Tensor:
@@ -471,6 +492,25 @@ def grouped_fp8_mm_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts,
         raise TypeError(f"grouped_fp8_mm_wgrad: expected two FP8BlockTensors, got {type(a).__name__} and "
                         f"{type(b).__name__}")
     _check_out_dtype(out_dtype, "grouped_fp8_mm_wgrad")
+    if isinstance(counts, torch.Tensor):
+        return torch.ops.moe_fp4.grouped_mm_wgrad(a.data, a.scale, b.data, b.scale, counts, out_dtype)
+    return _grouped_wgrad(a, b, counts, out_dtype)
+
+
+@torch.library.custom_op("moe_fp4::grouped_mm_wgrad", mutates_args=())
+def _grouped_wgrad_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                      counts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_fp8_mm_wgrad with device counts on plain tensors."""
+    wrap = lambda d, sc: FP8BlockTensor(d, sc, d.shape, torch.bfloat16)  # noqa: E731
+    return _grouped_wgrad(wrap(a, a_scale), wrap(b, b_scale), counts, out_dtype)
+
+
+@_grouped_wgrad_op.register_fake
+def _(a, a_scale, b, b_scale, counts, out_dtype):
+    return a.new_empty(counts.shape[0], a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def _grouped_wgrad(a: FP8BlockTensor, b: FP8BlockTensor, counts, out_dtype) -> torch.Tensor:
     backend, fn = _grouped_impl("grouped_mm_wgrad", a.device)
     if backend is not GemmBackend.SCALED_MM:
         kernel_dtype = out_dtype if out_dtype in grouped_kernels.OUT_DTYPES else torch.float32

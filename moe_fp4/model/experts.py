@@ -68,8 +68,9 @@ from moe_fp4.formats.conversions import (
 )
 from moe_fp4.gemm.engines import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.kernels import swiglu as _swiglu
+from moe_fp4.model import experts_op
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_ints, group_offsets
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts
 from moe_fp4.saved.accounting import keep, label_saved, rebuild, report_saved
 from moe_fp4.saved.hook import StorageFormat, current_compression
 
@@ -187,8 +188,8 @@ def _rows_and_cols(g: torch.Tensor, rows: bool):
 # bf16: torch's grouped GEMM (CUTLASS on sm90) where there is one.
 
 def _bf16_offsets(counts, device) -> torch.Tensor:
-    """int32 [E] end offsets of the groups, on ``device`` (torch._grouped_mm's ``offs``)."""
-    return device_ints(group_offsets(counts)[1:], torch.int32, device)
+    """int32 [E] end offsets of the groups, on ``device`` (torch._grouped_mm's ``offs``; no host sync)."""
+    return device_offsets(counts, torch.int32, device)[1:]
 
 
 def _has_grouped_mm(device: torch.device) -> bool:
@@ -201,7 +202,8 @@ def _bf16_mm(a: torch.Tensor, b: torch.Tensor, counts, offs) -> torch.Tensor:
     """a [R, K] rows grouped by expert, b [E, K, N] -> [R, N] (expert e's rows times b[e])."""
     if offs is not None:
         return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty(a.shape[0], b.shape[-1])
+    counts = host_counts(counts)
+    out = a.new_zeros(a.shape[0], b.shape[-1])
     for e, (s, c) in enumerate(zip(group_offsets(counts), counts)):
         torch.mm(a[s:s + c], b[e], out=out[s:s + c])
     return out
@@ -211,6 +213,7 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
     """g [R, N], x [R, K] -> [E, N, K]: g_e^T x_e per expert (contraction over its rows)."""
     if offs is not None:
         return torch._grouped_mm(g.t(), x, offs=offs)
+    counts = host_counts(counts)
     out = g.new_zeros(len(counts), g.shape[1], x.shape[1])
     for e, (s, c) in enumerate(zip(group_offsets(counts), counts)):
         if c:
@@ -219,9 +222,12 @@ def _bf16_wgrad(g: torch.Tensor, x: torch.Tensor, counts, offs) -> torch.Tensor:
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
+    precision_of = staticmethod(lambda value: Precision(value))
+    bf16_offsets = staticmethod(lambda counts, device: _bf16_offsets(counts, device))
+
     @staticmethod
     def forward(ctx, x, w13, w2, row_w, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows,
-                grad_slot):
+                grad_slot, fp8_pairs=None):
         rows, hidden = (x_q.m, x_q.k) if x_q is not None else x.shape
         dev = x.device if x_q is None else x_q.device
         ctx.precision, ctx.counts, ctx.grad_slot = precision, counts, grad_slot
@@ -249,7 +255,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         nv = fp4 and storage is StorageFormat.NVFP4
         # W and W^T from one pass, once per weight version (moe_fp4.gemm.engines.FP8_WEIGHTS): backward's dgrad
         # operands are forward's, and micro-batches between two optimizer steps share them.
-        (w13q, ctx.w13t), (w2q, ctx.w2t) = FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2)
+        # fp8_pairs: the pairs as tensors the caller made (the op pair under torch.compile).
+        (w13q, ctx.w13t), (w2q, ctx.w2t) = fp8_pairs or (FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2))
         report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
         report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
         if isinstance(x_q, MXFP4Tensor):
@@ -326,7 +333,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, d_row = _swiglu_backward(h, da, row_w)
             dx = _bf16_mm(dh, w13c, counts, offs) if need_dx else None
             dw13 = _bf16_wgrad(dh, xin, counts, offs).to(w13.dtype) if need_dw13 else None
-            return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None
+            return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None, None
 
         h = kept["h"]   # bf16, or MXFP4 read as kept by the SwiGLU backward
         if isinstance(h, NVFP4Tensor):
@@ -351,7 +358,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, torch.bfloat16) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"], kept.get("x_rows")), counts, w13.dtype) \
             if need_dw13 else None
-        return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None
+        return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None, None
 
 
 def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFormat = "mxfp4"):
@@ -396,7 +403,7 @@ def prefetch_fp8_weights(*weights) -> None:
     cached. The MoE layer calls it where the GPU would otherwise wait for the host (the weights need no
     routing): the FC1 weights before the router, the FC2 weights while the host waits for the routing's
     counts. Nothing when the cache is off: the experts would quantize a second time."""
-    if not FP8_WEIGHTS.enabled:
+    if not FP8_WEIGHTS.enabled or torch.compiler.is_compiling():   # compiled experts quantize in their graph
         return
     with torch.no_grad():
         for w in weights:
@@ -425,7 +432,9 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             ``expand`` of a 0-d tensor) whose ``.grad`` hook receives d(loss)/d(input).
     w13:    bf16/fp32 [E, 2F, H]: gate rows 0..F-1, up rows F..2F-1.
     w2:     bf16/fp32 [E, H, F].
-    counts: E ints, multiples of 128.
+    counts: E ints, multiples of 128 summing to R; or an int tensor [E] on the device (device counts: no
+            host sync; multiples of 128 summing to at most R, values unread; the rows past the groups are
+            padding rows, zero in x, and come out zero).
     precision: "bf16" | "fp8" | "fp4" (or :class:`Precision`).
     x_q:    optional MXFP4Tensor or FP8BlockTensor [R, H], the input as received from the all-to-all.
             MXFP4 is converted to FP8 directly for the GEMM and kept as
@@ -471,18 +480,28 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if tuple(w2.shape) != (n_exp, hidden, two_f // 2) or two_f % 2:
         raise ValueError(f"grouped_swiglu_experts: w2 must be [E, H, F] = {(n_exp, hidden, two_f // 2)}, "
                          f"got {tuple(w2.shape)}")
-    counts = tuple(int(c) for c in counts)
-    if len(counts) != n_exp or any(c < 0 or c % TOKEN_ALIGN for c in counts):
-        raise ValueError(f"grouped_swiglu_experts: counts must be {n_exp} non-negative multiples of "
-                         f"{TOKEN_ALIGN}, got {counts}")
-    if tuple(x.shape) != (sum(counts), hidden):
-        raise ValueError(f"grouped_swiglu_experts: x must be [sum(counts), H] = {(sum(counts), hidden)}, "
-                         f"got {tuple(x.shape)}")
+    if isinstance(counts, torch.Tensor):
+        # Device counts: checked by shape only (their values would be a host sync); x's rows are a static
+        # bound, a multiple of 128, and the rows past the groups are padding.
+        if counts.dtype not in (torch.int32, torch.int64) or tuple(counts.shape) != (n_exp,):
+            raise ValueError(f"grouped_swiglu_experts: device counts must be int32/int64 [{n_exp}], got "
+                             f"{counts.dtype} {tuple(counts.shape)}")
+        if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] % TOKEN_ALIGN:
+            raise ValueError(f"grouped_swiglu_experts: with device counts x must be [R, {hidden}] with R a "
+                             f"multiple of {TOKEN_ALIGN}, got {tuple(x.shape)}")
+    else:
+        counts = tuple(int(c) for c in counts)
+        if len(counts) != n_exp or any(c < 0 or c % TOKEN_ALIGN for c in counts):
+            raise ValueError(f"grouped_swiglu_experts: counts must be {n_exp} non-negative multiples of "
+                             f"{TOKEN_ALIGN}, got {counts}")
+        if tuple(x.shape) != (sum(counts), hidden):
+            raise ValueError(f"grouped_swiglu_experts: x must be [sum(counts), H] = {(sum(counts), hidden)}, "
+                             f"got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"grouped_swiglu_experts: x must be bfloat16, got {x.dtype}")
     if row_weights is not None:
-        if row_weights.dtype != torch.float32 or tuple(row_weights.shape) != (sum(counts),):
-            raise ValueError(f"grouped_swiglu_experts: row_weights must be float32 [{sum(counts)}], got "
+        if row_weights.dtype != torch.float32 or tuple(row_weights.shape) != (x.shape[0],):
+            raise ValueError(f"grouped_swiglu_experts: row_weights must be float32 [{x.shape[0]}], got "
                              f"{row_weights.dtype} {tuple(row_weights.shape)}")
         row_weights = row_weights.contiguous()
     if x_q is not None:
@@ -511,8 +530,29 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_saved_rows must be int64 [{x.shape[0]}] on "
                              f"{x_saved.data.device}, got {getattr(x_saved_rows, 'dtype', type(x_saved_rows))} "
                              f"{tuple(getattr(x_saved_rows, 'shape', ()))}")
+    if torch.compiler.is_compiling() and grad_slot is None:
+        return _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu, storage, x_saved,
+                         x_saved_rows)
     return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
                                 x_saved, x_saved_rows, grad_slot)
+
+
+def _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows):
+    """grouped_swiglu_experts under torch.compile: the op pair of :mod:`moe_fp4.model.experts_op` (the Function's
+    bodies as two opaque nodes). Needs device counts and no compression scope (the saved-tensor hook does not
+    run under compile)."""
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    if current_compression() is not None:
+        raise RuntimeError("grouped_swiglu_experts: moe_fp4.compress_saved_activations does not run under "
+                           "torch.compile; fp4 precision keeps its activations in MXFP4 itself")
+    kind = "" if x_q is None else ("mxfp4" if isinstance(x_q, MXFP4Tensor) else "fp8")
+    recipe = experts_op.Recipe(precision.value, storage.value, bool(recompute_swiglu), kind, x_saved is not None,
+                               x_saved_rows is not None)
+    return experts_op.experts(x, w13, w2, row_weights, counts, recipe, x_q, x_saved, x_saved_rows)
+
+
+experts_op._FUNCTION.append(_GroupedSwiGLU)
 
 
 __all__ = ["TOKEN_ALIGN", "Precision", "gather_expert_tokens", "grouped_swiglu_experts", "prefetch_fp8_weights",

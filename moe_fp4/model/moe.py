@@ -79,6 +79,15 @@ class Recompute(Choice):
     LAYER = "layer"
 
 
+def _host_counts(choice: bool | None, x: torch.Tensor) -> bool:
+    """MoE.host_counts -> whether the routing reads its counts on the host: None does so in eager mode only
+    (torch.compile and CUDA-graph capture cannot wait for the host)."""
+    if choice is not None:
+        return bool(choice)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return not (torch.compiler.is_compiling() or capturing)
+
+
 def same_policy(precision, policy) -> Recompute | None:
     """The cheaper policy that keeps exactly what ``policy`` keeps in ``precision`` ("bf16" | "fp8" | "fp4"),
     or None where none does: fp4 keeps its SwiGLU output in MXFP4 whatever the policy (recomputing it from the
@@ -158,6 +167,10 @@ class MoE(nn.Module):
         self.storage = storage
         self.ep = ep
         self._while_routing = None   # forward's GPU work queued during the routing's sync (route())
+        # The single-rank routing's counts: None reads them on the host (one sync a layer, buffers sized
+        # exactly) in eager mode and keeps them on the device under torch.compile and CUDA-graph capture (no
+        # sync; the experts' buffers take the static bound of rows, routing.rows_bound); True / False always.
+        self.host_counts: bool | None = None
         # The sqrt(3) rule of each gradient exchange set to "auto" (EPConfig.grad_rules): this layer's own.
         self.grad_rules: dict[str, GradWireRule] = {} if ep is None else ep.grad_rules()
         c, kw = config, {"dtype": dtype, "device": device}
@@ -237,11 +250,12 @@ class MoE(nn.Module):
         return weights, experts
 
     def route(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] -> Routing of the (token, expert) pairs (one host sync for the counts). Inside forward,
+        """x: [T, H] -> Routing of the (token, expert) pairs (no host sync unless ``host_counts``). Inside forward,
         the GPU work that needs no routing is queued during that sync (``make_routing``'s
         ``while_waiting``); a subclass may override this method with the same signature."""
         return make_routing(*self.gate(x), self.config.num_experts,
-                            while_waiting=getattr(self, "_while_routing", None))
+                            while_waiting=getattr(self, "_while_routing", None),
+                            host_counts=_host_counts(getattr(self, "host_counts", None), x))
 
     def _prefetch_fp8_weights(self, fc1: bool = True, fc2: bool = True) -> None:
         """fp8 / fp4: the FP8 pairs of the FC1 (w13) and / or FC2 (w2) weights, routed and shared, made now

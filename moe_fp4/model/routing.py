@@ -1,5 +1,5 @@
 """Tokens to their experts' rows and back: :func:`make_routing` (a dropless permutation of the (token, slot)
-pairs by expert, each expert's group padded to 128 rows, one host sync for the counts), :func:`permute`,
+pairs by expert, each expert's group padded to 128 rows, device counts with no host sync, or one host sync for exact sizes), :func:`permute`,
 :func:`row_weights` and :func:`unpermute` (gathers both ways, no atomics), and :func:`routed_swiglu_experts`,
 the experts over tokens and their top-k choice: what the MoE layer (:mod:`moe_fp4.model.moe`) runs on one rank
 and what other stacks' MoE blocks call (:mod:`moe_fp4.integrations.hf_experts`)."""
@@ -29,11 +29,14 @@ class Routing:
 
     weights: float32 [T, k] combine weights; experts: int64 [T, k] expert ids;
     dest: int64 [T*k] row of pair (t, j) (flattened t*k + j) in the permuted, padded buffer;
-    counts: E ints, tokens per expert; padded_counts: E ints, rounded up to 128; rows = sum(padded_counts);
+    counts: tokens per expert, padded_counts: rounded up to 128, as E ints (host counts) or int64 [E] tensors
+    on the device (device counts, never read on the host);
+    rows: the buffer's rows: sum(padded_counts) with host counts, else the static bound
+    :func:`rows_bound` (the rows past the groups are a tail of padding rows);
     src_row: int64 [rows], the token of each row (T for padding rows): permute and unpermute's
     backward are gathers through it (no scatter, no atomics); dropped: pairs whose expert id is >= E (an
     expert on another rank: Hugging Face's EP sentinel), which get no row (their dest is ``rows``) and add
-    nothing to their token's sum.
+    nothing to their token's sum; with device counts their number is not read (None).
     """
 
     weights: torch.Tensor
@@ -42,17 +45,30 @@ class Routing:
     counts: tuple[int, ...]
     padded_counts: tuple[int, ...]
     src_row: torch.Tensor
-    dropped: int = 0
+    dropped: int | None = 0
 
     @property
     def rows(self) -> int:
-        return sum(self.padded_counts)
+        return self.src_row.shape[0]
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the counts are device tensors (nothing was read on the host)."""
+        return isinstance(self.padded_counts, torch.Tensor)
+
+
+def rows_bound(pairs: int, num_experts: int, align: int = TOKEN_ALIGN) -> int:
+    """The most rows ``pairs`` (token, expert) pairs can take once each of ``num_experts`` groups is padded to
+    ``align``: sum(ceil(c_e / align) * align) <= pairs + E (align - 1), a multiple of align. The static size of
+    the device-count buffers."""
+    return (pairs + num_experts * (align - 1)) // align * align
 
 
 def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN,
-                 while_waiting=None) -> Routing:
-    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts).
-    Expert ids >= num_experts are dropped (see :class:`Routing`); ids must not be negative.
+                 while_waiting=None, host_counts: bool = True) -> Routing:
+    """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts, or
+    with ``host_counts=False`` none: device counts over :func:`rows_bound` rows, what torch.compile and CUDA
+    graphs need). Expert ids >= num_experts are dropped (see :class:`Routing`); ids must not be negative.
 
     ``while_waiting``: a callable that queues GPU work independent of the routing (the layer's FC2
     weights and quantized input), run between the counts' copy to the host and the wait for it
@@ -72,10 +88,19 @@ def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
     sorted_e = flat[order]
     rank = (torch.arange(flat.numel(), device=flat.device) - start[sorted_e]) * (sorted_e < num_experts)
     dest = torch.empty_like(flat)
+    t, k = experts.shape
+    if not host_counts:
+        if while_waiting is not None:
+            while_waiting()
+        rows = rows_bound(t * k, num_experts, align)
+        # a dropped pair's dest is one past the rows, whatever the groups take
+        dest[order] = torch.where(sorted_e < num_experts, pad_start[sorted_e] + rank, rows)
+        src_row = torch.full((rows + 1,), t, dtype=torch.int64, device=flat.device)
+        src_row[dest] = torch.arange(t * k, device=flat.device) // k
+        return Routing(weights, experts, dest, counts[:num_experts], padded[:num_experts], src_row[:rows], None)
     dest[order] = pad_start[sorted_e] + rank
     # the host sync: not repeated by a recomputation
     host = once(lambda: counts_to_host(torch.stack([counts, padded]), while_waiting))
-    t, k = experts.shape
     rows, dropped = sum(host[1]), host[0][num_experts]
     # one slot past the rows takes the dropped pairs' writes
     src_row = torch.full((rows + (dropped > 0),), t, dtype=torch.int64, device=flat.device)
@@ -137,7 +162,8 @@ def row_weights(routing: Routing) -> torch.Tensor:
     ``routing.weights``: the experts apply it (``grouped_swiglu_experts(..., row_weights=...)``)."""
     w = routing.weights.flatten()
     # a dropped pair's weight lands in one slot past the rows, cut off
-    return w.new_zeros(routing.rows + (routing.dropped > 0)).scatter(0, routing.dest, w)[:routing.rows]
+    spare = routing.dropped is None or routing.dropped > 0
+    return w.new_zeros(routing.rows + spare).scatter(0, routing.dest, w)[:routing.rows]
 
 
 def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -157,7 +183,8 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     w13, w2, precision, storage, recompute_swiglu: as :func:`moe_fp4.model.experts.grouped_swiglu_experts`.
     -> bf16 [T, H]: sum over j of top_k_weights[t, j] * expert_{top_k_index[t, j]}(x[t]).
 
-    The MoE layer's single-rank path: one host sync for the per-expert counts, the FC1 operand quantized per
+    The MoE layer's single-rank path: one host sync for the counts in eager mode, none under torch.compile and
+    CUDA-graph capture (device counts over a static bound of rows), the FC1 operand quantized per
     token and gathered to the experts' rows (fp4 keeps its MXFP4 copy per token), the router weights applied
     inside the experts, the combine an unweighted sum in float32 rounded once."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
@@ -170,7 +197,9 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         raise ValueError(f"routed_swiglu_experts: top_k_weights must be float {tuple(top_k_index.shape)}, got "
                          f"{top_k_weights.dtype} {tuple(top_k_weights.shape)}")
     precision, storage = Precision(precision), StorageFormat(storage)
-    routing = make_routing(top_k_weights.float(), top_k_index.long(), w13.shape[0])
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    host = not (torch.compiler.is_compiling() or capturing)   # as MoE.host_counts = None
+    routing = make_routing(top_k_weights.float(), top_k_index.long(), w13.shape[0], host_counts=host)
     tokens = quantize_expert_tokens(x, precision, storage)
     x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(tokens,
                                                                                                routing.src_row)
@@ -180,4 +209,4 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     return unpermute(y, routing)
 
 
-__all__ = ["Routing", "make_routing", "permute", "routed_swiglu_experts", "row_weights", "unpermute"]
+__all__ = ["Routing", "make_routing", "rows_bound", "permute", "routed_swiglu_experts", "row_weights", "unpermute"]

@@ -1,0 +1,113 @@
+"""The MoE layer's training step (forward + backward), eager against torch.compile, bf16 / fp8 / fp4, in one run.
+
+    python bench/moe_compile.py                                  # GPU: dsv3 and small shapes
+    python bench/moe_compile.py --shape small --precisions fp8 --modes eager compiled
+    python bench/moe_compile.py --json moe_compile.json
+
+Modes: ``eager`` (the layer as users call it: counts read on the host once a layer), ``eager-device`` (device
+counts: no host sync, the experts' buffers at the static bound of rows), ``compiled`` (``torch.compile`` of the
+layer, default mode: device counts, the experts as the moe_fp4::experts_forward / _backward op pair),
+``graphs`` (``torch.compile(mode="reduce-overhead")``: the compiled step replayed as a CUDA graph). Every
+variant of a shape runs interleaved with the others (bench/harness.py), and ratios are taken against compiled
+bf16 of the same run, the baseline users who compile would run. A variant that fails reports its error.
+On CPU: a tiny smoke run (timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import interleaved, log, run_record, write_json  # noqa: E402
+
+from moe_fp4.model.moe import MoE, MoEConfig  # noqa: E402
+
+# The shapes of the issue's table: (MoEConfig arguments, tokens per step).
+SHAPES = {
+    "dsv3": (dict(hidden=7168, ffn=2048, num_experts=32, top_k=8), 8192),
+    "small": (dict(hidden=1024, ffn=512, num_experts=16, top_k=4), 16384),
+    "tiny": (dict(hidden=256, ffn=128, num_experts=4, top_k=2), 256),
+}
+MODES = ("eager", "eager-device", "compiled", "graphs")
+PRECISIONS = ("bf16", "fp8", "fp4")
+
+
+def _variant(shape: str, precision: str, mode: str, device):
+    """-> (step function, layer) of one variant: a fresh layer (same seed, same weights in every variant)."""
+    kw, tokens = SHAPES[shape]
+    torch.manual_seed(0)
+    layer = MoE(MoEConfig(**kw), precision, device=device)
+    layer.host_counts = {"eager": None, "eager-device": False}.get(mode)
+    fn = layer
+    if mode == "compiled":
+        fn = torch.compile(layer)
+    elif mode == "graphs":
+        fn = torch.compile(layer, mode="reduce-overhead")
+    x = torch.randn(tokens, kw["hidden"], dtype=torch.bfloat16, device=device).requires_grad_()
+    dy = torch.randn(tokens, kw["hidden"], dtype=torch.bfloat16, device=device)
+
+    def step():
+        if mode == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        fn(x).backward(dy)
+
+    return step, layer
+
+
+def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device) -> dict:
+    runs, errors = {}, {}
+    for precision in precisions:
+        for mode in modes:
+            name = f"{precision} {mode}"
+            try:
+                step, _ = _variant(shape, precision, mode, device)
+                log(f"[{shape}] {name}: first step (compiles where it compiles)")
+                step()
+                runs[name] = step
+            except Exception as e:  # noqa: BLE001 - a failing variant is a result
+                errors[name] = "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+                log(f"[{shape}] {name}: FAILED {errors[name][:300]}")
+    times = interleaved(runs, warmup, iters, rounds, device=device) if runs else {}
+    ms = {name: sorted(t for r in rounds_ for t in r)[len([t for r in rounds_ for t in r]) // 2]
+          for name, rounds_ in times.items()}
+    base = ms.get("bf16 compiled")
+    out = {"shape": shape, "config": SHAPES[shape][0], "tokens": SHAPES[shape][1], "median_ms": ms, "errors": errors,
+           "vs_bf16_compiled": {n: v / base for n, v in ms.items()} if base else {}}
+    for name, v in ms.items():
+        log(f"[{shape}] {name:>20}: {v:8.3f} ms" + (f"  ({v / base:.3f}x bf16 compiled)" if base else ""))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", nargs="+", choices=list(SHAPES), default=None)
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 12; CPU 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; CPU 0)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; CPU 1)")
+    p.add_argument("--json", default=None, metavar="PATH")
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = a.shape or (["dsv3", "small"] if cuda else ["tiny"])
+    modes = a.modes if cuda else [m for m in a.modes if m != "graphs"]
+    warmup = a.warmup if a.warmup is not None else (3 if cuda else 0)
+    iters = a.iters if a.iters is not None else (12 if cuda else 1)
+    rounds = a.rounds if a.rounds is not None else (3 if cuda else 1)
+    doc = {"run": run_record(device), "results": []}
+    for shape in shapes:
+        doc["results"].append(run_shape(shape, a.precisions, modes, warmup, iters, rounds, device))
+        write_json(a.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
