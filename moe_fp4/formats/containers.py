@@ -6,8 +6,8 @@ All three are frozen dataclasses whose ``__post_init__`` checks every structural
 shapes, devices, strides). These checks are cheap and never synchronise with the GPU. Checks on
 *values* (scales are powers of two, no NaN scale where NaN is not allowed) read the data, so they
 live in :func:`check_fp8_scale_values`, which the public conversion functions call on CPU tensors
-always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1`` (outside torch.compile), and :func:`check_mxfp4_finite`, behind
-``MXFP4Tensor.check_finite()``.
+always and on CUDA tensors when ``MOE_FP4_CHECK_VALUES=1`` (never under torch.compile), and
+:func:`check_mxfp4_finite`, behind ``MXFP4Tensor.check_finite()``.
 """
 
 from __future__ import annotations

@@ -137,10 +137,11 @@ def _as_kernel_args(name: str, args: tuple) -> tuple:
 
 
 def _clone_aliases(out, args):
-    """An op's results may not alias its inputs (a kernel that returns an input as is, e.g. an empty one)."""
-    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    """An op's results may not alias its inputs (a kernel that hands back a given tensor scale, or a view of
+    it): those are copied."""
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
     seq = out if isinstance(out, tuple) else (out,)
-    fixed = tuple(t.clone() if id(t) in inputs else t for t in seq)
+    fixed = tuple(t.clone() if any(torch._C._is_alias_of(t, a) for a in inputs) else t for t in seq)
     return fixed if isinstance(out, tuple) else fixed[0]
 
 

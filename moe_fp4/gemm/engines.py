@@ -14,7 +14,12 @@ multiplied in float32, so every code path runs in CI with the same quantized val
 The expert layer uses the grouped forms, all experts in one call: :func:`grouped_fp8_mm_nt` (fprop,
 dgrad) and :func:`grouped_fp8_mm_wgrad` (weight gradients), on the Gluon engine of
 ``kernels/gluon_grouped_gemm.py`` (Hopper), the Triton kernels of ``kernels/grouped_gemm.py`` (sm90+),
-one cuBLAS ``scaled_mm`` per expert, or the float32 emulation (:func:`grouped_gemm_backend` chooses).
+one cuBLAS ``scaled_mm`` per expert, or the float32 emulation (:func:`grouped_gemm_backend` chooses). With
+device counts the grouped GEMMs go through the ops ``moe_fp4::grouped_mm_nt`` / ``grouped_mm_wgrad`` (one node
+each for torch.compile, the engine chosen when they run).
+
+One idea at over 500 lines, kept whole: the FP8 GEMMs' entry points with their engine choice, their ops and the
+FP8 weight copies they read, which share one weight format and one set of checks.
 """
 
 from __future__ import annotations

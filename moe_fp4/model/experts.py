@@ -45,6 +45,10 @@ Everything kept goes through ``ctx.save_for_backward`` (containers as their tens
 ctx attributes, so activation checkpointing (``torch.utils.checkpoint``, :func:`moe_fp4.model.moe.checkpoint`)
 around the experts drops it in forward and recomputes it in backward; ``recompute_swiglu`` drops the
 SwiGLU output alone (bf16, fp8).
+
+Under torch.compile the same Function's bodies run inside the op pair of :mod:`moe_fp4.model.experts_op`.
+One idea at over 500 lines, kept whole: the experts' autograd Function, its helpers and its public entry
+points, which the eager path and the compiled op pair share.
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ from moe_fp4.formats.conversions import (
 )
 from moe_fp4.gemm.engines import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.kernels import swiglu as _swiglu
-from moe_fp4.model import experts_op
 from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts
+from moe_fp4.model import experts_op
 from moe_fp4.saved.accounting import keep, label_saved, rebuild, report_saved
 from moe_fp4.saved.hook import StorageFormat, current_compression
 

@@ -1,8 +1,9 @@
 """Tokens to their experts' rows and back: :func:`make_routing` (a dropless permutation of the (token, slot)
-pairs by expert, each expert's group padded to 128 rows, device counts with no host sync, or one host sync for exact sizes), :func:`permute`,
-:func:`row_weights` and :func:`unpermute` (gathers both ways, no atomics), and :func:`routed_swiglu_experts`,
-the experts over tokens and their top-k choice: what the MoE layer (:mod:`moe_fp4.model.moe`) runs on one rank
-and what other stacks' MoE blocks call (:mod:`moe_fp4.integrations.hf_experts`)."""
+pairs by expert, each expert's group padded to 128 rows; device counts with no host sync, or one host sync
+for exact sizes), :func:`permute`, :func:`row_weights` and :func:`unpermute` (gathers both ways, no
+atomics), and :func:`routed_swiglu_experts`, the experts over tokens and their top-k choice: what the MoE
+layer (:mod:`moe_fp4.model.moe`) runs on one rank and what other stacks' MoE blocks call
+(:mod:`moe_fp4.integrations.hf_experts`)."""
 
 from __future__ import annotations
 

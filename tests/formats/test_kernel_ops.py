@@ -121,7 +121,8 @@ def test_public_conversions_compile_fullgraph_without_breaks_and_keep_their_bits
     torch._dynamo.reset()
     compiled = torch.compile(_conversions, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(x), _conversions(x)):
-        assert got.dtype == want.dtype and torch.equal(got.flatten().contiguous().view(torch.uint8), want.flatten().contiguous().view(torch.uint8))
+        as_bytes = lambda t: t.flatten().contiguous().view(torch.uint8)  # noqa: E731
+        assert got.dtype == want.dtype and torch.equal(as_bytes(got), as_bytes(want))
 
 
 def test_containers_cross_a_compiled_function():

@@ -1,0 +1,85 @@
+"""The MoE layer under torch.compile(fullgraph=True) and with device counts: no graph break (fullgraph makes one
+an error), no host read of the counts, and the eager bits in forward and backward for every precision.
+
+CPU: backend "aot_eager" (Dynamo and AOTAutograd, the ops as they run eagerly; Inductor's C++ build would add
+minutes and nothing the ops' graph does not show). The GPU run of the same step: bench/moe_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fp4.model import routing as routing_module
+from moe_fp4.model.moe import MoE, MoEConfig
+from moe_fp4.model.routing import make_routing, routed_swiglu_experts, rows_bound
+
+CONFIG = MoEConfig(hidden=128, ffn=128, num_experts=3, top_k=2, shared_ffn=128)
+
+
+def _step(fn, layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    y = fn(xi)
+    y.backward(dy)
+    return [y, xi.grad, layer.w13.grad, layer.w2.grad, layer.router.weight.grad, layer.shared_w13.grad]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
+def test_layer_compiles_fullgraph_with_the_eager_bits(precision):
+    torch.manual_seed(1)
+    layer = MoE(CONFIG, precision)
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    dy = torch.randn(40, 128, dtype=torch.bfloat16)
+    eager_host = _step(layer, layer, x, dy)
+    layer.host_counts = False
+    eager_device = _step(layer, layer, x, dy)
+    layer.host_counts = None   # on the device under compile
+    torch._dynamo.reset()
+    compiled = _step(torch.compile(layer, fullgraph=True, backend="aot_eager"), layer, x, dy)
+    for name, a, b, c in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager_host, eager_device, compiled):
+        assert not a.isnan().any(), name
+        assert torch.equal(a, b), f"{name}: device counts differ from host counts"
+        assert torch.equal(a, c), f"{name}: compiled differs from eager"
+
+
+def test_device_counts_read_nothing_on_the_host(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("the routing read its counts on the host")
+
+    monkeypatch.setattr(routing_module, "counts_to_host", refuse)
+    torch.manual_seed(2)
+    layer = MoE(CONFIG, "fp4")
+    layer.host_counts = False
+    x = torch.randn(24, 128, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().square().sum().backward()
+    assert x.grad is not None and not x.grad.isnan().any()
+
+
+def test_device_routing_matches_host_routing_on_the_groups():
+    # The same rows for every pair; the device buffer is the static bound long, its tail padding rows.
+    g = torch.Generator().manual_seed(3)
+    t, k, e = 50, 3, 5
+    experts = torch.randint(0, e + 1, (t, k), generator=g)     # id e: dropped
+    weights = torch.rand(t, k, generator=g)
+    host = make_routing(weights, experts, e)
+    dev = make_routing(weights, experts, e, host_counts=False)
+    assert dev.on_device and not host.on_device and dev.dropped is None
+    assert dev.rows == rows_bound(t * k, e) >= host.rows
+    assert dev.padded_counts.tolist() == list(host.padded_counts) and dev.counts.tolist() == list(host.counts)
+    kept = experts.flatten() < e
+    assert torch.equal(dev.dest[kept], host.dest[kept]) and (dev.dest[~kept] == dev.rows).all()
+    assert torch.equal(dev.src_row[:host.rows], host.src_row) and (dev.src_row[host.rows:] == t).all()
+
+
+def test_routed_experts_compile_fullgraph():
+    # The entry point of the transformers experts implementations, compiled as a grouped_mm model compiles.
+    torch.manual_seed(4)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    idx = torch.randint(0, 3, (32, 2))
+    w = torch.rand(32, 2)
+    w13 = torch.randn(3, 256, 128, dtype=torch.bfloat16) * 0.1
+    w2 = torch.randn(3, 128, 128, dtype=torch.bfloat16) * 0.1
+    fn = lambda x: routed_swiglu_experts(x, idx, w, w13, w2, "fp8")  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(x), fn(x))
