@@ -10,8 +10,10 @@ two experts implementations in transformers' ``ExpertsInterface``:
 
 so ``AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16, experts_implementation="moe_fp4")`` runs
 every experts module of the model through :func:`moe_fp4.model.routing.routed_swiglu_experts`: one host sync
-for the per-expert counts, FP8 weights made once per weight version (:data:`moe_fp4.gemm.engines.FP8_WEIGHTS`,
-dropped after every torch.optim step, whatever the optimizer), the router weights applied inside the experts.
+for the per-expert counts in eager mode, none under ``torch.compile`` (the model compiles with
+``fullgraph=True``, as on ``"grouped_mm"``), FP8 weights made once per weight version
+(:data:`moe_fp4.gemm.engines.FP8_WEIGHTS`, dropped after every torch.optim step, whatever the optimizer; under
+compile quantized in the graph), the router weights applied inside the experts.
 
 It serves every family whose experts module has transformers' default layout: ``gate_up_proj`` [E, 2F, H]
 (gate rows, then up rows), ``down_proj`` [E, H, F], no biases, SiLU-gated (the default ``_apply_gate``), no

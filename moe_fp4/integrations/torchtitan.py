@@ -39,14 +39,14 @@ path gathers and pads k bf16 copies of every token, which the experts then quant
 and scatter-adds the outputs in bf16. Under EP (the dispatcher has an EP mesh) or with ``route_tokens=False``
 torchtitan's own forward runs, as described above.
 
-The FP8 weights. The engine reads each weight's FP8 pair (W, W^T in 128x128 blocks) from
-``FP8_WEIGHTS`` under the tensor it is given, and a ``torch.cat([w1, w3])`` is a new tensor every
-forward. So this module makes the pairs itself, once per weight version (``FP8_PAIRS``): w13's by
-quantizing w1 and w3 separately and concatenating codes and scales along N (exact: with F % 128 == 0
-no 128x128 block straddles the two), w2's as is. It then hands the engine stand-ins: zero-stride
-tensors of the weights' shape and dtype (``_StandIn``), with the pair put in ``FP8_WEIGHTS`` under each
-just before the call. The FP8 path reads nothing of its weights but their shape, dtype and pair, and
-autograd routes the weight gradients back onto w1, w3 and w2. A real ``torch.cat`` would also be
+The FP8 weights. The engine takes each weight's FP8 pair (W, W^T in 128x128 blocks) as its
+``fp8_weights``, and a ``torch.cat([w1, w3])`` is a new tensor every forward. So this module makes the
+pairs itself, once per weight version (``FP8_PAIRS``; under torch.compile in the graph, every forward):
+w13's by quantizing w1 and w3 separately and concatenating codes and scales along N (exact: with F % 128
+== 0 no 128x128 block straddles the two), w2's as is. It hands the engine the pairs and, for the weights,
+stand-ins: zero-stride tensors of the weights' shape and dtype (``_StandIn``). The FP8 path reads
+nothing of its weights but their shape and dtype, and autograd routes the weight gradients back onto w1,
+w3 and w2. A real ``torch.cat`` would also be
 kept by the engine for backward: a bf16/fp32 copy of [w1; w3] per layer, held from forward to
 backward. (w13 is not kept as storage with w1 / w3 as views of it: FSDP and EP re-create
 parameters as DTensors of their own, which would break the aliasing.) The bf16 precision, and
@@ -62,15 +62,19 @@ version (through ``.data``; under FSDP2, a checkpoint load between steps) calls 
 ``AdamWFP8Weights`` brings nothing here: these parameters are never in ``FP8_WEIGHTS``, so they take
 its plain AdamW step.
 
-Not supported: torch.compile of the experts (host counts, python-side cache), torchtitan's
-graph_trainer. Tested on CPU (the engine's emulated FP8 GEMMs): DTensor weights on one gloo rank; and
-torchtitan's expert parallelism over 2 gloo ranks (``parallelize_qwen3``, EP = 2, no FSDP) for each SPMD
-backend (``spmd_types``, ``partial_dtensor``, ``full_dtensor``), fp8 and fp4, under
-``moe_fp4.swap_all_to_all`` with native wires and with the MXFP4 dispatch (examples/torchtitan_ep_mxfp4.py
-``--experts fp8 | fp4``, tests/integrations/test_torchtitan.py). There :class:`PaddedTokenDispatcher`, an
-``AllToAllTokenDispatcher``, keeps torchtitan's exchanges, which the swap takes; the wire carries
-unpadded rows (the padded permute runs after the all-to-all) and each local expert gets a multiple of
-128 rows. FSDP, EP over more than 2 ranks and HybridEP are untested.
+torch.compile: without EP the converted blocks compile as torchtitan compiles them (per block,
+``fullgraph=True``): moe_fp4's routing keeps its counts on the device, the experts run as their op pair and
+the FP8 pairs are made in the graph (tests/integrations/test_torchtitan_experts.py). Not supported yet: the
+blocks under EP (torchtitan's dispatcher reads the counts on the host), torchtitan's graph_trainer.
+
+Tested on CPU (the engine's emulated FP8 GEMMs): DTensor weights on one gloo rank; and torchtitan's expert
+parallelism over 2 gloo ranks (``parallelize_qwen3``, EP = 2, no FSDP) for each SPMD backend (``spmd_types``,
+``partial_dtensor``, ``full_dtensor``), fp8 and fp4, under ``moe_fp4.swap_all_to_all`` with native wires and
+with the MXFP4 dispatch (examples/torchtitan_ep_mxfp4.py ``--experts fp8 | fp4``,
+tests/integrations/test_torchtitan.py). There :class:`PaddedTokenDispatcher`, an ``AllToAllTokenDispatcher``,
+keeps torchtitan's exchanges, which the swap takes; the wire carries unpadded rows (the padded permute runs
+after the all-to-all) and each local expert gets a multiple of 128 rows. FSDP, EP over more than 2 ranks and
+HybridEP are untested.
 """
 
 from __future__ import annotations
@@ -135,12 +139,7 @@ class _FP8Pairs:
             return entry[1]
         slots.pop(name, None)   # the stale pair goes before the new one is made
         with torch.no_grad():
-            pairs = [quantize_fp8_weight_pair(w) for w in weights]
-        if len(pairs) == 1:
-            pair = pairs[0]
-        else:   # N is dim 1 of W [E, N, K] and dim 2 of W^T [E, K, N], for codes and block scales alike
-            pair = tuple(FP8WeightTensor(torch.cat([p[i].data for p in pairs], d),
-                                         torch.cat([p[i].scale for p in pairs], d)) for i, d in ((0, 1), (1, 2)))
+            pair = concatenated_pair(weights)
         slots[name] = (key, pair)
         self.builds += 1
         return pair
@@ -154,6 +153,17 @@ class _FP8Pairs:
         self._entries.clear()
 
 
+def concatenated_pair(weights) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+    """weights: [E, N_i, K] tensors (N_i multiples of 128) -> (W, W^T) of cat(weights, dim=1), each weight
+    quantized apart and the codes and block scales concatenated (no 128x128 block straddles two weights)."""
+    pairs = [quantize_fp8_weight_pair(w) for w in weights]
+    if len(pairs) == 1:
+        return pairs[0]
+    # N is dim 1 of W [E, N, K] and dim 2 of W^T [E, K, N], for codes and block scales alike
+    return tuple(FP8WeightTensor(torch.cat([p[i].data for p in pairs], d), torch.cat([p[i].scale for p in pairs], d))
+                 for i, d in ((0, 1), (1, 2)))
+
+
 # The process's pairs for every converted experts module.
 FP8_PAIRS = _FP8Pairs()
 
@@ -161,7 +171,7 @@ FP8_PAIRS = _FP8Pairs()
 class _StandIn(torch.autograd.Function):
     """weights [E, N_i, K] -> a zero-stride [E, sum N_i, K] tensor of their dtype (no memory), whose
     gradient is split back onto the weights along dim 1. What the engine's FP8 path reads of a weight
-    is its shape, its dtype and the FP8 pair put in FP8_WEIGHTS under it."""
+    is its shape and its dtype (its FP8 pair comes as the engine's fp8_weights)."""
 
     @staticmethod
     def forward(ctx, *weights):
@@ -208,22 +218,22 @@ class MoEFP4GroupedExperts(GroupedExperts):
     def extra_repr(self) -> str:
         return f"precision={self.precision.value}, storage={self.storage.value}"
 
-    def engine_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (w13 [E, 2F, D], w2 [E, D, F]) as the engine takes them: in fp8 and fp4 zero-stride stand-ins whose
-        FP8 pairs (made once per weight version, ``FP8_PAIRS``) are put in ``FP8_WEIGHTS`` for the engine to
-        find, their gradients routed back onto w1, w3 and w2; in bf16 (or with ``FP8_WEIGHTS.enabled`` off) the
-        weights themselves, w13 a concatenation."""
+    def engine_weights(self):
+        """-> (w13 [E, 2F, D], w2 [E, D, F], fp8_weights) as the engine takes them: in fp8 and fp4 zero-stride
+        stand-ins, their gradients routed back onto w1, w3 and w2, and their FP8 pairs ((W13, W13^T), (W2,
+        W2^T)), made once per weight version (``FP8_PAIRS``) or, under torch.compile, in the graph; in bf16 (or
+        with ``FP8_WEIGHTS.enabled`` off) the weights themselves, w13 a concatenation, and None."""
         params = {"w1_EFD": self.w1_EFD, "w2_EDF": self.w2_EDF, "w3_EFD": self.w3_EFD}
         _check_weight_dtypes(type(self).__name__, params)
         w1, w2, w3 = (_local(p) for p in params.values())
         if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
-            return torch.cat([w1, w3], dim=1), w2   # the engine reads these weights' values
-        pair13 = FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3))
-        pair2 = FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,))
-        w13, w2 = _StandIn.apply(w1, w3), _StandIn.apply(w2)
-        FP8_WEIGHTS.put(w13, pair13)   # found there by the engine's FP8_WEIGHTS.get
-        FP8_WEIGHTS.put(w2, pair2)
-        return w13, w2
+            return torch.cat([w1, w3], dim=1), w2, None   # the engine reads these weights' values
+        if torch.compiler.is_compiling():   # the cache keys on storage addresses: no lookup in a graph
+            pairs = concatenated_pair((w1, w3)), concatenated_pair((w2,))
+        else:
+            pairs = (FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3)),
+                     FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,)))
+        return _StandIn.apply(w1, w3), _StandIn.apply(w2), pairs
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """x_RD: [R, D] rows grouped by expert (any float dtype; computed in bf16, as torchtitan does),
@@ -239,9 +249,9 @@ class MoEFP4GroupedExperts(GroupedExperts):
                              f"GroupedExpertsConverter, which sets the token dispatcher's pad_multiple)")
         if x_RD.dim() != 2 or rows > x_RD.shape[0]:
             raise ValueError(f"{type(self).__name__}: x must be [R >= {rows}, D], got {tuple(x_RD.shape)}")
-        w13, w2 = self.engine_weights()
+        w13, w2, pairs = self.engine_weights()
         y = grouped_swiglu_experts(x_RD[:rows].to(torch.bfloat16), w13, w2, counts, self.precision,
-                                   storage=self.storage)
+                                   storage=self.storage, fp8_weights=pairs)
         if rows < x_RD.shape[0]:
             y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows, y.shape[1])])
         return y.type_as(x_RD)
@@ -283,11 +293,11 @@ class MoEFP4RoutedExperts(RoutedExperts):
         b, seq_len, d = x_BLD.shape
         k = topk_scores_BLK.shape[-1]
         experts = self.inner_experts
-        w13, w2 = experts.engine_weights()
+        w13, w2, pairs = experts.engine_weights()
         out = routed_swiglu_experts(x_BLD.reshape(b * seq_len, d).to(torch.bfloat16),
                                     topk_expert_ids_BLK.reshape(-1, k),
                                     topk_scores_BLK.reshape(-1, k), w13, w2, experts.precision,
-                                    storage=experts.storage)
+                                    storage=experts.storage, fp8_weights=pairs)
         return out.to(x_BLD.dtype).view(b, seq_len, d)
 
 

@@ -70,7 +70,7 @@ from moe_fp4.formats.conversions import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from moe_fp4.gemm.engines import FP8_WEIGHTS, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts
@@ -427,7 +427,8 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            x_q: MXFP4Tensor | FP8BlockTensor | None = None,
                            row_weights: torch.Tensor | None = None, recompute_swiglu: bool = False,
                            storage: str | StorageFormat = "mxfp4", x_saved: MXFP4Tensor | None = None,
-                           x_saved_rows: torch.Tensor | None = None, grad_slot=None) -> torch.Tensor:
+                           x_saved_rows: torch.Tensor | None = None, grad_slot=None,
+                           fp8_weights=None) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert.
 
     x:      bf16 [R, H], rows grouped by expert (expert e owns ``counts[e]`` consecutive rows, each
@@ -467,6 +468,11 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     grad_slot: optional :class:`moe_fp4.exchange.ep.GradSlot`, given to the EP combine that alone reads the
             output: the output's gradient then arrives there as MXFP4 or FP8 rows, which backward converts
             to its two FP8 operands directly (the gradient passed through autograd is a stand-in).
+    fp8_weights: optional ((W13, W13^T), (W2, W2^T)), FP8WeightTensors of w13 and w2 as
+            :func:`moe_fp4.gemm.engines.quantize_fp8_weight_pair` makes them: the FP8 weights the GEMMs read,
+            instead of the process's cache (FP8_WEIGHTS) or, under torch.compile, a quantization in the graph.
+            w13 and w2 then give only their shape and dtype and take the gradients (a stand-in of their shape
+            will do). bf16 ignores it.
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
     :func:`moe_fp4.model.moe.checkpoint`) around this call drops it and recomputes it.
     -> bf16 [R, H]: for each expert, (w * swiglu(x W13^T)) W2^T.
@@ -534,14 +540,33 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"grouped_swiglu_experts: x_saved_rows must be int64 [{x.shape[0]}] on "
                              f"{x_saved.data.device}, got {getattr(x_saved_rows, 'dtype', type(x_saved_rows))} "
                              f"{tuple(getattr(x_saved_rows, 'shape', ()))}")
+    pairs = None if precision is Precision.BF16 else _check_fp8_weights(fp8_weights, w13, w2)
     if torch.compiler.is_compiling() and grad_slot is None:
         return _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu, storage, x_saved,
-                         x_saved_rows)
+                         x_saved_rows, pairs)
     return _GroupedSwiGLU.apply(x, w13, w2, row_weights, counts, precision, x_q, bool(recompute_swiglu), storage,
-                                x_saved, x_saved_rows, grad_slot)
+                                x_saved, x_saved_rows, grad_slot, pairs)
 
 
-def _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows):
+def _check_fp8_weights(fp8_weights, w13: torch.Tensor, w2: torch.Tensor):
+    """fp8_weights of grouped_swiglu_experts -> it, after checking its structure and shapes against w13 and w2."""
+    if fp8_weights is None:
+        return None
+    try:
+        (a, at), (b, bt) = fp8_weights
+    except (TypeError, ValueError):
+        raise TypeError("grouped_swiglu_experts: fp8_weights must be ((W13, W13^T), (W2, W2^T))") from None
+    for name, t, want in (("W13", a, w13.shape), ("W13^T", at, (*w13.shape[:1], w13.shape[2], w13.shape[1])),
+                          ("W2", b, w2.shape), ("W2^T", bt, (*w2.shape[:1], w2.shape[2], w2.shape[1]))):
+        if not isinstance(t, FP8WeightTensor) or tuple(t.data.shape) != tuple(want):
+            got = tuple(t.data.shape) if isinstance(t, FP8WeightTensor) else ()
+            raise ValueError(f"grouped_swiglu_experts: fp8_weights' {name} must be an FP8WeightTensor "
+                             f"{tuple(want)}, got {type(t).__name__} {got}")
+    return (a, at), (b, bt)
+
+
+def _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu, storage, x_saved, x_saved_rows,
+              pairs):
     """grouped_swiglu_experts under torch.compile: the op pair of :mod:`moe_fp4.model.experts_op` (the Function's
     bodies as two opaque nodes). Needs device counts and no compression scope (the saved-tensor hook does not
     run under compile)."""
@@ -553,7 +578,7 @@ def _compiled(x, w13, w2, row_weights, counts, precision, x_q, recompute_swiglu,
     kind = "" if x_q is None else ("mxfp4" if isinstance(x_q, MXFP4Tensor) else "fp8")
     recipe = experts_op.Recipe(precision.value, storage.value, bool(recompute_swiglu), kind, x_saved is not None,
                                x_saved_rows is not None)
-    return experts_op.experts(x, w13, w2, row_weights, counts, recipe, x_q, x_saved, x_saved_rows)
+    return experts_op.experts(x, w13, w2, row_weights, counts, recipe, x_q, x_saved, x_saved_rows, pairs)
 
 
 experts_op._FUNCTION.append(_GroupedSwiGLU)

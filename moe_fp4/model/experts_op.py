@@ -143,12 +143,15 @@ def _backward(ctx, grads):
 torch.library.register_autograd("moe_fp4::experts_forward", _backward, setup_context=_setup_context)
 
 
-def experts(x, w13, w2, row_w, counts: torch.Tensor, recipe: Recipe, x_q=None, x_saved=None, x_saved_rows=None):
+def experts(x, w13, w2, row_w, counts: torch.Tensor, recipe: Recipe, x_q=None, x_saved=None, x_saved_rows=None,
+            pairs=None):
     """grouped_swiglu_experts' arguments (already checked; device counts) -> bf16 [R, H], through the op pair.
-    The FP8 weight pairs are made here, in the caller's graph."""
-    fp8 = recipe.precision != "bf16"
-    (w13q, w13t), (w2q, w2t) = (quantize_fp8_weight_pair(w13), quantize_fp8_weight_pair(w2)) if fp8 else \
-        ((_placeholder(w13), _placeholder(w13)), (_placeholder(w2), _placeholder(w2)))
+    The FP8 weight pairs are ``pairs`` when given, else made here, in the caller's graph."""
+    if recipe.precision == "bf16":
+        pairs = (_placeholder(w13), _placeholder(w13)), (_placeholder(w2), _placeholder(w2))
+    elif pairs is None:
+        pairs = quantize_fp8_weight_pair(w13), quantize_fp8_weight_pair(w2)
+    (w13q, w13t), (w2q, w2t) = pairs
     out = _forward_op(x, w13, w2, w13q.data, w13q.scale, w13t.data, w13t.scale, w2q.data, w2q.scale, w2t.data,
                       w2t.scale, row_w, counts, None if x_q is None else x_q.data, None if x_q is None else x_q.scale,
                       None if x_saved is None else x_saved.data, None if x_saved is None else x_saved.scale,

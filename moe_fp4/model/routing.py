@@ -175,13 +175,14 @@ def unpermute(y: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, precision="fp8", storage: str | StorageFormat = "mxfp4",
-                          recompute_swiglu: bool = False) -> torch.Tensor:
+                          recompute_swiglu: bool = False, fp8_weights=None) -> torch.Tensor:
     """SwiGLU experts over tokens, each token sent to its top-k experts and their outputs summed with its weights.
 
     x:             bf16 [T, H] tokens.
     top_k_index:   int64 [T, k] expert ids; an id >= E is a slot with no expert here (dropped: adds nothing).
     top_k_weights: float [T, k] (any float dtype) router weights, differentiable.
-    w13, w2, precision, storage, recompute_swiglu: as :func:`moe_fp4.model.experts.grouped_swiglu_experts`.
+    w13, w2, precision, storage, recompute_swiglu, fp8_weights: as
+                   :func:`moe_fp4.model.experts.grouped_swiglu_experts`.
     -> bf16 [T, H]: sum over j of top_k_weights[t, j] * expert_{top_k_index[t, j]}(x[t]).
 
     The MoE layer's single-rank path: one host sync for the counts in eager mode, none under torch.compile and
@@ -206,7 +207,7 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
                                                                                                routing.src_row)
     y = grouped_swiglu_experts(permute(x, routing, values=x_q is None), w13, w2, routing.padded_counts, precision,
                                x_q=x_q, row_weights=row_weights(routing), recompute_swiglu=recompute_swiglu,
-                               storage=storage, x_saved=x_saved, x_saved_rows=x_saved_rows)
+                               storage=storage, x_saved=x_saved, x_saved_rows=x_saved_rows, fp8_weights=fp8_weights)
     return unpermute(y, routing)
 
 

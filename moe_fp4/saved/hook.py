@@ -53,9 +53,10 @@ Decisions (each one tested in ``tests/saved/test_hook.py``):
   has what it needs, see ``torch.utils.checkpoint.set_checkpoint_early_stop``), it compresses and counts
   them again, with identical gradients. Reentrant: the forward runs without grad, so the saves happen in
   the recomputation, where the function's input is a detached leaf (passed through).
-- **torch.compile.** Eager only. :func:`register_activation_compression` warns once per process when it is
-  registered on a compiled model, or when dynamo traces its module hooks (the model was compiled after
-  registration); inside a compiled region its hooks do nothing, so nothing is compressed there.
+- **torch.compile.** Eager only. :func:`register_activation_compression` refuses a compiled model (RuntimeError
+  naming what to use instead: the experts' own MXFP4 storage), and warns once per process when dynamo traces
+  its module hooks (the model was compiled after registration); inside a compiled region its hooks do nothing,
+  so nothing is compressed there.
 - **Threads.** Scopes live on a thread-local stack; :func:`current_compression` answers for the calling
   thread only.
 """
@@ -142,7 +143,7 @@ def register_activation_compression(model: nn.Module, config: CompressionConfig 
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"register_activation_compression: expected a CompressionConfig, got {type(config).__name__}")
     if _is_compiled(model):
-        _warn_once("compile", _COMPILE_MSG)
+        raise RuntimeError(f"register_activation_compression: {_COMPILE_MSG}")
     selected = select_modules(model, config)
     if not selected:
         what = "MoE expert modules (is_expert_module)" if config.modules is None else f"modules={config.modules!r}"

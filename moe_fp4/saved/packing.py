@@ -109,8 +109,9 @@ def _warn_once(key: str, msg: str) -> None:
 
 
 _COMPILE_MSG = ("moe_fp4 activation compression is eager-only: under torch.compile the compiled region's saved "
-                "tensors may be held outside the hook or the hook may break the graph; run the model uncompiled "
-                "to store activations in MXFP4.")
+                "tensors do not pass through the hook. In a compiled model keep the expert activations in MXFP4 "
+                "with the experts' own storage (moe_fp4.MoE(precision='fp4'), experts_implementation='moe_fp4', "
+                "the torchtitan converter's fp4), or run the model uncompiled.")
 
 
 def _is_compiling() -> bool:

@@ -253,3 +253,23 @@ def test_registered_whichever_is_imported_first(first, second, before):
     assert got[:3] == [str(first != "moe_fp4"), "True", "True"], run.stdout + run.stderr
     if before:
         assert got[3] == "False", run.stdout   # Gluon unusable in that process: the Triton engine
+
+
+def test_model_compiles_fullgraph_with_the_eager_bits():
+    # A transformers model on moe_fp4's experts compiles as one on "grouped_mm" does: fullgraph=True (a graph
+    # break is an error), the loss and the expert weights' gradients those of the eager model, bit for bit.
+    # "moe_fp4_fp8" runs the same op pair in another precision (tests/model/test_compile.py covers all three).
+    model = _model("qwen3_moe", "moe_fp4")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), _experts(model).gate_up_proj.grad, _experts(model).down_proj.grad
+
+    eager = step(model)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(eager, compiled):
+        assert not a.isnan().any() and torch.equal(a, b)

@@ -83,3 +83,27 @@ def test_routed_experts_compile_fullgraph():
     fn = lambda x: routed_swiglu_experts(x, idx, w, w13, w2, "fp8")  # noqa: E731
     torch._dynamo.reset()
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(x), fn(x))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
+def test_experts_op_pair_opcheck(precision):
+    # The fake against the real op and the autograd registration. opcheck's schema and dynamic-shape tests are
+    # left out: the first does arithmetic on the float8 weight codes (which float8 lacks), and the op pair is
+    # traced with static shapes (its kept specs are looked up by shape).
+    from torch.library import opcheck
+
+    from moe_fp4.gemm.engines import quantize_fp8_weight_pair
+    from moe_fp4.model import experts_op
+
+    torch.manual_seed(5)
+    e, h, f, rows = 2, 128, 128, 384
+    x = torch.randn(rows, h, dtype=torch.bfloat16)
+    x[256:] = 0   # the static bound's tail: padding rows
+    w13 = (torch.randn(e, 2 * f, h) * 0.1).bfloat16().requires_grad_()
+    w2 = (torch.randn(e, h, f) * 0.1).bfloat16().requires_grad_()
+    (a, at), (b, bt) = quantize_fp8_weight_pair(w13), quantize_fp8_weight_pair(w2)
+    recipe = experts_op.Recipe(precision, "mxfp4", False).encode()
+    args = (x.requires_grad_(), w13, w2, a.data, a.scale, at.data, at.scale, b.data, b.scale, bt.data, bt.scale,
+            torch.rand(rows).requires_grad_(), torch.tensor([128, 128]), None, None, None, None, None, recipe)
+    opcheck(torch.ops.moe_fp4.experts_forward.default, args,
+            test_utils=("test_faketensor", "test_autograd_registration"))
