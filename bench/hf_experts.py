@@ -28,6 +28,7 @@ with each variant's loss curve.
 
     python bench/hf_experts.py --shape dsv3 --json hf_dsv3.json
     python bench/hf_experts.py --shape small --batch 16 --json hf_small.json
+    python bench/hf_experts.py --shape small --batch 16 --compile --json hf_small_compiled.json
 """
 
 from __future__ import annotations
@@ -77,11 +78,14 @@ def run(impl: str, a, data, device) -> dict:
 
     def measured():
         model = build(a.shape, a.layers, a.seq, impl, device)
-        out = train_variant(impl, model, lambda ids: model(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
+        # --compile: the whole model with fullgraph=True, which every variant here compiles under
+        forward = torch.compile(model, fullgraph=True) if a.compile else model
+        out = train_variant(impl, model, lambda ids: forward(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
                             fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress, adamw=a.adamw)
         if a.profile:
             out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile,
                                            a.adamw)
+        out["compiled"] = bool(a.compile)
         return out
 
     row = guarded(impl, measured, device)
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p, SHAPES)
     p.add_argument("--impls", nargs="+", default=["grouped_mm", "moe_fp4_fp8", "moe_fp4"])
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile(fullgraph=True) the model in every variant (the baseline compiled too)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)

@@ -3,9 +3,10 @@ activation memory and the loss curve, one GPU, the same model, weights and batch
 
 Variants (``--variants``): ``bf16`` (torchtitan's GroupedExperts: torch's bf16 ``_grouped_mm``), ``torchao``
 (torchtitan's own ``Float8GroupedExpertsConverter``: torchao's FP8 row-wise grouped GEMMs, groups padded to 16;
-torchtitan recommends compiling it, so ``--compile`` compiles each layer of the bf16 and torchao variants as
-torchtitan's trainer does), ``moe_fp4_fp8`` and ``moe_fp4`` (:class:`moe_fp4.integrations.torchtitan.
-GroupedExpertsConverter` with precision fp8 / fp4; eager: their host syncs break a compiled graph). Each model
+torchtitan recommends compiling it), ``moe_fp4_fp8`` and ``moe_fp4`` (:class:`moe_fp4.integrations.torchtitan.
+GroupedExpertsConverter` with precision fp8 / fp4). ``--compile`` compiles each layer of every variant as
+torchtitan's trainer does (per block; moe_fp4's blocks with ``fullgraph=True``, as its converter allows without
+EP). Each model
 is built from torchtitan's DeepSeek-V3 layer builder with its converter applied to the model config as
 ``model_registry(..., converters=[...])`` does; attention is torch's SDPA (causal) in every variant, so only the
 experts differ; byte tokens from Python's standard library (vocab 256); weights in bf16; torch's AdamW (fused on
@@ -111,9 +112,9 @@ def run(variant: str, a, data, device) -> dict:
 
     def measured():
         model = build_model(a.shape, a.layers, variant, device).train()
-        if a.compile and variant in ("bf16", "torchao"):
+        if a.compile:
             for block in model.layers.values() if hasattr(model.layers, "values") else model.layers:
-                block.compile()
+                block.compile(fullgraph=variant.startswith("moe_fp4"))
         seq = data.shape[2] - 1
         positions = torch.arange(seq, device=device).repeat(data.shape[1], 1)
 
@@ -124,7 +125,7 @@ def run(variant: str, a, data, device) -> dict:
         row = train_variant(variant, model, loss_of, data, a.warmup, a.steps, a.lr,
                             fp8_copies=lambda: FP8_PAIRS.nbytes, progress=a.progress,
                             tokens_per_step=data.shape[1] * seq, adamw=a.adamw)
-        row["compiled"] = bool(a.compile and variant in ("bf16", "torchao"))
+        row["compiled"] = bool(a.compile)
         if a.profile:
             row["profile"] = profile_table(model, loss_of, data, a.lr, a.profile, a.adamw)
         return row
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     add_common_args(p, SHAPES)
     # torchao last: a variant that fails cannot leave anything behind for the others (left_by_earlier_gib)
     p.add_argument("--variants", nargs="+", default=["bf16", "moe_fp4_fp8", "moe_fp4", "torchao"])
-    p.add_argument("--compile", action="store_true", help="compile each layer of the bf16 and torchao variants")
+    p.add_argument("--compile", action="store_true", help="compile each layer of every variant")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     stood_in = import_torchtitan("torchtitan.models.deepseek_v3", "torchtitan.components.quantization.float8",
                                  "moe_fp4.integrations.torchtitan")
     title = (f"torchtitan DeepSeek-V3 {a.shape} x {a.layers} MoE layers"
-             + (", bf16 and torchao compiled" if a.compile else ""))
+             + (", every layer compiled" if a.compile else ""))
     if stood_in:
         title += f" (this torch lacks {', '.join(stood_in)}: stand-ins from bench/torchtitan_compat.py)"
     # one token more a row: the inputs are its first seq tokens, the targets its last seq

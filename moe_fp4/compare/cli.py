@@ -412,17 +412,30 @@ INTERRUPTED = "moe-fp4: interrupted (Ctrl-C)"
 
 
 def main(argv=None) -> int:
+    from moe_fp4.compare import interrupts
+
     try:
+        interrupts.install()
         p = _parser()
         a = p.parse_args(argv)
         sub = p._subparsers._group_actions[0].choices[a.command]
 
         def err(msg: str) -> None:
+            # A problem found after a Ctrl-C whose KeyboardInterrupt a library swallowed (transformers' lazy
+            # imports report it as a failed import) is the interrupt, not the problem.
+            interrupts.raise_if_pending()
             # Under torchrun every rank finds the same problem: one line, from rank 0.
             if _rank_from_env() == 0:
                 print(f"{sub.prog}: error: {msg}", file=sys.stderr, flush=True)
 
-        return compare(a, err)
+        try:
+            rc = compare(a, err)
+        except Exception:
+            # An import interrupted by Ctrl-C can fail with another error than KeyboardInterrupt: the interrupt.
+            interrupts.raise_if_pending()
+            raise
+        interrupts.raise_if_pending()   # a swallowed Ctrl-C that nothing checked after it
+        return rc
     except KeyboardInterrupt:
         # Before training (imports, checks, model building): one line, no traceback. During training the
         # runner turns SIGINT into its own Interrupted and reports the modes it finished (exit code 130 too).
@@ -431,5 +444,17 @@ def main(argv=None) -> int:
         return 130
 
 
+def run() -> None:
+    """The console script: :func:`main`, then the process exits with its code. After a Ctrl-C (130) it exits at
+    once: a KeyboardInterrupt that passed through an import's own evaluation can leave CPython marked to end
+    the process by SIGINT at shutdown (exit -2), whatever the code; nothing is written yet to flush."""
+    rc = main()
+    if rc == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    raise SystemExit(rc)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

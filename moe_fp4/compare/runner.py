@@ -180,6 +180,9 @@ class _signals_as_interrupts:
         import signal
         import threading
 
+        from moe_fp4.compare.interrupts import raise_if_pending
+
+        raise_if_pending()   # a Ctrl-C during the imports whose KeyboardInterrupt a library swallowed
         self.old = {}
         if threading.current_thread() is threading.main_thread():
             def handler(signum, _frame):
