@@ -414,8 +414,8 @@ INTERRUPTED = "moe-fp4: interrupted (Ctrl-C)"
 def main(argv=None) -> int:
     from moe_fp4.compare import interrupts
 
+    previous = interrupts.install()
     try:
-        interrupts.install()
         p = _parser()
         a = p.parse_args(argv)
         sub = p._subparsers._group_actions[0].choices[a.command]
@@ -442,6 +442,8 @@ def main(argv=None) -> int:
         if _rank_from_env() == 0:
             print(INTERRUPTED, file=sys.stderr, flush=True)
         return 130
+    finally:
+        interrupts.restore(previous)
 
 
 def run() -> None:

@@ -21,10 +21,19 @@ def _handler(signum, _frame):
     raise KeyboardInterrupt
 
 
-def install() -> None:
-    """Record SIGINTs from now on (main thread only; elsewhere nothing changes)."""
+def install():
+    """Record SIGINTs from now on, none recorded before (main thread only; elsewhere nothing changes) -> the
+    handler it replaced, for :func:`restore`."""
+    _PENDING.clear()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _handler)
+        return signal.signal(signal.SIGINT, _handler)
+    return None
+
+
+def restore(old) -> None:
+    """Put back the handler :func:`install` replaced (None: it replaced nothing)."""
+    if old is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, old)
 
 
 def pending() -> bool:
@@ -38,4 +47,4 @@ def raise_if_pending() -> None:
         raise KeyboardInterrupt
 
 
-__all__ = ["install", "pending", "raise_if_pending"]
+__all__ = ["install", "pending", "raise_if_pending", "restore"]

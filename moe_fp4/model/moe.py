@@ -250,9 +250,10 @@ class MoE(nn.Module):
         return weights, experts
 
     def route(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] -> Routing of the (token, expert) pairs (no host sync unless ``host_counts``). Inside forward,
-        the GPU work that needs no routing is queued during that sync (``make_routing``'s
-        ``while_waiting``); a subclass may override this method with the same signature."""
+        """x: [T, H] -> Routing of the (token, expert) pairs: one host sync for the counts where ``host_counts``
+        asks for it (eager mode by default), device counts otherwise. Inside forward, the GPU work that needs no
+        routing is queued during that sync (``make_routing``'s ``while_waiting``); a subclass may override this
+        method with the same signature."""
         return make_routing(*self.gate(x), self.config.num_experts,
                             while_waiting=getattr(self, "_while_routing", None),
                             host_counts=_host_counts(getattr(self, "host_counts", None), x))
@@ -300,6 +301,13 @@ class MoE(nn.Module):
         small kernels while the GPU quantizes), the FC2 weights and ``while_waiting()`` (when given) during
         the routing's count read (the host then takes the counts and builds the row maps while the GPU
         quantizes)."""
+        if torch.compiler.is_compiling():
+            # Compiled: the counts stay on the device (no wait to fill), the weights are quantized in the graph,
+            # and no attribute of the module is set (a side effect a compiled checkpoint refuses).
+            routing = self.route(x2)
+            if while_waiting is not None:
+                while_waiting()
+            return routing
         self._prefetch_fp8_weights(fc2=False)
 
         def during_count_read():
@@ -371,7 +379,12 @@ class MoE(nn.Module):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"MoE: expected a bfloat16 input, got {x.dtype}")
         x2 = x.reshape(-1, c.hidden)
-        if self.recompute is Recompute.MOE and torch.is_grad_enabled():
+        if self.recompute is Recompute.MOE and torch.is_grad_enabled() and torch.compiler.is_compiling() and \
+                (self.ep is None or self.ep.simulate):
+            # Compiled without EP nothing must not run twice (no host sync, no exchange): torch's own
+            # checkpoint, which the compiler traces, recomputes the same ops.
+            y = torch.utils.checkpoint.checkpoint(self._forward_rows, x2, use_reentrant=False)
+        elif self.recompute is Recompute.MOE and torch.is_grad_enabled():
             y = checkpoint(self._forward_rows, x2)
         else:
             y = self._forward_rows(x2)

@@ -43,8 +43,8 @@ class Routing:
     weights: torch.Tensor
     experts: torch.Tensor
     dest: torch.Tensor
-    counts: tuple[int, ...]
-    padded_counts: tuple[int, ...]
+    counts: tuple[int, ...] | torch.Tensor
+    padded_counts: tuple[int, ...] | torch.Tensor
     src_row: torch.Tensor
     dropped: int | None = 0
 

@@ -255,7 +255,7 @@ def test_registered_whichever_is_imported_first(first, second, before):
         assert got[3] == "False", run.stdout   # Gluon unusable in that process: the Triton engine
 
 
-def test_model_compiles_fullgraph_with_the_eager_bits():
+def test_model_compiles_fullgraph_with_the_eager_bits(references):
     # A transformers model on moe_fp4's experts compiles as one on "grouped_mm" does: fullgraph=True (a graph
     # break is an error), the loss and the expert weights' gradients those of the eager model, bit for bit.
     # "moe_fp4_fp8" runs the same op pair in another precision (tests/model/test_compile.py covers all three).

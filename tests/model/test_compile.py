@@ -2,7 +2,9 @@
 an error), no host read of the counts, and the eager bits in forward and backward for every precision.
 
 CPU: backend "aot_eager" (Dynamo and AOTAutograd, the ops as they run eagerly; Inductor's C++ build would add
-minutes and nothing the ops' graph does not show). The GPU run of the same step: bench/moe_compile.py.
+minutes and nothing the ops' graph does not show), and the pure-torch twins inside the ops (``references``): the
+Triton kernels through their ops under compile are tests/formats/test_kernel_ops.py's, and the twins are the
+kernels' bits. The GPU run of the same step: bench/moe_compile.py.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ def _step(fn, layer, x, dy):
     return [y, xi.grad, layer.w13.grad, layer.w2.grad, layer.router.weight.grad, layer.shared_w13.grad]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
-def test_layer_compiles_fullgraph_with_the_eager_bits(precision):
+@pytest.mark.parametrize("precision,recompute", [("bf16", "none"), ("fp8", "none"), ("fp4", "none"),
+                                                  ("fp8", "swiglu"), ("fp8", "moe"), ("fp4", "moe")])
+def test_layer_compiles_fullgraph_with_the_eager_bits(precision, recompute, references):
+    # recompute="moe" under compile is torch's own checkpoint (nothing to replay without EP: no host sync).
     torch.manual_seed(1)
-    layer = MoE(CONFIG, precision)
+    layer = MoE(CONFIG, precision, recompute=recompute)
     x = torch.randn(40, 128, dtype=torch.bfloat16)
     dy = torch.randn(40, 128, dtype=torch.bfloat16)
     eager_host = _step(layer, layer, x, dy)
@@ -43,7 +47,7 @@ def test_layer_compiles_fullgraph_with_the_eager_bits(precision):
         assert torch.equal(a, c), f"{name}: compiled differs from eager"
 
 
-def test_device_counts_read_nothing_on_the_host(monkeypatch):
+def test_device_counts_read_nothing_on_the_host(monkeypatch, references):
     def refuse(*_a, **_k):
         raise AssertionError("the routing read its counts on the host")
 
@@ -72,7 +76,7 @@ def test_device_routing_matches_host_routing_on_the_groups():
     assert torch.equal(dev.src_row[:host.rows], host.src_row) and (dev.src_row[host.rows:] == t).all()
 
 
-def test_routed_experts_compile_fullgraph():
+def test_routed_experts_compile_fullgraph(references):
     # The entry point of the transformers experts implementations, compiled as a grouped_mm model compiles.
     torch.manual_seed(4)
     x = torch.randn(32, 128, dtype=torch.bfloat16)
@@ -86,7 +90,7 @@ def test_routed_experts_compile_fullgraph():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp4"])
-def test_experts_op_pair_opcheck(precision):
+def test_experts_op_pair_opcheck(precision, references):
     # The fake against the real op and the autograd registration. opcheck's schema and dynamic-shape tests are
     # left out: the first does arithmetic on the float8 weight codes (which float8 lacks), and the op pair is
     # traced with static shapes (its kept specs are looked up by shape).
