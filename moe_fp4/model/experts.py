@@ -552,10 +552,11 @@ def _check_fp8_weights(fp8_weights, w13: torch.Tensor, w2: torch.Tensor):
     """fp8_weights of grouped_swiglu_experts -> it, after checking its structure and shapes against w13 and w2."""
     if fp8_weights is None:
         return None
-    try:
-        (a, at), (b, bt) = fp8_weights
-    except (TypeError, ValueError):
-        raise TypeError("grouped_swiglu_experts: fp8_weights must be ((W13, W13^T), (W2, W2^T))") from None
+    # Checked as sequences: an FP8WeightTensor indexes by expert, so unpacking one would not fail.
+    if not (isinstance(fp8_weights, (tuple, list)) and len(fp8_weights) == 2
+            and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in fp8_weights)):
+        raise TypeError("grouped_swiglu_experts: fp8_weights must be ((W13, W13^T), (W2, W2^T))")
+    (a, at), (b, bt) = fp8_weights
     for name, t, want in (("W13", a, w13.shape), ("W13^T", at, (*w13.shape[:1], w13.shape[2], w13.shape[1])),
                           ("W2", b, w2.shape), ("W2^T", bt, (*w2.shape[:1], w2.shape[2], w2.shape[1]))):
         if not isinstance(t, FP8WeightTensor) or tuple(t.data.shape) != tuple(want):

@@ -111,3 +111,32 @@ def test_experts_op_pair_opcheck(precision, references):
             torch.rand(rows).requires_grad_(), torch.tensor([128, 128]), None, None, None, None, None, recipe)
     opcheck(torch.ops.moe_fp4.experts_forward.default, args,
             test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_explicit_fp8_weights_give_the_cached_pairs_bits(references):
+    # fp8_weights: the pairs the GEMMs read, passed in (what the compiled graph and the torchtitan converter do);
+    # the same bits as the process cache's pairs, eager and compiled; a wrong structure or shape is refused.
+    from moe_fp4.gemm.engines import quantize_fp8_weight_pair
+    from moe_fp4.model.experts import grouped_swiglu_experts
+
+    torch.manual_seed(6)
+    w13 = (torch.randn(2, 256, 128) * 0.1).bfloat16().requires_grad_()
+    w2 = (torch.randn(2, 128, 128) * 0.1).bfloat16().requires_grad_()
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    pairs = (quantize_fp8_weight_pair(w13), quantize_fp8_weight_pair(w2))
+
+    def run(fn, **kw):
+        w13.grad = w2.grad = None
+        y = fn(x, w13, w2, (128, 128), "fp4", **kw)
+        y.float().square().sum().backward()
+        return y, w13.grad, w2.grad
+
+    cached, given = run(grouped_swiglu_experts), run(grouped_swiglu_experts, fp8_weights=pairs)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(grouped_swiglu_experts, fullgraph=True, backend="aot_eager"), fp8_weights=pairs)
+    for a, b, c in zip(cached, given, compiled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(TypeError, match=r"\(\(W13, W13\^T\), \(W2, W2\^T\)\)"):
+        grouped_swiglu_experts(x, w13, w2, (128, 128), "fp8", fp8_weights=pairs[0])
+    with pytest.raises(ValueError, match=r"W2\^T must be an FP8WeightTensor \(2, 128, 128\)"):
+        grouped_swiglu_experts(x, w13, w2, (128, 128), "fp8", fp8_weights=(pairs[0], (pairs[1][0], pairs[0][1])))
