@@ -178,8 +178,9 @@ def op(name: str):
 
 
 def kernel(module, name: str, use_triton: bool):
-    """-> a callable with the signature and return value of ``module.<name>`` (use_triton) or its twin: the
-    op where there is one, the function itself for an ``out=`` call or a kernel without an op."""
+    """-> a callable with the signature and return value of ``module.<name>`` (use_triton) or its twin: through
+    the op where there is one under torch.compile, on fake tensors and inside :func:`through_ops`; the function
+    itself otherwise (an eager call, an ``out=`` call, a kernel without an op)."""
     if name not in _SPECS or _SPECS[name][0] is not module:
         return _call(module, name, use_triton)
     unflatten = _SPECS[name][3]
