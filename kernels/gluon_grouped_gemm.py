@@ -717,8 +717,10 @@ def grouped_mm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
                   out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | None = None) -> torch.Tensor:
     """A: float8_e4m3fn [R, K] with a_scale float32 [R, K/128] (any strides), or MXFP4 uint8 [R, K/2]
     with a_scale uint8 [R, K/32]; B: float8_e4m3fn [E, N, K] with b_scale float32 [E, N/128, K/128];
-    counts: E ints, multiples of 128, summing to R -> out_dtype (bfloat16 or float32) [R, N]: rows of
-    expert e times B[e]^T. The signature and result of grouped_gemm.grouped_mm_nt (``config``: a
+    counts: E ints, multiples of 128, summing to R, or an int tensor [E] on A's device (no host sync: the
+    tile table is built there, :func:`m_tiles_on_device`; the rows past the groups come out zero) -> out_dtype
+    (bfloat16 or float32) [R, N]: rows of expert e times B[e]^T. The signature and result of
+    grouped_gemm.grouped_mm_nt (``config``: a
     :class:`GluonConfig`; None or another engine's config = NT_CONFIG). An MXFP4 A is converted to
     FP8 first (mxfp4_to_fp8_rowwise), as the twin does. CUDA tensors on a Hopper GPU (:func:`supported`)."""
     mxfp4, r, n, k, counts = _nt_shapes(a, a_scale, b, b_scale, counts, "grouped_mm_nt")
@@ -773,7 +775,8 @@ def grouped_mm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
                      out_dtype: torch.dtype = torch.float32, config: GluonConfig | None = None) -> torch.Tensor:
     """A: float8_e4m3fn [N, R] with a_scale float32 [N, R/128], B: float8_e4m3fn [K, R] with b_scale
     float32 [K, R/128] (1x128 tiles along R, the tokens; scales any strides); counts: E ints, multiples
-    of 128, summing to R -> out_dtype (bfloat16 or float32) [E, N, K]: out[e] = A[:, tokens of e] @
+    of 128, summing to R, or an int tensor [E] on A's device (device offsets, no host sync; the tokens past
+    the groups are left out) -> out_dtype (bfloat16 or float32) [E, N, K]: out[e] = A[:, tokens of e] @
     B[:, tokens of e]^T, zeros for an expert without tokens. The signature and result of
     grouped_gemm.grouped_mm_wgrad, its Triton twin (``config``: a :class:`GluonConfig`; None or another
     engine's config = WGRAD_CONFIG). N and K that are not multiples of 128 (never in the expert layer,
