@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import traceback
 
@@ -75,8 +76,7 @@ def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: in
                 errors[name] = "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
                 log(f"[{shape}] {name}: FAILED {errors[name][:300]}")
     times = interleaved(runs, warmup, iters, rounds, device=device) if runs else {}
-    ms = {name: sorted(t for r in rounds_ for t in r)[len([t for r in rounds_ for t in r]) // 2]
-          for name, rounds_ in times.items()}
+    ms = {name: statistics.median(t for r in rounds_ for t in r) for name, rounds_ in times.items()}
     base = ms.get("bf16 compiled")
     out = {"shape": shape, "config": SHAPES[shape][0], "tokens": SHAPES[shape][1], "median_ms": ms, "errors": errors,
            "vs_bf16_compiled": {n: v / base for n, v in ms.items()} if base else {}}

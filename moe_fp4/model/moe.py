@@ -38,7 +38,7 @@ from moe_fp4.model.experts import (
     quantize_expert_tokens,
 )
 from moe_fp4.model.replay import _Replay, checkpoint, once  # noqa: F401 - _Replay: moved, importable here
-from moe_fp4.model.routing import Routing, make_routing, permute, row_weights, unpermute
+from moe_fp4.model.routing import Routing, host_counts_here, make_routing, permute, row_weights, unpermute
 from moe_fp4.saved.hook import StorageFormat
 
 # The dispatch's wire format in each precision: its default recipe's (moe_fp4.exchange.recipes).
@@ -82,10 +82,7 @@ class Recompute(Choice):
 def _host_counts(choice: bool | None, x: torch.Tensor) -> bool:
     """MoE.host_counts -> whether the routing reads its counts on the host: None does so in eager mode only
     (torch.compile and CUDA-graph capture cannot wait for the host)."""
-    if choice is not None:
-        return bool(choice)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    return not (torch.compiler.is_compiling() or capturing)
+    return bool(choice) if choice is not None else host_counts_here(x)
 
 
 def same_policy(precision, policy) -> Recompute | None:

@@ -65,6 +65,13 @@ def rows_bound(pairs: int, num_experts: int, align: int = TOKEN_ALIGN) -> int:
     return (pairs + num_experts * (align - 1)) // align * align
 
 
+def host_counts_here(x: torch.Tensor) -> bool:
+    """Whether a routing of ``x``'s tokens may read its counts on the host: in eager mode, not under torch.compile
+    or CUDA-graph capture (neither can wait for the host)."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return not (torch.compiler.is_compiling() or capturing)
+
+
 def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN,
                  while_waiting=None, host_counts: bool = True) -> Routing:
     """weights float32 [T, k], experts int64 [T, k] -> Routing (one host sync for the per-expert counts, or
@@ -199,9 +206,8 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         raise ValueError(f"routed_swiglu_experts: top_k_weights must be float {tuple(top_k_index.shape)}, got "
                          f"{top_k_weights.dtype} {tuple(top_k_weights.shape)}")
     precision, storage = Precision(precision), StorageFormat(storage)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    host = not (torch.compiler.is_compiling() or capturing)   # as MoE.host_counts = None
-    routing = make_routing(top_k_weights.float(), top_k_index.long(), w13.shape[0], host_counts=host)
+    routing = make_routing(top_k_weights.float(), top_k_index.long(), w13.shape[0],
+                           host_counts=host_counts_here(x))
     tokens = quantize_expert_tokens(x, precision, storage)
     x_q, x_saved, x_saved_rows = (None, None, None) if tokens is None else gather_expert_tokens(tokens,
                                                                                                routing.src_row)
@@ -211,4 +217,5 @@ def routed_swiglu_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     return unpermute(y, routing)
 
 
-__all__ = ["Routing", "make_routing", "rows_bound", "permute", "routed_swiglu_experts", "row_weights", "unpermute"]
+__all__ = ["Routing", "host_counts_here", "make_routing", "permute", "routed_swiglu_experts", "row_weights",
+           "rows_bound", "unpermute"]
