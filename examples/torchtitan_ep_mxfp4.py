@@ -104,12 +104,13 @@ def experts_ran(model) -> str:
     return "; ".join(f"{e} {p} x{layers}, dispatcher {d}" for e, p, d in seen)
 
 
-def step(backend: str, rank: int, world: int, experts: str = "torchtitan", sizes: tuple[int, int, int] = (64, 64, 2)
-         ) -> tuple[float, dict[str, torch.Tensor], str]:
+def step(backend: str, rank: int, world: int, experts: str = "torchtitan", sizes: tuple[int, int, int] = (64, 64, 2),
+         compile_backend: str | None = None) -> tuple[float, dict[str, torch.Tensor], str]:
     """Build the model (same weights on every run; ``experts``, ``sizes`` (dim, ffn, layers): :func:`model_config`'s),
-    parallelize it with torchtitan for ``backend``, run one forward + backward on this rank's tokens ->
-    (global mean loss, {expert parameter: local grad}, :func:`experts_ran` and the rows per local expert each
-    layer's experts were handed)."""
+    parallelize it with torchtitan for ``backend`` (and, with ``compile_backend``, compile it as torchtitan does:
+    each transformer block with ``fullgraph=True``), run one forward + backward on this rank's tokens ->
+    (global mean loss, {expert parameter: local grad}, :func:`experts_ran` and, eager only, the rows per local
+    expert each layer's experts were handed)."""
     import spmd_types as spmd
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -128,11 +129,13 @@ def step(backend: str, rank: int, world: int, experts: str = "torchtitan", sizes
     torch.manual_seed(0)
     model = cfg.build()
     model.init_weights()
+    compile_config = (CompileConfig() if compile_backend is None else
+                      CompileConfig(enable=True, components=["model"], backend=compile_backend))
     model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="", skip_dp=True)
+                              compile_config=compile_config, ac_config=None, dump_folder="", skip_dp=True)
     groups = []   # per layer, the rows per local expert the experts were handed (padding included)
     for m in model.modules():
-        if isinstance(m, RoutedExperts):
+        if isinstance(m, RoutedExperts) and compile_backend is None:   # a host read: a graph break in a block
             m.inner_experts.register_forward_pre_hook(lambda _m, args: groups.append(args[1].tolist()))
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
@@ -150,7 +153,7 @@ def step(backend: str, rank: int, world: int, experts: str = "torchtitan", sizes
     dist.all_reduce(loss)
     grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
              for n, p in model.named_parameters() if "experts" in n and p.grad is not None}
-    return loss.item(), grads, f"{experts_ran(model)}; expert groups {groups}"
+    return loss.item(), grads, f"{experts_ran(model)}" + (f"; expert groups {groups}" if groups else "")
 
 
 def _worst_sqnr(ref: dict, got: dict) -> float:
@@ -159,28 +162,10 @@ def _worst_sqnr(ref: dict, got: dict) -> float:
     return math.nan if any(math.isnan(v) for v in db) else min(db)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=("all", *BACKENDS), default="all")
-    p.add_argument("--dispatch", default="mxfp4", help="the dispatch's wire format (default: mxfp4)")
-    p.add_argument("--combine", default="bf16", help="the combine's wire format (default: bf16)")
-    p.add_argument("--experts", choices=EXPERT_CHOICES, default="torchtitan",
-                   help="torchtitan's own GroupedExperts (default; dim 64, ffn 64), or converted by moe_fp4's "
-                        "GroupedExpertsConverter to its fp8 / fp4 engine (dim 128, ffn 128)")
-    a = p.parse_args()
-    if "RANK" not in os.environ:
-        raise SystemExit("run it with 2 ranks: torchrun --nproc-per-node 2 examples/torchtitan_ep_mxfp4.py")
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.models.qwen3  # noqa: F401  (before the swap: it marks the token dispatcher's methods)
-
-    # torchtitan picks "cuda" for its device mesh when no accelerator is found; these ranks are CPU ones.
-    parallel_dims.device_type = "cpu"
-    torch.autograd.set_multithreading_enabled(False)   # as torchtitan's init_distributed does
-    torch.set_num_threads(1)
+def swapped_steps(a, rank: int, world: int, sizes) -> None:
+    """For each backend: torch's own exchange, the swap with native wires and with the chosen formats (the
+    module docstring); rank 0 prints every rank's lines."""
     native = dict(dispatch="native", combine="native", dispatch_grad="native", combine_grad="native")
-    sizes = SIZES[a.experts]
     for backend in BACKENDS if a.backend == "all" else (a.backend,):
         with moe_fp4.swap_all_to_all(**native):
             ref_loss, ref, ran = step(backend, rank, world, a.experts, sizes)
@@ -208,6 +193,63 @@ def main() -> None:
         dist.all_gather_object(every, lines)   # rank 0 prints all ranks' lines, in order
         if rank == 0:
             print("\n".join(line for ranks_lines in every for line in ranks_lines), flush=True)
+
+
+def compiled_against_eager(backend: str, rank: int, world: int, experts: str, sizes) -> None:
+    """One step eager and one compiled (torchtitan's per-block compile), torch's own exchange: rank 0 prints each
+    rank's losses and whether the compiled step gave the eager loss and expert gradients bit for bit."""
+    from torch._dynamo.utils import counters
+
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    for b in BACKENDS if backend == "all" else (backend,):
+        if b == "spmd_types" and not on_gpu:
+            if rank == 0:
+                print(f"[{b}] not compiled here: gloo's list all-to-all, which it runs, needs equal splits", flush=True)
+            continue
+        torch._dynamo.reset()
+        counters.clear()
+        eager_loss, eager, _ = step(b, rank, world, experts, sizes)
+        loss, got, ran = step(b, rank, world, experts, sizes, compile_backend="inductor" if on_gpu else "aot_eager")
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        same = loss == eager_loss and eager.keys() == got.keys() and all(torch.equal(eager[n], got[n]) for n in eager)
+        line = (f"[{b}] rank {rank} compiled: loss eager {eager_loss:.6f}, compiled {loss:.6f}; expert grads "
+                f"{'identical' if same else 'DIFFER'} over {len(eager)}; {graphs} graphs, {breaks} graph breaks; "
+                f"experts: {ran}")
+        every = [None] * world
+        dist.all_gather_object(every, line)
+        if rank == 0:
+            print("\n".join(every), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("all", *BACKENDS), default="all")
+    p.add_argument("--dispatch", default="mxfp4", help="the dispatch's wire format (default: mxfp4)")
+    p.add_argument("--combine", default="bf16", help="the combine's wire format (default: bf16)")
+    p.add_argument("--experts", choices=EXPERT_CHOICES, default="torchtitan",
+                   help="torchtitan's own GroupedExperts (default; dim 64, ffn 64), or converted by moe_fp4's "
+                        "GroupedExpertsConverter to its fp8 / fp4 engine (dim 128, ffn 128)")
+    p.add_argument("--compile", action="store_true",
+                   help="instead: torch's own exchange, eager against compiled as torchtitan compiles (each block "
+                        "fullgraph=True; backend aot_eager on CPU, inductor on GPUs); on gloo partial_dtensor and "
+                        "full_dtensor only (spmd_types' list all-to-all needs equal splits there)")
+    a = p.parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit("run it with 2 ranks: torchrun --nproc-per-node 2 examples/torchtitan_ep_mxfp4.py")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.models.qwen3  # noqa: F401  (before the swap: it marks the token dispatcher's methods)
+
+    # torchtitan picks "cuda" for its device mesh when no accelerator is found; these ranks are CPU ones.
+    parallel_dims.device_type = "cpu"
+    torch.autograd.set_multithreading_enabled(False)   # as torchtitan's init_distributed does
+    torch.set_num_threads(1)
+    sizes = SIZES[a.experts]
+    if a.compile:
+        compiled_against_eager(a.backend, rank, world, a.experts, sizes)
+    else:
+        swapped_steps(a, rank, world, sizes)
     dist.barrier()   # no rank tears its process groups down while another still uses them
     dist.destroy_process_group()
 

@@ -241,6 +241,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(st % 16 == 0 for st in t.stride()[:-1]))
 
 
+def rows_aligned(rows) -> bool:
+    """Whether ``rows`` is a multiple of GROUP_ALIGN. A symbolic ``rows`` (torch.compile's dynamic shapes, the
+    rows an expert-parallel exchange received) cannot be branched on: it is asserted at run time instead
+    (``torch._check``), which also lets the compiler reason with it."""
+    if isinstance(rows, torch.SymInt):
+        torch._check(rows % GROUP_ALIGN == 0, lambda: f"the rows R = {rows} must be a multiple of {GROUP_ALIGN}")
+        return True
+    return rows % GROUP_ALIGN == 0
+
+
 def _check_device_counts(counts: torch.Tensor, rows: int, n_exp: int, device, fn: str) -> torch.Tensor:
     """Device counts: int32/int64 [E] on the operands' device, R a multiple of 128. Their values are not
     read (that is a host sync): each must be a non-negative multiple of 128 and they may sum to at most R;
@@ -251,7 +261,7 @@ def _check_device_counts(counts: torch.Tensor, rows: int, n_exp: int, device, fn
                          f"{tuple(counts.shape)}")
     if counts.device != torch.device(device):
         raise ValueError(f"{fn}: counts on {counts.device}, operands on {device}")
-    if rows % GROUP_ALIGN:
+    if not rows_aligned(rows):
         raise ValueError(f"{fn}: with device counts the rows R = {rows} must be a multiple of {GROUP_ALIGN}")
     return counts
 

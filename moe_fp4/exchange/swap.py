@@ -5,7 +5,10 @@
 each exchange of an expert-parallel layer in its own wire formats through
 :func:`moe_fp4.exchange.a2a.all_to_all`, so another stack's EP code (torchtitan's dispatcher,
 Hugging Face's) sends MXFP4 without a rewrite. :func:`exchange_role` marks which exchange
-(dispatch or combine) a call is where the swap does not know the dispatcher."""
+(dispatch or combine) a call is where the swap does not know the dispatcher.
+
+The drop-ins run eagerly only: inside a torch.compile region they raise a RuntimeError naming the
+alternatives (compile without the swap, or run the swapped step eagerly)."""
 
 from __future__ import annotations
 
@@ -159,7 +162,13 @@ def _pass_reason(t: torch.Tensor, fmts) -> str | None:
 
 def _take(tensors, function: str, reason: str | None = None):
     """-> (config, role, formats or None): whether this call travels in its role's formats (None: it
-    goes through torch's function). Counts the call either way."""
+    goes through torch's function). Counts the call either way. Refuses under torch.compile (module docstring)."""
+    if _ACTIVE and torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"moe_fp4.swap_all_to_all: {function} was called under torch.compile; the swap's exchanges run "
+            "eagerly only (their counts are read on the host and they call c10d's collective). Compile without "
+            "the swap (torch's own exchange; the converted experts compile under expert parallelism), or run the "
+            "swapped step eagerly")
     cfg = _config()
     role = cfg.role()
     fmts = cfg.formats(cfg.unmarked if role is None else role)

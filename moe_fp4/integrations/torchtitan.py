@@ -239,7 +239,11 @@ class MoEFP4GroupedExperts(GroupedExperts):
         """x_RD: [R, D] rows grouped by expert (any float dtype; computed in bf16, as torchtitan does),
         each expert's group a multiple of 128 rows, padding rows zero; R may run past the last group
         (torchao's padding dispatcher pads to a fixed length: those rows come back zero).
-        num_tokens_per_expert_E: int [E_local], the groups' sizes (padding included) -> [R, D] of x_RD's dtype."""
+        num_tokens_per_expert_E: int [E_local], the groups' sizes (padding included) -> [R, D] of x_RD's dtype.
+        Under torch.compile the counts stay on the device (nothing reads them on the host) and R is a bound, a
+        multiple of 128 (:class:`PaddedTokenDispatcher` pads to one): the rows past the groups come back zero."""
+        if torch.compiler.is_compiling():
+            return self._forward_device_counts(x_RD, num_tokens_per_expert_E)
         counts = [int(c) for c in num_tokens_per_expert_E.tolist()]
         rows = sum(counts)
         e_local = _local(self.w1_EFD).shape[0]
@@ -254,6 +258,16 @@ class MoEFP4GroupedExperts(GroupedExperts):
                                    storage=self.storage, fp8_weights=pairs)
         if rows < x_RD.shape[0]:
             y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows, y.shape[1])])
+        return y.type_as(x_RD)
+
+    def _forward_device_counts(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        e_local = _local(self.w1_EFD).shape[0]
+        if tuple(counts_E.shape) != (e_local,) or x_RD.dim() != 2:
+            raise ValueError(f"{type(self).__name__}: x must be [R, D] and the counts [{e_local}], got "
+                             f"{tuple(x_RD.shape)} and {tuple(counts_E.shape)}")
+        w13, w2, pairs = self.engine_weights()
+        y = grouped_swiglu_experts(x_RD.to(torch.bfloat16), w13, w2, counts_E.to(x_RD.device), self.precision,
+                                   storage=self.storage, fp8_weights=pairs)
         return y.type_as(x_RD)
 
 
@@ -329,6 +343,11 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
             dst_start = ((padded.cumsum(0) - padded)[None, :] + (sizes.cumsum(0) - sizes)).reshape(-1)
             seg = torch.repeat_interleave(torch.arange(flat.numel(), device=dev), flat, output_size=n)
             dst = dst_start[seg] + torch.arange(n, device=dev) - src_start[seg]
+            if torch.compiler.is_compiling():
+                # Nothing read on the host: the groups fit in a bound of n rows and e paddings, rounded up to
+                # 128 rows, and the counts stay on the device (the experts take device counts).
+                total = (n + padded.numel() * (self.pad_multiple - 1) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+                return (n, x.shape[1]), _ScatterRows.apply(x, dst, total), dst, padded
             # The layer's one host sync: the experts take these counts as python ints, so they get them on
             # the host (a CPU tensor) and read them there without a second sync.
             padded = padded.cpu()

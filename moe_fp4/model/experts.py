@@ -73,7 +73,7 @@ from moe_fp4.formats.conversions import (
 from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels import transpose as _transpose
-from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts
+from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts, rows_aligned
 from moe_fp4.model import experts_op
 from moe_fp4.saved.accounting import keep, label_saved, rebuild, report_saved
 from moe_fp4.saved.hook import StorageFormat, current_compression
@@ -496,7 +496,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if counts.dtype not in (torch.int32, torch.int64) or tuple(counts.shape) != (n_exp,):
             raise ValueError(f"grouped_swiglu_experts: device counts must be int32/int64 [{n_exp}], got "
                              f"{counts.dtype} {tuple(counts.shape)}")
-        if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] % TOKEN_ALIGN:
+        if x.dim() != 2 or x.shape[1] != hidden or not rows_aligned(x.shape[0]):
             raise ValueError(f"grouped_swiglu_experts: with device counts x must be [R, {hidden}] with R a "
                              f"multiple of {TOKEN_ALIGN}, got {tuple(x.shape)}")
     else:

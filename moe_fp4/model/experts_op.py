@@ -26,9 +26,41 @@ from moe_fp4.gemm.engines import FP8WeightTensor, quantize_fp8_weight_pair
 from moe_fp4.saved.hook import StorageFormat
 
 _FUNCTION: list = []     # the experts' autograd Function (moe_fp4.model.experts registers it)
-# (recipe, kept tensors' shapes) -> the Function's kept specs: static for a recipe and its shapes; the forward
-# (real or fake) records them, the backward reads them.
+# (recipe, kept tensors' dtypes and ranks) -> the Function's kept specs without their shapes: static for a
+# recipe, whatever the rows (symbolic under dynamic shapes, which a dict key cannot hold); the forward (real
+# or fake) records them, the backward reads them and takes each container's shape from its data.
 _SPECS: dict = {}
+
+
+def _spec_key(recipe: str, kept) -> tuple:
+    return recipe, tuple((t.dtype, t.dim()) for t in kept)
+
+
+def _shapeless(specs) -> tuple:
+    """The kept specs with each container's logical shape left out (every kept container is [R, K]: its
+    shape follows from its data, :func:`_shaped`)."""
+    out = []
+    for name, spec in specs:
+        if spec is not None and spec[0] is not None:
+            (cls, other, names), n = spec
+            spec = (cls, {k: v for k, v in other.items() if k != "shape"}, names), n
+        out.append((name, spec))
+    return tuple(out)
+
+
+def _shaped(specs, kept) -> list:
+    """:func:`_shapeless`'s specs with the shapes put back from the kept tensors: [R, K] with R the data's
+    rows and K its columns (twice them for packed E2M1 codes, uint8 data)."""
+    out, i = [], 0
+    for name, spec in specs:
+        if spec is not None and spec[0] is not None:
+            (cls, other, names), n = spec
+            data = kept[i + names.index("data")]
+            k = data.shape[1] * (2 if data.dtype == torch.uint8 else 1)
+            spec = (cls, {**other, "shape": torch.Size((data.shape[0], k))}, names), n
+        out.append((name, spec))
+        i += 0 if spec is None else spec[1]
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,7 +121,7 @@ def _forward_impl(x, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale
                    r.recompute_swiglu, StorageFormat(r.storage), _container("mxfp4" if r.x_saved else "", xs_data,
                                                                             xs_scale), xs_rows, None, pairs)
     kept = ctx.saved_tensors[ctx.kept_head:]
-    _SPECS[(recipe, tuple(tuple(t.shape) for t in kept))] = ctx.kept_specs
+    _SPECS[_spec_key(recipe, kept)] = _shapeless(ctx.kept_specs)
     inputs = [t for t in (x, row_w, xq_data, xq_scale, xs_data, xs_scale, xs_rows) if t is not None]
     out = [t.clone() if any(torch._C._is_alias_of(t, i) for i in inputs) else t for t in kept]
     return [y, *out]
@@ -99,7 +131,7 @@ def _backward_impl(dy, w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, kept, 
     r = Recipe.decode(recipe)
     fn = _FUNCTION[0]
     ctx = _Ctx((w13, w2, *kept), (*needs, *([False] * 9)))
-    ctx.kept_specs = _SPECS[(recipe, tuple(tuple(t.shape) for t in kept))]
+    ctx.kept_specs = _shaped(_SPECS[_spec_key(recipe, kept)], kept)
     ctx.kept_head = 2
     ctx.precision, ctx.counts, ctx.grad_slot = fn.precision_of(r.precision), counts, None
     ctx.w13t, ctx.w2t = FP8WeightTensor(w13t, w13t_scale), FP8WeightTensor(w2t, w2t_scale)

@@ -263,6 +263,13 @@ class MoE(nn.Module):
                                  *((self.w2, self.shared_w2) if fc2 else ()))
 
     def _routed_ep(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "MoE: the expert-parallel exchange (EPConfig without simulate) runs eagerly only: its dispatch "
+                "plan reads the counts on the host and its exchanges call c10d's collective. Keep the layer out "
+                "of the compiled region (torch.compiler.disable on it, compiling the rest without fullgraph), "
+                "compile it with EPConfig(simulate=True) or without EP, or use torchtitan's converter "
+                "(moe_fp4.integrations.torchtitan), whose blocks compile under expert parallelism")
         weights, experts = self.gate(x)
         ep = self.ep
         # once(): inside a checkpoint the recomputation reuses these (no second exchange; the received

@@ -98,6 +98,14 @@ def _describe(obj) -> tuple[str, tuple]:
     return str(obj.dtype).replace("torch.", ""), tuple(obj.shape)
 
 
+def _nbytes(obj) -> int:
+    """A container's or a tensor's bytes, from its element counts: a tensor's ``nbytes`` cannot be read under
+    torch.compile's symbolic shapes (a SymInt here)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return obj.nbytes
+
+
 def keep(label: str, obj, converted_from: int | None = None) -> tuple[tuple[torch.Tensor, ...], tuple]:
     """obj: an MXFP4Tensor, NVFP4Tensor, FP8BlockTensor or tensor a moe_fp4 Function saves for backward ->
     (its tensors, to pass to ``ctx.save_for_backward``; a spec for :func:`rebuild`).
@@ -106,7 +114,7 @@ def keep(label: str, obj, converted_from: int | None = None) -> tuple[tuple[torc
     :mod:`moe_fp4.saved.hook`'s compression passes them through (they are quantized already, or must stay
     exact like the router weights) and counts them once."""
     fmt, shape = _describe(obj)
-    tag = Kept(label, fmt, shape, obj.nbytes, converted_from)
+    tag = Kept(label, fmt, shape, _nbytes(obj), converted_from)
     if isinstance(obj, torch.Tensor):
         tensors, spec = (obj,), None
     else:
@@ -203,7 +211,7 @@ def report_saved(label: str, obj, parameter: bool = False) -> None:
         fmt, shape = "fp8_128x128", obj.data.shape   # gemm.FP8WeightTensor (gemm sits beside this module)
     else:
         fmt, shape = str(obj.dtype).replace("torch.", ""), obj.shape
-    acc.records.append(SavedRecord(label, fmt, tuple(shape), obj.nbytes, parameter))
+    acc.records.append(SavedRecord(label, fmt, tuple(shape), _nbytes(obj), parameter))
 
 
 def saved_bytes(fn, *args, **kwargs):

@@ -527,6 +527,27 @@ def _active_config_case(d) -> None:
                          ("all_to_all_single_autograd", "unmarked", "compressed"): 1}
 
 
+def _compile_refused_case(d) -> None:
+    """Under torch.compile a drop-in refuses with the alternatives named (fullgraph: Dynamo's error carries
+    it), before any collective; outside the scope the same compiled call is torch's own."""
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_fp4.exchange import swap as comm
+
+    def dispatch(x):
+        y = funcol.all_to_all_single_autograd(x, d.recvs, d.sends, d.group)
+        return y.wait() if hasattr(y, "wait") else y
+
+    torch._dynamo.reset()
+    with comm.swap_all_to_all(report=False):
+        with pytest.raises(RuntimeError, match="the swap's exchanges run eagerly only") as e:
+            torch.compile(dispatch, fullgraph=True, backend="aot_eager")(d.x)
+    assert "Compile without the swap" in str(e.value)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(dispatch, fullgraph=True, backend="aot_eager")(d.x), d.want)
+    torch._dynamo.reset()
+
+
 def _swap_and_restore_case(d) -> None:
     """swap_all_to_all replaces the SWAPPED attributes in the scope (nested scopes: the innermost formats)
     and restores them after, also when the body raises."""
@@ -835,7 +856,8 @@ def _spmd_types_case(d) -> str:
 # The drop-in cases in the order every rank runs them (the same collectives in the same order on every
 # rank), all on one _dropin_setup; the role cases share one dispatcher module (_ROLE_DISPATCHER_SOURCE).
 DROPIN_CASES = (_swapped_names_case, _functional_dropin_case, _nn_dropin_case, _list_dropin_case, _passthrough_case,
-                _active_config_case, _swap_and_restore_case, _imported_names_case, _ep_loop_case)
+                _active_config_case, _swap_and_restore_case, _compile_refused_case, _imported_names_case,
+                _ep_loop_case)
 ROLE_CASES = (_roles_case, _late_import_case, _unmarked_combine_case, _bad_role_specs_case)
 
 

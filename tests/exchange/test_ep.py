@@ -424,6 +424,23 @@ def _fused_combine_grad(rank, world, device="cpu"):
     return out
 
 
+def _compile_refused(rank, world):
+    """Compiled, the EP layer refuses with its alternatives named (fullgraph: Dynamo's error carries them),
+    before any exchange; the layer then runs eagerly as before."""
+    _, m, _ = _layers(rank, world, "fp8")
+    x = _tokens(world, "fp8")[rank]
+    torch._dynamo.reset()
+    try:
+        torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    except RuntimeError as e:
+        refused = "runs eagerly only" in str(e) and "torchtitan's converter" in str(e)
+    else:
+        refused = False
+    torch._dynamo.reset()
+    y = m(x)
+    return refused and not y.isnan().any().item()
+
+
 def _ep_case(rank, world):
     torch.set_num_threads(1)   # up to 8 ranks share the CI machine's 2 cores
     out = {p: _compare(rank, world, p) for p in ("bf16", "fp8", "fp4")}
@@ -438,6 +455,7 @@ def _ep_case(rank, world):
     out["link"] = _link_defaults(rank, world)
     out["fused"] = _fused_combine_grad(rank, world) if world == 2 else None
     out["weight_noise"] = _weight_noise(rank, world) if world == 2 else None
+    out["compile_refused"] = _compile_refused(rank, world) if world == 2 else None
     return out
 
 
@@ -671,6 +689,13 @@ def test_ep_sqrt3_rule_estimates_the_fc2_weight_gradient_noise(ep_results):
         assert len(ratios) == 1 and None not in ratios, (case, ratios)
         estimate = signal / ratios.pop() ** 2
         in_band(diff / estimate, *WEIGHT_NOISE_BAND, what=f"{case}: actual / estimated dW2 noise")
+
+
+def test_ep_layer_refuses_torch_compile_naming_the_alternatives(ep_results):
+    world, results = ep_results
+    if world != 2:
+        pytest.skip("checked at world 2")
+    assert [r["compile_refused"] for r in results] == [True] * world
 
 
 def test_ep_nvfp4_dispatch_feeds_the_expert_gemms(ep_results):

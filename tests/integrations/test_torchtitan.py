@@ -180,3 +180,20 @@ def test_torchtitan_converted_experts_every_backend(precision):
             assert rel <= VS_TORCHTITAN_LOSS_RTOL[run], (run, where)
             floor, ceiling = VS_TORCHTITAN_GRAD_SQNR_DB[run][precision]
             assert floor <= db <= ceiling, (run, where)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_torchtitan_compiled_blocks_under_ep(precision):
+    """torchtitan's own per-block compile (fullgraph=True, capture_scalar_outputs) of the converted model under
+    EP = 2: the dispatcher's splits and the received rows are data-dependent, the experts take device counts
+    over the padded bound, and one graph per block gives the eager loss and expert gradients bit for bit."""
+    out = _run("--compile", "--experts", precision)
+    assert re.search(r"^\[spmd_types\] not compiled here", out, re.MULTILINE), out
+    found = re.findall(r"^\[(\w+)\] rank (\d) compiled: loss eager ([\d.]+), compiled ([\d.]+); expert grads "
+                       r"(\w+) over (\d+); (\d+) graphs, (\d+) graph breaks; experts: (.*)$", out, re.MULTILINE)
+    assert sorted((b, int(r)) for b, r, *_ in found) == sorted(
+        (b, r) for b in ("partial_dtensor", "full_dtensor") for r in (0, 1)), out
+    for backend, rank, eager, compiled, same, n, graphs, breaks, experts in found:
+        assert eager == compiled and same == "identical" and int(n) == 3, (backend, rank, out)
+        assert int(graphs) >= 1 and int(breaks) == 0, (backend, rank, out)
+        assert experts == f"MoEFP4GroupedExperts {precision} x1, dispatcher PaddedTokenDispatcher", experts

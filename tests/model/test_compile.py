@@ -140,3 +140,24 @@ def test_explicit_fp8_weights_give_the_cached_pairs_bits(references):
         grouped_swiglu_experts(x, w13, w2, (128, 128), "fp8", fp8_weights=pairs[0])
     with pytest.raises(ValueError, match=r"W2\^T must be an FP8WeightTensor \(2, 128, 128\)"):
         grouped_swiglu_experts(x, w13, w2, (128, 128), "fp8", fp8_weights=(pairs[0], (pairs[1][0], pairs[0][1])))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_layer_compiles_with_dynamic_rows(precision, references):
+    # dynamic=True: the token count (and the routing's row bound) is symbolic, so the experts' op pair runs on
+    # symbolic shapes (what the rows of an expert-parallel exchange are); one graph serves both sizes.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(4)
+    layer = MoE(CONFIG, precision)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    for tokens in (40, 56):
+        x = torch.randn(tokens, 128, dtype=torch.bfloat16)
+        dy = torch.randn(tokens, 128, dtype=torch.bfloat16)
+        eager = _step(layer, layer, x, dy)
+        got = _step(compiled, layer, x, dy)
+        for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, got):
+            assert not a.isnan().any() and torch.equal(a, b), (tokens, name)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
