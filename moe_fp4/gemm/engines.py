@@ -160,6 +160,14 @@ def _stacked(data: torch.Tensor, scale: torch.Tensor, lead) -> FP8WeightTensor:
     return FP8WeightTensor(data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]))
 
 
+def in_graph_region(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` is being recorded rather than run: under torch.compile or CUDA-graph capture. There
+    nothing may wait for the host, and nothing may be cached across calls by storage address (a compiled graph
+    and a replayed CUDA graph read their inputs as they are at run time; a tensor made during capture lives in
+    the graph's memory pool)."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class FP8WeightCache:
     """FP8 copies of weights, made once per weight version: (W, W^T) of :func:`quantize_fp8_weight_pair`
     per weight tensor, reused until the weight changes.
@@ -224,7 +232,7 @@ class FP8WeightCache:
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on
             key = None
-        if not self.enabled or key is None:
+        if not self.enabled or key is None or in_graph_region(w):
             return quantize_fp8_weight_pair(w)
         entry = self._entries.get(w)
         if entry is not None and entry[0] == key:
@@ -540,6 +548,7 @@ def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
 
 __all__ = [
     "FP8_WEIGHTS",
+    "in_graph_region",
     "FP8WeightCache",
     "FP8WeightTensor",
     "GemmBackend",

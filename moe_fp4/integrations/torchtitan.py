@@ -97,7 +97,7 @@ from torchtitan.models.common.token_dispatcher import (
     TorchAOTokenDispatcher,
 )
 
-from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, quantize_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, in_graph_region, quantize_fp8_weight_pair
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.model.routing import routed_swiglu_experts
 from moe_fp4.saved.hook import StorageFormat
@@ -228,7 +228,7 @@ class MoEFP4GroupedExperts(GroupedExperts):
         w1, w2, w3 = (_local(p) for p in params.values())
         if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
             return torch.cat([w1, w3], dim=1), w2, None   # the engine reads these weights' values
-        if torch.compiler.is_compiling():   # the cache keys on storage addresses: no lookup in a graph
+        if in_graph_region(w1):   # the cache keys on storage addresses: no lookup in a graph
             pairs = concatenated_pair((w1, w3)), concatenated_pair((w2,))
         else:
             pairs = (FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3)),
@@ -240,9 +240,10 @@ class MoEFP4GroupedExperts(GroupedExperts):
         each expert's group a multiple of 128 rows, padding rows zero; R may run past the last group
         (torchao's padding dispatcher pads to a fixed length: those rows come back zero).
         num_tokens_per_expert_E: int [E_local], the groups' sizes (padding included) -> [R, D] of x_RD's dtype.
-        Under torch.compile the counts stay on the device (nothing reads them on the host) and R is a bound, a
-        multiple of 128 (:class:`PaddedTokenDispatcher` pads to one): the rows past the groups come back zero."""
-        if torch.compiler.is_compiling():
+        Under torch.compile and CUDA-graph capture the counts stay on the device (nothing reads them on the host)
+        and R is a bound, a multiple of 128 (:class:`PaddedTokenDispatcher` pads to one): the rows past the groups
+        come back zero."""
+        if in_graph_region(x_RD):
             return self._forward_device_counts(x_RD, num_tokens_per_expert_E)
         counts = [int(c) for c in num_tokens_per_expert_E.tolist()]
         rows = sum(counts)
@@ -343,7 +344,7 @@ class PaddedTokenDispatcher(TorchAOTokenDispatcher):
             dst_start = ((padded.cumsum(0) - padded)[None, :] + (sizes.cumsum(0) - sizes)).reshape(-1)
             seg = torch.repeat_interleave(torch.arange(flat.numel(), device=dev), flat, output_size=n)
             dst = dst_start[seg] + torch.arange(n, device=dev) - src_start[seg]
-            if torch.compiler.is_compiling():
+            if in_graph_region(x):
                 # Nothing read on the host: the groups fit in a bound of n rows and e paddings, rounded up to
                 # 128 rows, and the counts stay on the device (the experts take device counts).
                 total = (n + padded.numel() * (self.pad_multiple - 1) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN

@@ -70,7 +70,13 @@ from moe_fp4.formats.conversions import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, grouped_fp8_mm_nt, grouped_fp8_mm_wgrad
+from moe_fp4.gemm.engines import (
+    FP8_WEIGHTS,
+    FP8WeightTensor,
+    grouped_fp8_mm_nt,
+    grouped_fp8_mm_wgrad,
+    in_graph_region,
+)
 from moe_fp4.kernels import swiglu as _swiglu
 from moe_fp4.kernels import transpose as _transpose
 from moe_fp4.kernels.grouped_gemm import GROUP_ALIGN, device_offsets, group_offsets, host_counts, rows_aligned
@@ -407,8 +413,8 @@ def prefetch_fp8_weights(*weights) -> None:
     cached. The MoE layer calls it where the GPU would otherwise wait for the host (the weights need no
     routing): the FC1 weights before the router, the FC2 weights while the host waits for the routing's
     counts. Nothing when the cache is off: the experts would quantize a second time."""
-    if not FP8_WEIGHTS.enabled or torch.compiler.is_compiling():   # compiled experts quantize in their graph
-        return
+    if not FP8_WEIGHTS.enabled or any(w is not None and in_graph_region(w) for w in weights):
+        return   # compiled and captured experts quantize in their graph
     with torch.no_grad():
         for w in weights:
             if w is not None:

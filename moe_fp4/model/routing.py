@@ -13,6 +13,7 @@ import torch
 
 from moe_fp4.exchange.ep import counts_to_host
 from moe_fp4.formats.conversions import gather_sum
+from moe_fp4.gemm.engines import in_graph_region
 from moe_fp4.model.experts import (
     TOKEN_ALIGN,
     Precision,
@@ -68,8 +69,7 @@ def rows_bound(pairs: int, num_experts: int, align: int = TOKEN_ALIGN) -> int:
 def host_counts_here(x: torch.Tensor) -> bool:
     """Whether a routing of ``x``'s tokens may read its counts on the host: in eager mode, not under torch.compile
     or CUDA-graph capture (neither can wait for the host)."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    return not (torch.compiler.is_compiling() or capturing)
+    return not in_graph_region(x)
 
 
 def make_routing(weights: torch.Tensor, experts: torch.Tensor, num_experts: int, align: int = TOKEN_ALIGN,
