@@ -169,15 +169,16 @@ def in_graph_region(t: torch.Tensor) -> bool:
 
 
 class FP8WeightCache:
-    """FP8 copies of weights, made once per weight version: (W, W^T) of :func:`quantize_fp8_weight_pair`
+    """FP8 copies of weights, made once per weight version: W of :func:`quantize_fp8_weight` (128x128 blocks)
     per weight tensor, reused until the weight changes.
 
     A weight changes when an optimizer (or anything) writes it in place, which bumps its ``_version``,
-    or when its storage moves; either makes the next :meth:`get` quantize again (one pass for both
-    operands) and drop the old pair. So with gradient accumulation the weights are quantized once per
-    optimizer step, not per micro-batch, and backward reuses forward's W^T instead of quantizing
-    again. The cache holds weights weakly (an entry dies with its weight) and costs, per weight,
-    two FP8 copies and their scales: 0.5x the bytes of a float32 weight (``nbytes``).
+    or when its storage moves; either makes the next :meth:`weight` quantize again and drop the old copy. So
+    with gradient accumulation the weights are quantized once per optimizer step, not per micro-batch. The
+    cache holds weights weakly (an entry dies with its weight) and costs, per weight, one FP8 copy and its
+    scales: 1 byte a parameter (``nbytes``). The dgrad operand W^T is not kept: with 128x128 blocks its codes
+    are W's transposed under the same scales (:meth:`FP8WeightTensor.t`, bit for bit what quantizing W^T
+    gives), so the experts make it in backward, per layer, and free it after their GEMMs.
 
     In-place ops on the parameter and ``load_state_dict`` bump ``_version``; torch.optim's for-loop and
     foreach optimizers do too, but the fused ones (``AdamW(fused=True)``: ``torch._fused_adamw_``) do
@@ -226,44 +227,49 @@ class FP8WeightCache:
             for p in params:
                 self._entries.pop(p, None)
 
-    def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
-        """w: [N, K] or [E, N, K] -> (W, W^T), quantized now or at the same version of w before."""
+    def weight(self, w: torch.Tensor) -> FP8WeightTensor:
+        """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before."""
         try:
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on
             key = None
         if not self.enabled or key is None or in_graph_region(w):
-            return quantize_fp8_weight_pair(w)
+            return quantize_fp8_weight(w)
         entry = self._entries.get(w)
         if entry is not None and entry[0] == key:
             self.hits += 1
             return entry[1]
-        self._entries.pop(w, None)   # the stale pair goes before the new one is made
-        pair = quantize_fp8_weight_pair(w)
-        self._entries[w] = (key, pair)
+        self._entries.pop(w, None)   # the stale copy goes before the new one is made
+        q = quantize_fp8_weight(w)
+        self._entries[w] = (key, q)
         self.misses += 1
-        return pair
+        return q
+
+    def get(self, w: torch.Tensor) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+        """w: [N, K] or [E, N, K] -> (W, W^T): :meth:`weight`, and its transpose made now (not kept)."""
+        q = self.weight(w)
+        return q, q.t()
 
     def __contains__(self, w: torch.Tensor) -> bool:
         """Whether w has a pair here (of any version): an FP8 GEMM has read it since it last changed."""
         return w in self._entries
 
-    def put(self, w: torch.Tensor, pair: tuple[FP8WeightTensor, FP8WeightTensor]) -> None:
-        """Hold ``pair`` (W, W^T), made by the caller from w as it is now, for w's current version: what
-        an optimizer that quantizes while it updates (adamw_step_fp8_weight_pair) hands over."""
+    def put(self, w: torch.Tensor, q: FP8WeightTensor) -> None:
+        """Hold ``q`` (W), made by the caller from w as it is now, for w's current version: what an optimizer
+        that quantizes while it updates (adamw_step_fp8_weight) hands over."""
         if not self.enabled:
             return
         self._entries.pop(w, None)
-        self._entries[w] = ((w._version, w.data_ptr(), tuple(w.shape), w.dtype), pair)
+        self._entries[w] = ((w._version, w.data_ptr(), tuple(w.shape), w.dtype), q)
 
     def discard(self, w: torch.Tensor) -> None:
-        """Drop w's pair, if any (w is about to change)."""
+        """Drop w's copy, if any (w is about to change)."""
         self._entries.pop(w, None)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the cached FP8 copies now."""
-        return sum(q.nbytes + qt.nbytes for _, (q, qt) in self._entries.values())
+        return sum(q.nbytes for _, q in self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()

@@ -39,11 +39,11 @@ path gathers and pads k bf16 copies of every token, which the experts then quant
 and scatter-adds the outputs in bf16. Under EP (the dispatcher has an EP mesh) or with ``route_tokens=False``
 torchtitan's own forward runs, as described above.
 
-The FP8 weights. The engine takes each weight's FP8 pair (W, W^T in 128x128 blocks) as its
-``fp8_weights``, and a ``torch.cat([w1, w3])`` is a new tensor every forward. So this module makes the
-pairs itself, once per weight version (``FP8_PAIRS``; under torch.compile in the graph, every forward):
-w13's by quantizing w1 and w3 separately and concatenating codes and scales along N (exact: with F % 128
-== 0 no 128x128 block straddles the two), w2's as is. It hands the engine the pairs and, for the weights,
+The FP8 weights. The engine takes each weight's FP8 copy (W in 128x128 blocks; its backward transposes the
+codes for W^T) as its ``fp8_weights``, and a ``torch.cat([w1, w3])`` is a new tensor every forward. So this
+module makes the copies itself, once per weight version (``FP8_PAIRS``; under torch.compile in the graph, every
+forward): w13's by quantizing w1 and w3 separately and concatenating codes and scales along N (exact: with
+F % 128 == 0 no 128x128 block straddles the two), w2's as is. It hands the engine the copies and, for the weights,
 stand-ins: zero-stride tensors of the weights' shape and dtype (``_StandIn``). The FP8 path reads
 nothing of its weights but their shape and dtype, and autograd routes the weight gradients back onto w1,
 w3 and w2. A real ``torch.cat`` would also be
@@ -52,11 +52,11 @@ backward. (w13 is not kept as storage with w1 / w3 as views of it: FSDP and EP r
 parameters as DTensors of their own, which would break the aliasing.) The bf16 precision, and
 ``FP8_WEIGHTS.enabled = False``, get the real weights (a concatenation) instead.
 
-A pair is rebuilt when its weight's ``_version`` or storage changes, and after *every* torch.optim
+A copy is rebuilt when its weight's ``_version`` or storage changes, and after *every* torch.optim
 step, whichever parameters it stepped: FSDP2 all-gathers into the unsharded parameters with their
 version counter preserved, and DTensor parameters bump their own version, not their local tensor's,
 so neither the version nor the stepped parameter's identity tells a forward that the weights moved.
-Between forward and backward (the engine keeps the pair it used) and across the micro-batches of one
+Between forward and backward (the engine keeps the copy it used) and across the micro-batches of one
 step, nothing is rebuilt. Code that writes expert weights outside an optimizer without bumping their
 version (through ``.data``; under FSDP2, a checkpoint load between steps) calls ``FP8_PAIRS.clear()``.
 ``AdamWFP8Weights`` brings nothing here: these parameters are never in ``FP8_WEIGHTS``, so they take
@@ -64,8 +64,10 @@ its plain AdamW step.
 
 torch.compile: without EP the converted blocks compile as torchtitan compiles them (per block,
 ``fullgraph=True``): moe_fp4's routing keeps its counts on the device, the experts run as their op pair and
-the FP8 pairs are made in the graph (tests/integrations/test_torchtitan_experts.py). Not supported yet: the
-blocks under EP (torchtitan's dispatcher reads the counts on the host), torchtitan's graph_trainer.
+the FP8 copies are made in the graph (tests/integrations/test_torchtitan_experts.py). Under EP too, with
+torchtitan's own exchange: :class:`PaddedTokenDispatcher` keeps the padded counts on the device over a bound of
+rows and the experts take device counts (tests/integrations/test_torchtitan.py). Not supported yet: the
+all-to-all swap under compile (it refuses), torchtitan's graph_trainer.
 
 Tested on CPU (the engine's emulated FP8 GEMMs): DTensor weights on one gloo rank; and torchtitan's expert
 parallelism over 2 gloo ranks (``parallelize_qwen3``, EP = 2, no FSDP) for each SPMD backend (``spmd_types``,
@@ -97,7 +99,7 @@ from torchtitan.models.common.token_dispatcher import (
     TorchAOTokenDispatcher,
 )
 
-from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, in_graph_region, quantize_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, in_graph_region, quantize_fp8_weight
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.model.routing import routed_swiglu_experts
 from moe_fp4.saved.hook import StorageFormat
@@ -117,8 +119,9 @@ def _check_choices(what: str, precision, storage) -> None:
 
 
 class _FP8Pairs:
-    """The FP8 pairs (W, W^T) of the converted experts' weights, per module and weight ("w13", "w2"),
-    each kept with the key of the weight version it was made from; every torch.optim step drops all."""
+    """The FP8 copies W of the converted experts' weights, per module and weight ("w13", "w2"), each kept with
+    the key of the weight version it was made from; every torch.optim step drops all. Handed to the engine as
+    pairs (W, None): its backward makes W^T from W's codes (1 byte of resident FP8 state a parameter)."""
 
     def __init__(self):
         self._entries = WeakIdKeyDictionary()   # module -> {name: (key, pair)}; dies with the module
@@ -127,51 +130,49 @@ class _FP8Pairs:
         # A module-level hook on a module-level object: nothing to keep alive or release.
         self._hook = register_optimizer_step_post_hook(lambda _opt, _args, _kwargs: self.clear())
 
-    def get(self, module: torch.nn.Module, name: str, params, weights) -> tuple[FP8WeightTensor, FP8WeightTensor]:
+    def get(self, module: torch.nn.Module, name: str, params, weights) -> tuple[FP8WeightTensor, None]:
         """params: the module's parameters (their ``_version`` is the one in-place writes bump, DTensors
-        included); weights: their local [E, N_i, K] tensors -> (W, W^T) of cat(weights, dim=1)."""
+        included); weights: their local [E, N_i, K] tensors -> (W of cat(weights, dim=1), None)."""
         key = (tuple(p._version for p in params), tuple(w.data_ptr() for w in weights),
                tuple(tuple(w.shape) for w in weights), weights[0].dtype)
         slots = self._entries.setdefault(module, {})
         entry = slots.get(name)
         if entry is not None and entry[0] == key:
             self.hits += 1
-            return entry[1]
-        slots.pop(name, None)   # the stale pair goes before the new one is made
+            return entry[1], None
+        slots.pop(name, None)   # the stale copy goes before the new one is made
         with torch.no_grad():
-            pair = concatenated_pair(weights)
-        slots[name] = (key, pair)
+            q = concatenated_weight(weights)
+        slots[name] = (key, q)
         self.builds += 1
-        return pair
+        return q, None
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the cached FP8 copies now."""
-        return sum(q.nbytes + qt.nbytes for slots in self._entries.values() for _, (q, qt) in slots.values())
+        return sum(q.nbytes for slots in self._entries.values() for _, q in slots.values())
 
     def clear(self) -> None:
         self._entries.clear()
 
 
-def concatenated_pair(weights) -> tuple[FP8WeightTensor, FP8WeightTensor]:
-    """weights: [E, N_i, K] tensors (N_i multiples of 128) -> (W, W^T) of cat(weights, dim=1), each weight
-    quantized apart and the codes and block scales concatenated (no 128x128 block straddles two weights)."""
-    pairs = [quantize_fp8_weight_pair(w) for w in weights]
-    if len(pairs) == 1:
-        return pairs[0]
-    # N is dim 1 of W [E, N, K] and dim 2 of W^T [E, K, N], for codes and block scales alike
-    return tuple(FP8WeightTensor(torch.cat([p[i].data for p in pairs], d), torch.cat([p[i].scale for p in pairs], d))
-                 for i, d in ((0, 1), (1, 2)))
+def concatenated_weight(weights) -> FP8WeightTensor:
+    """weights: [E, N_i, K] tensors (N_i multiples of 128) -> W of cat(weights, dim=1), each weight quantized
+    apart and the codes and block scales concatenated along N (no 128x128 block straddles two weights)."""
+    qs = [quantize_fp8_weight(w) for w in weights]
+    if len(qs) == 1:
+        return qs[0]
+    return FP8WeightTensor(torch.cat([q.data for q in qs], 1), torch.cat([q.scale for q in qs], 1))
 
 
-# The process's pairs for every converted experts module.
+# The process's FP8 copies for every converted experts module.
 FP8_PAIRS = _FP8Pairs()
 
 
 class _StandIn(torch.autograd.Function):
     """weights [E, N_i, K] -> a zero-stride [E, sum N_i, K] tensor of their dtype (no memory), whose
     gradient is split back onto the weights along dim 1. What the engine's FP8 path reads of a weight
-    is its shape and its dtype (its FP8 pair comes as the engine's fp8_weights)."""
+    is its shape and its dtype (its FP8 copy comes as the engine's fp8_weights)."""
 
     @staticmethod
     def forward(ctx, *weights):
@@ -220,8 +221,9 @@ class MoEFP4GroupedExperts(GroupedExperts):
 
     def engine_weights(self):
         """-> (w13 [E, 2F, D], w2 [E, D, F], fp8_weights) as the engine takes them: in fp8 and fp4 zero-stride
-        stand-ins, their gradients routed back onto w1, w3 and w2, and their FP8 pairs ((W13, W13^T), (W2,
-        W2^T)), made once per weight version (``FP8_PAIRS``) or, under torch.compile, in the graph; in bf16 (or
+        stand-ins, their gradients routed back onto w1, w3 and w2, and their FP8 copies ((W13, None), (W2,
+        None): W^T made in backward), once per weight version (``FP8_PAIRS``) or, under torch.compile, in the
+        graph; in bf16 (or
         with ``FP8_WEIGHTS.enabled`` off) the weights themselves, w13 a concatenation, and None."""
         params = {"w1_EFD": self.w1_EFD, "w2_EDF": self.w2_EDF, "w3_EFD": self.w3_EFD}
         _check_weight_dtypes(type(self).__name__, params)
@@ -229,7 +231,7 @@ class MoEFP4GroupedExperts(GroupedExperts):
         if self.precision is Precision.BF16 or not FP8_WEIGHTS.enabled:
             return torch.cat([w1, w3], dim=1), w2, None   # the engine reads these weights' values
         if in_graph_region(w1):   # the cache keys on storage addresses: no lookup in a graph
-            pairs = concatenated_pair((w1, w3)), concatenated_pair((w2,))
+            pairs = (concatenated_weight((w1, w3)), None), (concatenated_weight((w2,)), None)
         else:
             pairs = (FP8_PAIRS.get(self, "w13", (self.w1_EFD, self.w3_EFD), (w1, w3)),
                      FP8_PAIRS.get(self, "w2", (self.w2_EDF,), (w2,)))

@@ -31,9 +31,10 @@ NVFP4 straight from their codes.
 Backward builds the weight-gradient operands from what was kept: ``fp8_to_fp8_colwise`` (fp8) or
 ``mxfp4_to_fp8_colwise`` (fp4), and one cast-transpose for the output gradient (its row-wise FP8
 for dgrad and its column-wise FP8 for wgrad from one read). The SwiGLU backward reads fp4's MXFP4
-SwiGLU input as kept, decoding it in registers (no bf16 copy of it). The FP8 weights (128x128 blocks) and
-their transposed copies come from :data:`moe_fp4.gemm.engines.FP8_WEIGHTS`, made once per weight version and
-shared by forward, backward and every micro-batch of an optimizer step.
+SwiGLU input as kept, decoding it in registers (no bf16 copy of it). The FP8 weights W (128x128 blocks) come
+from :data:`moe_fp4.gemm.engines.FP8_WEIGHTS`, made once per weight version and shared by forward, backward and
+every micro-batch of an optimizer step; the dgrad operands W^T are W's codes and block scales transposed in
+backward, one layer's at a time, freed after their GEMMs (1 byte of resident FP8 state per expert parameter).
 
 Inside :func:`moe_fp4.compress_saved_activations` with ``compress_fp8=True``, the fp8 precision
 stores its FP8 activations as MXFP4 converted directly from the FP8 codes (no BF16 round trip); its
@@ -263,12 +264,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # fp4 in NVFP4 (storage): the same tensors kept, each quantized with NVFP4's rules instead
         # (x and h from bf16, a from its FP8 codes), and MXFP4 rows received from the dispatch as they came.
         nv = fp4 and storage is StorageFormat.NVFP4
-        # W and W^T from one pass, once per weight version (moe_fp4.gemm.engines.FP8_WEIGHTS): backward's dgrad
-        # operands are forward's, and micro-batches between two optimizer steps share them.
-        # fp8_pairs: the pairs as tensors the caller made (the op pair under torch.compile).
-        (w13q, ctx.w13t), (w2q, ctx.w2t) = fp8_pairs or (FP8_WEIGHTS.get(w13), FP8_WEIGHTS.get(w2))
-        report_saved("fp8_weights", ctx.w13t, parameter=True)   # weight copies (the cache holds them
-        report_saved("fp8_weights", ctx.w2t, parameter=True)    # between steps): not activations
+        # W once per weight version (moe_fp4.gemm.engines.FP8_WEIGHTS; micro-batches between two optimizer steps
+        # share it). The dgrad operand W^T is made in backward from W's codes and freed after its GEMM
+        # (_dgrad_weight), unless the caller's fp8_pairs hold it (the op pair under torch.compile, integrations).
+        (w13q, w13t), (w2q, w2t) = fp8_pairs or ((FP8_WEIGHTS.weight(w13), None), (FP8_WEIGHTS.weight(w2), None))
+        ctx.w13t, ctx.w2t = w13t, w2t
+        ctx.w13q, ctx.w2q = (w13q if w13t is None else None), (w2q if w2t is None else None)
+        report_saved("fp8_weights", w13q, parameter=True)   # weight copies (the cache holds them between
+        report_saved("fp8_weights", w2q, parameter=True)    # steps): not activations
         if isinstance(x_q, MXFP4Tensor):
             # A received MXFP4 FC1 input: converted to FP8 for the grouped GEMM.
             xq = mxfp4_to_fp8(x_q)
@@ -355,7 +358,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dyq, dyt = _rows_and_cols(dy, rows=True)
         else:   # converted directly: bit for bit the operands _rows_and_cols makes of the decoded rows
             dyq, dyt = (mxfp4_to_fp8(dy_q) if isinstance(dy_q, MXFP4Tensor) else dy_q), _colwise(dy_q)
-        da = grouped_fp8_mm_nt(dyq, ctx.w2t, counts, torch.bfloat16)
+        da = grouped_fp8_mm_nt(dyq, _dgrad_weight(ctx.w2q, ctx.w2t), counts, torch.bfloat16)
         del dyq
         dw2 = grouped_fp8_mm_wgrad(dyt, _colwise(a_kept), counts, w2.dtype) if need_dw2 else None
         if noise is not None:
@@ -365,10 +368,17 @@ class _GroupedSwiGLU(torch.autograd.Function):
         del h, da
         dhq, dht = _rows_and_cols(dh, rows=need_dx)
         del dh
-        dx = grouped_fp8_mm_nt(dhq, ctx.w13t, counts, torch.bfloat16) if need_dx else None
+        dx = grouped_fp8_mm_nt(dhq, _dgrad_weight(ctx.w13q, ctx.w13t), counts, torch.bfloat16) if need_dx else None
         dw13 = grouped_fp8_mm_wgrad(dht, _colwise(kept["x"], kept.get("x_rows")), counts, w13.dtype) \
             if need_dw13 else None
         return dx, dw13, dw2, d_row, None, None, None, None, None, None, None, None, None
+
+
+def _dgrad_weight(w: FP8WeightTensor | None, wt: FP8WeightTensor | None) -> FP8WeightTensor:
+    """The dgrad operand W^T [E, K, N]: ``wt`` when the caller gave it, else W's codes and block scales transposed
+    (bit for bit what quantizing W^T gives: a 128x128 block's scale is the same either way), made now and freed
+    with the GEMM that reads it."""
+    return wt if wt is not None else w.t()
 
 
 def quantize_expert_tokens(x: torch.Tensor, precision, storage: str | StorageFormat = "mxfp4"):
@@ -408,7 +418,7 @@ def gather_expert_tokens(tokens, src_row: torch.Tensor):
 
 
 def prefetch_fp8_weights(*weights) -> None:
-    """weights: [E, N, K] tensors (or None, skipped) -> nothing: each one's FP8 pair (W, W^T) made now,
+    """weights: [E, N, K] tensors (or None, skipped) -> nothing: each one's FP8 copy W made now,
     as the experts would make it (:data:`moe_fp4.gemm.engines.FP8_WEIGHTS`), so that their forward finds it
     cached. The MoE layer calls it where the GPU would otherwise wait for the host (the weights need no
     routing): the FC1 weights before the router, the FC2 weights while the host waits for the routing's
@@ -418,7 +428,7 @@ def prefetch_fp8_weights(*weights) -> None:
     with torch.no_grad():
         for w in weights:
             if w is not None:
-                FP8_WEIGHTS.get(w)
+                FP8_WEIGHTS.weight(w)
 
 
 def _tell_weight_noise(noise, a) -> None:
@@ -477,6 +487,7 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     fp8_weights: optional ((W13, W13^T), (W2, W2^T)), FP8WeightTensors of w13 and w2 as
             :func:`moe_fp4.gemm.engines.quantize_fp8_weight_pair` makes them: the FP8 weights the GEMMs read,
             instead of the process's cache (FP8_WEIGHTS) or, under torch.compile, a quantization in the graph.
+            W13^T and W2^T may be None: backward then transposes W's codes (what it does without fp8_weights).
             w13 and w2 then give only their shape and dtype and take the gradients (a stand-in of their shape
             will do). bf16 ignores it.
     Everything kept goes through ``ctx.save_for_backward``, so ``torch.utils.checkpoint`` (and
@@ -565,6 +576,8 @@ def _check_fp8_weights(fp8_weights, w13: torch.Tensor, w2: torch.Tensor):
     (a, at), (b, bt) = fp8_weights
     for name, t, want in (("W13", a, w13.shape), ("W13^T", at, (*w13.shape[:1], w13.shape[2], w13.shape[1])),
                           ("W2", b, w2.shape), ("W2^T", bt, (*w2.shape[:1], w2.shape[2], w2.shape[1]))):
+        if t is None and name.endswith("^T"):   # made in backward from W
+            continue
         if not isinstance(t, FP8WeightTensor) or tuple(t.data.shape) != tuple(want):
             got = tuple(t.data.shape) if isinstance(t, FP8WeightTensor) else ()
             raise ValueError(f"grouped_swiglu_experts: fp8_weights' {name} must be an FP8WeightTensor "

@@ -7,8 +7,9 @@ NVFP4 activations, each a few tensors) are outputs of the forward op that ``setu
 AOTAutograd's partitioner and activation checkpointing see them as the saved tensors they are. Both ops run the
 Function's own forward and backward bodies (the same kernels in the same order, so the compiled experts give
 the eager bits); their fake implementations run the same bodies on fake tensors, where every kernel is an op
-with a fake of its own. The FP8 weights come in as explicit tensors: the compiled region quantizes them (one
-pass for W and W^T) instead of looking them up in the process's cache, which keys on storage addresses.
+with a fake of its own. The FP8 weights come in as explicit tensors: the compiled region quantizes W instead of
+looking it up in the process's cache, which keys on storage addresses; W^T comes in only when the caller made it,
+else the backward op transposes W's codes, as the eager backward does.
 
 The op pair takes device counts (an int tensor [E]): under compile nothing reads them on the host. Saved tensors
 that are the forward's own inputs (the router weights, a kept FP8 input as received) are returned as copies: an
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4.formats.containers import FP8BlockTensor, MXFP4Tensor
-from moe_fp4.gemm.engines import FP8WeightTensor, quantize_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8WeightTensor, quantize_fp8_weight
 from moe_fp4.saved.hook import StorageFormat
 
 _FUNCTION: list = []     # the experts' autograd Function (moe_fp4.model.experts registers it)
@@ -114,8 +115,8 @@ def _forward_impl(x, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale
                   xq_data, xq_scale, xs_data, xs_scale, xs_rows, recipe):
     r = Recipe.decode(recipe)
     ctx = _Ctx()
-    pairs = ((FP8WeightTensor(w13q, w13q_scale), FP8WeightTensor(w13t, w13t_scale)),
-             (FP8WeightTensor(w2q, w2q_scale), FP8WeightTensor(w2t, w2t_scale)))
+    pairs = ((FP8WeightTensor(w13q, w13q_scale), _optional(w13t, w13t_scale)),
+             (FP8WeightTensor(w2q, w2q_scale), _optional(w2t, w2t_scale)))
     fn = _FUNCTION[0]
     y = fn.forward(ctx, x, w13, w2, row_w, counts, fn.precision_of(r.precision), _container(r.x_q, xq_data, xq_scale),
                    r.recompute_swiglu, StorageFormat(r.storage), _container("mxfp4" if r.x_saved else "", xs_data,
@@ -127,14 +128,21 @@ def _forward_impl(x, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale
     return [y, *out]
 
 
-def _backward_impl(dy, w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, kept, recipe, needs):
+def _optional(data, scale) -> FP8WeightTensor | None:
+    return None if data is None else FP8WeightTensor(data, scale)
+
+
+def _backward_impl(dy, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale, w2t, w2t_scale, counts, kept,
+                   recipe, needs):
     r = Recipe.decode(recipe)
     fn = _FUNCTION[0]
     ctx = _Ctx((w13, w2, *kept), (*needs, *([False] * 9)))
     ctx.kept_specs = _shaped(_SPECS[_spec_key(recipe, kept)], kept)
     ctx.kept_head = 2
     ctx.precision, ctx.counts, ctx.grad_slot = fn.precision_of(r.precision), counts, None
-    ctx.w13t, ctx.w2t = FP8WeightTensor(w13t, w13t_scale), FP8WeightTensor(w2t, w2t_scale)
+    ctx.w13t, ctx.w2t = _optional(w13t, w13t_scale), _optional(w2t, w2t_scale)
+    ctx.w13q = FP8WeightTensor(w13q, w13q_scale) if ctx.w13t is None else None
+    ctx.w2q = FP8WeightTensor(w2q, w2q_scale) if ctx.w2t is None else None
     ctx.offs = fn.bf16_offsets(counts, dy.device) if r.precision == "bf16" else None
     dx, dw13, dw2, d_row = fn.backward(ctx, dy)[:4]
     return [dx if dx is not None else dy.new_empty(0), dw13 if dw13 is not None else w13.new_empty(0),
@@ -144,29 +152,32 @@ def _backward_impl(dy, w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, kept, 
 
 _forward_op = torch.library.custom_op(
     "moe_fp4::experts_forward", _forward_impl, mutates_args=(),
-    schema="(Tensor x, Tensor w13, Tensor w2, Tensor w13q, Tensor w13q_scale, Tensor w13t, Tensor w13t_scale, "
-           "Tensor w2q, Tensor w2q_scale, Tensor w2t, Tensor w2t_scale, Tensor? row_w, Tensor counts, "
+    schema="(Tensor x, Tensor w13, Tensor w2, Tensor w13q, Tensor w13q_scale, Tensor? w13t, Tensor? w13t_scale, "
+           "Tensor w2q, Tensor w2q_scale, Tensor? w2t, Tensor? w2t_scale, Tensor? row_w, Tensor counts, "
            "Tensor? xq_data, Tensor? xq_scale, Tensor? xs_data, Tensor? xs_scale, Tensor? xs_rows, str recipe) "
            "-> Tensor[]")
 _forward_op.register_fake(_forward_impl)
 _backward_op = torch.library.custom_op(
     "moe_fp4::experts_backward", _backward_impl, mutates_args=(),
-    schema="(Tensor dy, Tensor w13, Tensor w2, Tensor w13t, Tensor w13t_scale, Tensor w2t, Tensor w2t_scale, "
-           "Tensor counts, Tensor[] kept, str recipe, bool[] needs) -> Tensor[]")
+    schema="(Tensor dy, Tensor w13, Tensor w2, Tensor w13q, Tensor w13q_scale, Tensor? w13t, Tensor? w13t_scale, "
+           "Tensor w2q, Tensor w2q_scale, Tensor? w2t, Tensor? w2t_scale, Tensor counts, Tensor[] kept, str recipe, "
+           "bool[] needs) -> Tensor[]")
 _backward_op.register_fake(_backward_impl)
 
 
 def _setup_context(ctx, inputs, output):
-    (x, w13, w2, _, _, w13t, w13t_scale, _, _, w2t, w2t_scale, row_w, counts, *_, recipe) = inputs
+    (x, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale, w2t, w2t_scale, row_w, counts, *_,
+     recipe) = inputs
     ctx.recipe, ctx.n_kept, ctx.has_row_w = recipe, len(output) - 1, row_w is not None
-    ctx.save_for_backward(w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, *output[1:])
+    ctx.save_for_backward(w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale, w2t, w2t_scale, counts,
+                          *output[1:])
 
 
 def _backward(ctx, grads):
-    w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, *kept = ctx.saved_tensors
+    w13, w2, *weights, counts = ctx.saved_tensors[:11]
+    kept = list(ctx.saved_tensors[11:])
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    dx, dw13, dw2, d_row = _backward_op(grads[0], w13, w2, w13t, w13t_scale, w2t, w2t_scale, counts, kept,
-                                        ctx.recipe, needs)
+    dx, dw13, dw2, d_row = _backward_op(grads[0], w13, w2, *weights, counts, kept, ctx.recipe, needs)
     pick = lambda t, need: t if need else None  # noqa: E731
     return (pick(dx, needs[0]), pick(dw13, needs[1]), pick(dw2, needs[2]), *([None] * 8),
             d_row if ctx.has_row_w and ctx.needs_input_grad[11] else None, *([None] * 7))
@@ -178,17 +189,22 @@ torch.library.register_autograd("moe_fp4::experts_forward", _backward, setup_con
 def experts(x, w13, w2, row_w, counts: torch.Tensor, recipe: Recipe, x_q=None, x_saved=None, x_saved_rows=None,
             pairs=None):
     """grouped_swiglu_experts' arguments (already checked; device counts) -> bf16 [R, H], through the op pair.
-    The FP8 weight pairs are ``pairs`` when given, else made here, in the caller's graph."""
+    The FP8 weights are ``pairs`` when given (W^T may be None: the backward op transposes W), else W made here,
+    in the caller's graph."""
     if recipe.precision == "bf16":
-        pairs = (_placeholder(w13), _placeholder(w13)), (_placeholder(w2), _placeholder(w2))
+        pairs = (_placeholder(w13), None), (_placeholder(w2), None)
     elif pairs is None:
-        pairs = quantize_fp8_weight_pair(w13), quantize_fp8_weight_pair(w2)
+        pairs = (quantize_fp8_weight(w13), None), (quantize_fp8_weight(w2), None)
     (w13q, w13t), (w2q, w2t) = pairs
-    out = _forward_op(x, w13, w2, w13q.data, w13q.scale, w13t.data, w13t.scale, w2q.data, w2q.scale, w2t.data,
-                      w2t.scale, row_w, counts, None if x_q is None else x_q.data, None if x_q is None else x_q.scale,
+    out = _forward_op(x, w13, w2, w13q.data, w13q.scale, *_parts(w13t), w2q.data, w2q.scale, *_parts(w2t),
+                      row_w, counts, None if x_q is None else x_q.data, None if x_q is None else x_q.scale,
                       None if x_saved is None else x_saved.data, None if x_saved is None else x_saved.scale,
                       x_saved_rows, recipe.encode())
     return out[0]
+
+
+def _parts(t: FP8WeightTensor | None) -> tuple:
+    return (None, None) if t is None else (t.data, t.scale)
 
 
 def _placeholder(w: torch.Tensor) -> FP8WeightTensor:

@@ -1,16 +1,16 @@
 """AdamW that writes the FP8 expert weights while it updates them.
 
-The FP8 expert GEMMs read every expert weight W as 128x128-block FP8 codes, and their dgrad reads W^T
-(:data:`moe_fp4.gemm.engines.FP8_WEIGHTS` holds the pair per weight version). With torch's AdamW the pair is
-made in the next forward: one more pass over the weights per optimizer step, which BF16 training does
-not pay.
+The FP8 expert GEMMs read every expert weight W as 128x128-block FP8 codes, and their dgrad reads W^T, its
+codes transposed in backward (:data:`moe_fp4.gemm.engines.FP8_WEIGHTS` holds W per weight version). With torch's
+AdamW, W is made in the next forward: one more pass over the weights per optimizer step, which BF16 training
+does not pay.
 :class:`AdamWFP8Weights` is torch.optim.AdamW, except that each weight the FP8 GEMMs read takes a fused
-step (``kernels/adamw.py``): one pass updates W and its moments and writes the FP8 pair of the new W
-into the cache, so the next forward and backward find it there.
+step (``kernels/adamw.py``): one pass updates W and its moments and writes the FP8 codes of the new W
+into the cache, so the next forward finds them there.
 
     opt = moe_fp4.model.optim.AdamWFP8Weights(model.parameters(), lr=3e-4, weight_decay=0.1)
 
-Which weights take the fused step is decided by the cache, at each step: a parameter whose FP8 pair
+Which weights take the fused step is decided by the cache, at each step: a parameter whose FP8 copy
 the GEMMs made since its last change (an expert weight of the fp8 or fp4 precisions), with a dense
 contiguous gradient, its moments contiguous, on CUDA (or under TRITON_INTERPRET=1: elsewhere the
 pure-torch twin runs). Everything else (embeddings, norms, the router, bf16 experts, the first step
@@ -19,7 +19,8 @@ before any forward) takes torch's AdamW step with the group's own ``foreach`` / 
 
 Numerics: the fused update is AdamW in float32 (moe_fp4.kernels.adamw: torch's update order; torch's
 fused kernel computes some products in double, so the two agree to an ulp or so, not bit for bit). The
-FP8 pair is bit for bit quantize_fp8_weight_pair of the updated weight. The state is torch's
+FP8 codes are bit for bit quantize_fp8_weight of the updated weight (the kernel also writes W^T, which
+the cache does not keep). The state is torch's
 (``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts move between the two optimizers.
 """
 
@@ -41,8 +42,8 @@ def _unhooked_adamw_step():
 
 
 class AdamWFP8Weights(torch.optim.AdamW):
-    """torch.optim.AdamW whose step also makes the FP8 (W, W^T) pair of each weight the FP8 expert GEMMs
-    read, in the same pass as the update, and hands it to ``cache`` (default: moe_fp4.gemm.engines.FP8_WEIGHTS).
+    """torch.optim.AdamW whose step also makes the FP8 copy W of each weight the FP8 expert GEMMs read, in the
+    same pass as the update, and hands it to ``cache`` (default: moe_fp4.gemm.engines.FP8_WEIGHTS).
 
     Arguments are AdamW's; ``amsgrad`` is not offered (its update is not fused: use torch's AdamW), and
     a group with ``capturable`` or ``differentiable`` set takes torch's step for all its parameters.
@@ -133,9 +134,9 @@ class AdamWFP8Weights(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         scalars = AdamWScalars.at(int(step.item()), float(group["lr"]), float(beta1), float(beta2),
                                   float(group["eps"]), float(group["weight_decay"]), bool(group["maximize"]))
-        self.fp8_weight_cache.discard(p)   # the old pair goes before the new one is allocated
-        pair = adamw_step_fp8_weight_pair(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
-        self.fp8_weight_cache.put(p, pair)
+        self.fp8_weight_cache.discard(p)   # the old copy goes before the new one is allocated
+        q, _ = adamw_step_fp8_weight_pair(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+        self.fp8_weight_cache.put(p, q)
 
 
 __all__ = ["AdamWFP8Weights"]

@@ -205,20 +205,25 @@ def test_weight_pair_equals_the_two_separate_quantizations(shape):
 
 
 def test_weight_cache_quantizes_once_per_version_and_again_after_a_change():
+    # The cache holds W alone (1 byte a parameter and its block scales); get() adds W^T, W's codes and scales
+    # transposed: bit for bit quantize_fp8_weight_pair's W^T, which quantizes W^T itself.
     cache = FP8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 256))
-    first = cache.get(w)
-    assert cache.get(w) is first and (cache.hits, cache.misses) == (1, 1)   # micro-batches share it
-    assert cache.nbytes == first[0].nbytes + first[1].nbytes
+    first = cache.weight(w)
+    assert cache.weight(w) is first and (cache.hits, cache.misses) == (1, 1)   # micro-batches share it
+    assert cache.nbytes == first.nbytes == 2 * 128 * 256 + 4 * 2 * 1 * 2
     with torch.no_grad():
         w.mul_(2.0)                                         # an optimizer step: in place, _version bumps
-    second = cache.get(w)
+    second = cache.weight(w)
     assert second is not first and cache.misses == 2
-    assert torch.equal(second[0].scale, first[0].scale * 2)  # powers of two: codes equal, scales doubled
+    assert torch.equal(second.scale, first.scale * 2)        # powers of two: codes equal, scales doubled
     fresh = quantize_fp8_weight_pair(w)
-    assert torch.equal(second[1].data.view(torch.uint8), fresh[1].data.view(torch.uint8))
+    for got, want in zip(cache.get(w), fresh):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    assert cache.get(w)[0] is second and cache.nbytes == second.nbytes   # W^T is made, not kept
     cache.enabled = False
-    assert cache.get(w) is not cache.get(w)                  # disabled: a new pair on every call
+    assert cache.weight(w) is not cache.weight(w)            # disabled: a new copy on every call
     del w, first, second, fresh
     import gc
     gc.collect()
@@ -234,19 +239,19 @@ def test_weight_cache_drops_a_pair_after_any_optimizer_step(kw):
     w = torch.nn.Parameter(torch.randn(2, 128, 256))
     other = torch.nn.Parameter(torch.randn(128, 128))       # cached, but not in this optimizer
     opt = torch.optim.AdamW([w], lr=0.1, **kw)
-    first, kept = cache.get(w), cache.get(other)
+    first, kept = cache.weight(w), cache.weight(other)
     w.grad = torch.randn_like(w)
     version = w._version
     opt.step()
     if kw.get("fused"):
         assert w._version == version                        # why the version alone cannot be trusted
-    second = cache.get(w)
+    second = cache.weight(w)
     assert second is not first and cache.misses == 3
     fresh = quantize_fp8_weight_pair(w)
-    for got, want in zip(second, fresh):
+    for got, want in zip(cache.get(w), fresh):
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
         assert torch.equal(got.scale, want.scale)
-    assert cache.get(other) is kept                          # a parameter the optimizer did not step
+    assert cache.weight(other) is kept                       # a parameter the optimizer did not step
 
 
 def test_weight_cache_sees_a_step_through_another_tensor():
@@ -275,17 +280,17 @@ def test_weight_cache_sees_a_step_through_another_tensor():
 
         for make in (torch.optim.AdamW, lambda ps, lr: AdamWFP8Weights(ps, lr=lr, cache=cache)):
             all_gather()
-            first = cache.get(unsharded)
+            first = cache.weight(unsharded)
             opt = make([shard], lr=0.1)
             shard.grad = distribute_tensor(torch.randn(2, 128, 256), shard.device_mesh, [Shard(0)])
             version, ptr = unsharded._version, unsharded.data_ptr()
             opt.step()
             all_gather()
             assert (unsharded._version, unsharded.data_ptr()) == (version, ptr)   # nothing the key could see
-            second = cache.get(unsharded)
+            second = cache.weight(unsharded)
             assert second is not first, make
             fresh = quantize_fp8_weight_pair(unsharded)
-            assert torch.equal(second[0].data.view(torch.uint8), fresh[0].data.view(torch.uint8))
+            assert torch.equal(second.data.view(torch.uint8), fresh[0].data.view(torch.uint8))
     finally:
         dist.destroy_process_group()
 
@@ -326,3 +331,36 @@ def test_experts_reuse_forward_weights_in_backward_and_across_micro_batches(monk
     step()
     assert (cache.hits, cache.misses) == (3, 3)
     assert gemm.FP8_WEIGHTS is not cache                     # the process's cache was left alone
+
+
+def test_resident_fp8_weight_state_is_one_byte_a_parameter(monkeypatch, references):
+    # After a step of an fp8 MoE layer (routed and shared experts) the cache holds W alone for each expert
+    # weight: its codes (1 byte a parameter) and one float32 scale per 128x128 block; backward made W^T from
+    # them and kept nothing, and the step's gradients are the ones the full (W, W^T) pairs give.
+    from moe_fp4.model import experts
+    from moe_fp4.model.moe import MoE, MoEConfig
+
+    cache = FP8WeightCache()
+    monkeypatch.setattr(experts, "FP8_WEIGHTS", cache)
+    torch.manual_seed(5)
+    layer = MoE(MoEConfig(hidden=256, ffn=128, num_experts=4, top_k=2, shared_ffn=128), "fp8")
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+
+    def step(**kw):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        layer(xi).float().square().sum().backward()
+        return [xi.grad, layer.w13.grad, layer.w2.grad, layer.shared_w13.grad, layer.shared_w2.grad]
+
+    got = step()
+    weights = [layer.w13, layer.w2, layer.shared_w13, layer.shared_w2]
+    params = sum(w.numel() for w in weights)
+    assert cache.nbytes == params + 4 * params // (128 * 128)
+    for w in weights:
+        assert w in cache and cache.weight(w).data.shape == w.shape
+    # The same step with each W^T quantized by the weight quantizer from W's exact values, transposed: the
+    # gradients do not move (a transpose of the codes is that quantization).
+    monkeypatch.setattr(experts, "_dgrad_weight", lambda w, wt: wt if wt is not None else quantize_fp8_weight(
+        w.dequantize(torch.float32).transpose(-1, -2).contiguous()))
+    for a, b in zip(got, step()):
+        assert not a.isnan().any() and torch.equal(a, b)

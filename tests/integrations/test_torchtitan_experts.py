@@ -361,17 +361,19 @@ def test_weights_neither_bf16_nor_fp32_are_refused():
 # (e): the FP8 pairs
 
 def test_w13_pair_is_the_concatenations_pair(references):
-    """w1 and w3 quantized apart and concatenated along N: the codes and 128x128 block scales of W and
-    W^T bit for bit those of quantize_fp8_weight_pair(cat(w1, w3)); blocks of many binades (distinct scales)."""
+    """w1 and w3 quantized apart and concatenated along N: the codes and 128x128 block scales of W, and of W^T
+    made from them as backward makes it, bit for bit those of quantize_fp8_weight_pair(cat(w1, w3)); blocks of
+    many binades (distinct scales)."""
     g = torch.Generator().manual_seed(3)
     scale = lambda: torch.randint(-8, 8, (E, F // 128, 1, D // 128, 1), generator=g).float().exp2()  # noqa: E731
     m = _experts("fp8")
     with torch.no_grad():
         for w in (m.w1_EFD, m.w3_EFD):
             w.copy_((torch.randn(E, F // 128, 128, D // 128, 128, generator=g) * scale()).reshape(E, F, D))
-    got = FP8_PAIRS.get(m, "w13", (m.w1_EFD, m.w3_EFD), (m.w1_EFD, m.w3_EFD))
+    q, none = FP8_PAIRS.get(m, "w13", (m.w1_EFD, m.w3_EFD), (m.w1_EFD, m.w3_EFD))
+    assert none is None                                      # W^T: made in backward from W
     want = quantize_fp8_weight_pair(torch.cat([m.w1_EFD, m.w3_EFD], dim=1))
-    for a, b in zip(got, want):
+    for a, b in zip((q, q.t()), want):
         assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
     assert len(set(want[0].scale.flatten().tolist())) > 4    # 8 blocks (E x 2 x 1), scales apart

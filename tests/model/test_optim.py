@@ -127,7 +127,7 @@ def test_optimizer_follows_torch_adamw_and_keeps_the_cache(kw):
     calls = []
     opt.register_step_post_hook(lambda *a: calls.append(1))
     for step in range(3):
-        first = cache.get(w)
+        first = cache.weight(w)
         assert cache.misses == 1 and cache.hits == 2 * step    # quantized once, in the first forward
         for p_, q_ in ((w, w_ref), (b, b_ref)):
             p_.grad = q_.grad = torch.randn_like(p_) * (step + 1)
@@ -138,8 +138,8 @@ def test_optimizer_follows_torch_adamw_and_keeps_the_cache(kw):
         for key in ("exp_avg", "exp_avg_sq"):
             assert _close(opt.state[w][key], ref.state[w_ref][key])
         assert opt.state[w]["step"].item() == step + 1
-        pair = cache.get(w)                                    # the optimizer's pair, no new quantization
-        assert pair is not first and cache.misses == 1
+        pair = cache.get(w)                                    # the optimizer's W, no new quantization
+        assert pair[0] is not first and cache.misses == 1
         fresh = quantize_fp8_weight_pair(w)
         for got, want in zip(pair, fresh):
             assert torch.equal(_u8(got.data), _u8(want.data)) and torch.equal(got.scale, want.scale)
@@ -171,9 +171,9 @@ def test_optimizer_without_a_cached_pair_is_torch_adamw_and_drops_stale_pairs():
     assert opt.last_step_fp8_params == 1 and w not in cache    # a disabled cache keeps no new pair
     w.grad = None
     cache.enabled = True
-    pair = cache.get(w)
-    opt.step()                                                 # no gradient: w and its pair stay as they are
-    assert opt.last_step_fp8_params == 0 and cache.get(w) is pair
+    q = cache.weight(w)
+    opt.step()                                                 # no gradient: w and its copy stay as they are
+    assert opt.last_step_fp8_params == 0 and cache.weight(w) is q
 
 
 def test_optimizer_rejects_what_it_does_not_fuse():
