@@ -336,3 +336,34 @@ def quantize_fp8_weight_128x128_ref(w: torch.Tensor, write_q: bool = True, write
     scale = exp2_int(fp8_scale_exponent(amax))
     codes = encode_e4m3(blocks / scale[:, :, None, :, None]).reshape(e, n, k)
     return (codes if write_q else None), (codes.transpose(1, 2).contiguous() if write_t else None), scale
+
+
+@triton.jit
+def _transpose_fp8_weight_kernel(q_ptr, qt_ptr, N, K, BLOCK: tl.constexpr):
+    # One program per 128x128 block (bn, bk) of matrix e: codes [N, K] -> codes [K, N]. The tile goes through
+    # shared memory (tl.trans), so that the load and the store both run along contiguous 128-byte rows.
+    bn = tl.program_id(0)
+    bk = tl.program_id(1)
+    e = tl.program_id(2)
+    rows = bn * BLOCK + tl.arange(0, BLOCK)
+    cols = bk * BLOCK + tl.arange(0, BLOCK)
+    base = e.to(tl.int64) * N * K
+    q = tl.load(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :])
+    tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
+
+
+def transpose_fp8_weight_128x128(q: torch.Tensor, num_warps: int = 8) -> torch.Tensor:
+    """q: float8_e4m3fn [E, N, K] contiguous (N, K multiples of 128), a weight's codes -> float8_e4m3fn
+    [E, K, N], the codes of W^T (with 128x128 blocks W^T's scales are W's transposed). A byte copy:
+    bit-identical to transpose_fp8_weight_128x128_ref."""
+    e, n, k = q.shape
+    qt = torch.empty(e, k, n, dtype=q.dtype, device=q.device)
+    if q.numel():
+        _transpose_fp8_weight_kernel[(n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, e)](
+            q.view(torch.uint8), qt.view(torch.uint8), n, k, BLOCK=WEIGHT_BLOCK, num_warps=num_warps)
+    return qt
+
+
+def transpose_fp8_weight_128x128_ref(q: torch.Tensor) -> torch.Tensor:
+    """Pure-torch twin of transpose_fp8_weight_128x128."""
+    return q.transpose(1, 2).contiguous()

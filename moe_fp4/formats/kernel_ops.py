@@ -73,6 +73,7 @@ _spec(_fp8, "quantize_fp8_weight_128x128",
       "(Tensor w, bool write_q, bool write_t, bool use_triton) -> (Tensor, Tensor, Tensor)",
       lambda fn, w, write_q, write_t: _flat_weight(fn, w, write_q, write_t),
       lambda out, w, write_q, write_t: (_or_none(out[0], write_q), _or_none(out[1], write_t), out[2]))
+_spec(_fp8, "transpose_fp8_weight_128x128", "(Tensor q, bool use_triton) -> Tensor")
 _spec(_nvfp4, "quantize_nvfp4",
       "(Tensor x, Tensor? tensor_scale, str rounding, int seed, int step, int rank, bool use_triton) "
       "-> (Tensor, Tensor, Tensor)")

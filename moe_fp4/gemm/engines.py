@@ -98,8 +98,18 @@ class FP8WeightTensor:
         return FP8WeightTensor(self.data[e], self.scale[e])
 
     def t(self) -> "FP8WeightTensor":
-        """-> FP8WeightTensor [K, N] of W^T (a copy of the codes; the block scales transpose exactly)."""
-        return FP8WeightTensor(self.data.transpose(-1, -2).contiguous(), self.scale.transpose(-1, -2).contiguous())
+        """-> FP8WeightTensor [K, N] of W^T (a copy of the codes; the block scales transpose exactly): the dgrad
+        operand the experts make in backward. The codes go through the 128x128 tile transpose kernel on CUDA
+        (or under TRITON_INTERPRET=1), its pure-torch twin elsewhere; bit-identical."""
+        from moe_fp4.formats.conversions import _use_triton
+
+        n, k = self.data.shape[-2:]
+        scale_t = self.scale.transpose(-1, -2).contiguous()
+        if n % WEIGHT_BLOCK or k % WEIGHT_BLOCK or not self.data.is_contiguous():
+            return FP8WeightTensor(self.data.transpose(-1, -2).contiguous(), scale_t)
+        q3 = self.data.reshape(-1, n, k)
+        kernel = kernel_ops.kernel(fp8_kernels, "transpose_fp8_weight_128x128", _use_triton(q3))
+        return FP8WeightTensor(kernel(q3).reshape(*self.data.shape[:-2], k, n), scale_t)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """-> dtype tensor of data's shape: data * scale of its block (exact in float32)."""

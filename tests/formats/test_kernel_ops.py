@@ -39,6 +39,7 @@ def _cases():
         "mxfp4_to_fp8_rowwise": (q.data, q.scale),
         "quantize_fp8_and_mxfp4": (x,),
         "quantize_fp8_weight_128x128": (x.float().view(1, 128, 256), True, True),
+        "transpose_fp8_weight_128x128": (x.float().view(1, 128, 256).to(torch.float8_e4m3fn),),
         "quantize_nvfp4": (x, None, "nearest", 0, 0, 0),
         "quantize_nvfp4_from_fp8": (f.data, f.scale, None, "stochastic", 3, 0, 1),
         "nvfp4_to_fp8_rowwise": (nv.data, nv.scale, nv.tensor_scale),

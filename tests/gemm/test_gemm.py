@@ -90,6 +90,33 @@ def test_weight_transposed_equals_transpose_of_weight():
     assert torch.equal(qt.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(qt.scale, ref.scale)
 
 
+def test_weight_transpose_kernel_is_a_byte_transpose():
+    # Every byte value (NaN codes 0x7F / 0xFF included) in several 128x128 tiles, stacks of 1 and 3 and none,
+    # through the Triton kernel (the interpreter on CPU) and its twin; FP8WeightTensor.t() takes it.
+    from moe_fp4.kernels.fp8 import transpose_fp8_weight_128x128, transpose_fp8_weight_128x128_ref
+
+    g = torch.Generator().manual_seed(9)
+    for shape in ((1, 128, 128), (3, 256, 384), (0, 128, 256)):
+        q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        got, ref = transpose_fp8_weight_128x128(q), transpose_fp8_weight_128x128_ref(q)
+        assert got.shape == ref.shape == (shape[0], shape[2], shape[1])
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+        assert torch.equal(ref.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
+    w = torch.randn(2, 256, 384, dtype=torch.bfloat16)
+    q, qt = quantize_fp8_weight_pair(w)
+    t = q.t()
+    assert torch.equal(t.data.view(torch.uint8), qt.data.view(torch.uint8)) and torch.equal(t.scale, qt.scale)
+
+
+@pytest.mark.gpu
+def test_weight_transpose_kernel_on_gpu():
+    from moe_fp4.kernels.fp8 import transpose_fp8_weight_128x128, transpose_fp8_weight_128x128_ref
+
+    q = torch.randint(0, 256, (4, 2048, 7168), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    got, ref = transpose_fp8_weight_128x128(q), transpose_fp8_weight_128x128_ref(q)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
 def test_weight_validation():
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize_fp8_weight(torch.randn(100, 128))
