@@ -637,3 +637,30 @@ def test_hook_with_nvfp4_storage_converts_the_fp8_activations_to_nvfp4(reference
         assert q.shape == t.shape and q.dtype == t.dtype
     assert sorted((tuple(r.shape), r.nbytes) for r in kept) == sorted((tuple(q.shape), q.nbytes) for _, q in made)
     assert torch.isfinite(m.w13.grad).all() and m.w13.grad.abs().sum() > 0
+
+
+def test_checkpoints_hold_no_fp8_and_move_between_precisions(tmp_path, references):
+    # An fp8 layer's state dict after a training step holds its own bf16/fp32 parameters only (the FP8 copies
+    # live in the process's cache, not in the module); saved with torch.save and loaded into a fresh fp8 layer
+    # and into a bf16 one, the loaded fp8 layer continues the next step bit for bit, the bf16 one on the same
+    # weights.
+    torch.manual_seed(6)
+    layer = MoE(CONFIG, "fp8")
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    layer(x).float().square().mean().backward()
+    opt.step()
+    state = layer.state_dict()
+    assert {t.dtype for t in state.values()} <= {torch.bfloat16, torch.float32}, {t.dtype for t in state.values()}
+    assert set(state) == {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}
+    path = tmp_path / "moe.pt"
+    torch.save(state, path)
+    loaded = torch.load(path, weights_only=True)
+    resumed, bf16 = MoE(CONFIG, "fp8"), MoE(CONFIG, "bf16")
+    resumed.load_state_dict(loaded)
+    bf16.load_state_dict(loaded)
+    for name, t in bf16.state_dict().items():
+        assert torch.equal(t, state[name]), name
+    y, y_resumed = layer(x), resumed(x)
+    assert not y.isnan().any() and torch.equal(y, y_resumed)
+    assert not bf16(x).isnan().any()
