@@ -106,7 +106,7 @@ def main() -> None:
     for step, (a, b) in enumerate(zip(ref_losses, losses)):
         print(f"step {step}: loss unconverted {a:.4f}, converted ({args.precision}) {b:.4f}, "
               f"relative difference {abs(b - a) / a:.1e}")
-    print(f"FP8 weight pairs built: {FP8_PAIRS.builds - builds} over {args.steps} steps; "
+    print(f"FP8 weight copies built: {FP8_PAIRS.builds - builds} over {args.steps} steps; "
           f"time {t_ref:.1f} s unconverted, {t_conv:.1f} s converted")
 
 

@@ -492,7 +492,7 @@ def test_example_trains_the_converted_model():
     for ref, got in ((float(a), float(b)) for a, b in steps):
         assert abs(got - ref) <= EXAMPLE_LOSS_RTOL * ref, run.stdout
     assert float(steps[-1][1]) < float(steps[0][1]) - 1, run.stdout
-    assert "FP8 weight pairs built: 30 over 3 steps" in run.stdout, run.stdout   # 5 MoE layers x 2 x 3
+    assert "FP8 weight copies built: 30 over 3 steps" in run.stdout, run.stdout   # 5 MoE layers x 2 x 3
 
 
 def test_blocks_compile_fullgraph_with_the_converter(references):
