@@ -221,10 +221,10 @@ class FP8WeightCache:
         self._hook = register_optimizer_step_post_hook(after_step)
 
     def _after_step(self, optimizer) -> None:
-        """Drop every pair when the optimizer steps a DTensor (FSDP2, expert parallelism: the tensors the
+        """Drop every copy when the optimizer steps a DTensor (FSDP2, expert parallelism: the tensors the
         experts read are not the ones it steps, and their versions do not move; see the class docstring), else
-        the pairs of the parameters it stepped, unless it keeps this cache itself (``optimizer.fp8_weight_cache
-        is self``: moe_fp4.model.optim.AdamWFP8Weights puts the pairs its step made and drops the others)."""
+        the copies of the parameters it stepped, unless it keeps this cache itself (``optimizer.fp8_weight_cache
+        is self``: moe_fp4.model.optim.AdamWFP8Weights puts the copies its step made and drops the others)."""
         if not self._entries:
             return
         from torch.distributed.tensor import DTensor
@@ -261,12 +261,12 @@ class FP8WeightCache:
         return q, q.t()
 
     def __contains__(self, w: torch.Tensor) -> bool:
-        """Whether w has a pair here (of any version): an FP8 GEMM has read it since it last changed."""
+        """Whether w has a copy here (of any version): an FP8 GEMM has read it since it last changed."""
         return w in self._entries
 
     def put(self, w: torch.Tensor, q: FP8WeightTensor) -> None:
         """Hold ``q`` (W), made by the caller from w as it is now, for w's current version: what an optimizer
-        that quantizes while it updates (adamw_step_fp8_weight) hands over."""
+        that quantizes while it updates (adamw_step_fp8_weight_pair's W) hands over."""
         if not self.enabled:
             return
         self._entries.pop(w, None)
