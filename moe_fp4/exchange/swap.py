@@ -7,8 +7,10 @@ each exchange of an expert-parallel layer in its own wire formats through
 Hugging Face's) sends MXFP4 without a rewrite. :func:`exchange_role` marks which exchange
 (dispatch or combine) a call is where the swap does not know the dispatcher.
 
-The drop-ins run eagerly only: inside a torch.compile region they raise a RuntimeError naming the
-alternatives (compile without the swap, or run the swapped step eagerly)."""
+The drop-ins run eagerly only: inside a torch.compile region they raise RuntimeError (``_EAGER_ONLY``).
+
+One idea at over 500 lines, kept whole: a drop-in for each of torch's all-to-all names and the scope that swaps
+them in, all reading one role and format bookkeeping (the active config, the roles, the counts)."""
 
 from __future__ import annotations
 
@@ -160,15 +162,16 @@ def _pass_reason(t: torch.Tensor, fmts) -> str | None:
     return None
 
 
+_EAGER_ONLY = ("the swap's exchanges run eagerly only (they read their counts on the host and call c10d's "
+               "collective). Compile without the swap (torch's own exchange; the converted experts compile under "
+               "expert parallelism), or run the swapped step eagerly")
+
+
 def _take(tensors, function: str, reason: str | None = None):
     """-> (config, role, formats or None): whether this call travels in its role's formats (None: it
     goes through torch's function). Counts the call either way. Refuses under torch.compile (module docstring)."""
     if _ACTIVE and torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"moe_fp4.swap_all_to_all: {function} was called under torch.compile; the swap's exchanges run "
-            "eagerly only (their counts are read on the host and they call c10d's collective). Compile without "
-            "the swap (torch's own exchange; the converted experts compile under expert parallelism), or run the "
-            "swapped step eagerly")
+        raise RuntimeError(f"moe_fp4.swap_all_to_all: {function} under torch.compile; {_EAGER_ONLY}")
     cfg = _config()
     role = cfg.role()
     fmts = cfg.formats(cfg.unmarked if role is None else role)
