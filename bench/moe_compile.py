@@ -3,13 +3,17 @@
     python bench/moe_compile.py                                  # GPU: dsv3 and small shapes
     python bench/moe_compile.py --shape small --precisions fp8 --modes eager compiled
     python bench/moe_compile.py --json moe_compile.json
+    python bench/moe_compile.py --shape dsv3 --modes eager compiled --profile 3   # + each variant's kernels
 
 Modes: ``eager`` (the layer as users call it: counts read on the host once a layer), ``eager-device`` (device
 counts: no host sync, the experts' buffers at the static bound of rows), ``compiled`` (``torch.compile`` of the
 layer, default mode: device counts, the experts as the moe_fp4::experts_forward / _backward op pair),
 ``graphs`` (``torch.compile(mode="reduce-overhead")``: the compiled step replayed as a CUDA graph). Every
 variant of a shape runs interleaved with the others (bench/harness.py), and ratios are taken against compiled
-bf16 of the same run, the baseline users who compile would run. A variant that fails reports its error.
+bf16 of the same run, the baseline users who compile would run. A variant that fails reports its error. Each
+compiled variant reports the graph breaks its first step made (torch._dynamo's counters). ``--profile N``:
+after the timing, N more steps of each variant under torch.profiler; the GPU time per kernel name (the top
+rows, and the total) goes to the log and the JSON, so two variants' steps can be compared kernel by kernel.
 On CPU: a tiny smoke run (timings mean nothing).
 """
 
@@ -62,15 +66,42 @@ def _variant(shape: str, precision: str, mode: str, device):
     return step, layer
 
 
-def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device) -> dict:
-    runs, errors = {}, {}
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+def profile_kernels(step, n: int, top: int = 25) -> dict:
+    """-> {"total_us": GPU microseconds per step, "top": [[kernel name, us per step, calls per step], ...]}
+    from n steps of ``step`` under torch.profiler (CUDA activity only), the names summed over the steps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us, calls = per.get(e.name, (0.0, 0))
+            per[e.name] = (us + e.time_range.elapsed_us(), calls + 1)
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    return {"total_us": sum(us for us, _ in per.values()) / n,
+            "top": [[name[:120], us / n, calls / n] for name, (us, calls) in rows[:top]]}
+
+
+def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device, profile: int = 0) -> dict:
+    runs, errors, breaks = {}, {}, {}
     for precision in precisions:
         for mode in modes:
             name = f"{precision} {mode}"
             try:
                 step, _ = _variant(shape, precision, mode, device)
                 log(f"[{shape}] {name}: first step (compiles where it compiles)")
+                before = _graph_breaks()
                 step()
+                if mode in ("compiled", "graphs"):
+                    breaks[name] = _graph_breaks() - before
+                    log(f"[{shape}] {name}: {breaks[name]} graph breaks")
                 runs[name] = step
             except Exception as e:  # noqa: BLE001 - a failing variant is a result
                 errors[name] = "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
@@ -79,9 +110,16 @@ def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: in
     ms = {name: statistics.median(t for r in rounds_ for t in r) for name, rounds_ in times.items()}
     base = ms.get("bf16 compiled")
     out = {"shape": shape, "config": SHAPES[shape][0], "tokens": SHAPES[shape][1], "median_ms": ms, "errors": errors,
-           "vs_bf16_compiled": {n: v / base for n, v in ms.items()} if base else {}}
+           "graph_breaks": breaks, "vs_bf16_compiled": {n: v / base for n, v in ms.items()} if base else {}}
     for name, v in ms.items():
         log(f"[{shape}] {name:>20}: {v:8.3f} ms" + (f"  ({v / base:.3f}x bf16 compiled)" if base else ""))
+    if profile and device.type == "cuda":
+        out["profile"] = {}
+        for name, step in runs.items():
+            prof = out["profile"][name] = profile_kernels(step, profile)
+            log(f"[{shape}] {name}: GPU time {prof['total_us']:.1f} us per step; top kernels (us per step, calls):")
+            for kname, us, calls in prof["top"]:
+                log(f"    {us:9.1f} {calls:5.1f}  {kname}")
     return out
 
 
@@ -93,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 12; CPU 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; CPU 0)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; CPU 1)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N more steps of each variant (GPU only): GPU time per kernel name")
     p.add_argument("--json", default=None, metavar="PATH")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -104,7 +144,7 @@ def main(argv=None) -> int:
     rounds = a.rounds if a.rounds is not None else (3 if cuda else 1)
     doc = {"run": run_record(device), "results": []}
     for shape in shapes:
-        doc["results"].append(run_shape(shape, a.precisions, modes, warmup, iters, rounds, device))
+        doc["results"].append(run_shape(shape, a.precisions, modes, warmup, iters, rounds, device, a.profile))
         write_json(a.json, doc)
     return 0
 
