@@ -29,6 +29,7 @@ with each variant's loss curve.
     python bench/hf_experts.py --shape dsv3 --json hf_dsv3.json
     python bench/hf_experts.py --shape small --batch 16 --json hf_small.json
     python bench/hf_experts.py --shape small --batch 16 --compile --json hf_small_compiled.json
+    python bench/hf_experts.py --shape small --batch 16 --compile-mode reduce-overhead   # CUDA graphs
 """
 
 from __future__ import annotations
@@ -79,13 +80,19 @@ def run(impl: str, a, data, device) -> dict:
     def measured():
         model = build(a.shape, a.layers, a.seq, impl, device)
         # --compile: the whole model with fullgraph=True, which every variant here compiles under
-        forward = torch.compile(model, fullgraph=True) if a.compile else model
-        out = train_variant(impl, model, lambda ids: forward(ids, labels=ids).loss, data, a.warmup, a.steps, a.lr,
+        forward = torch.compile(model, fullgraph=True, mode=a.compile_mode) if a.compile else model
+
+        def loss_of(ids):
+            if a.compile_mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()   # the last step's graph outputs are dead by now
+            return forward(ids, labels=ids).loss
+
+        out = train_variant(impl, model, loss_of, data, a.warmup, a.steps, a.lr,
                             fp8_copies=lambda: FP8_WEIGHTS.nbytes, progress=a.progress, adamw=a.adamw)
         if a.profile:
             out["profile"] = profile_table(model, lambda ids: model(ids, labels=ids).loss, data, a.lr, a.profile,
                                            a.adamw)
-        out["compiled"] = bool(a.compile)
+        out["compiled"] = (a.compile_mode or "default") if a.compile else False
         return out
 
     row = guarded(impl, measured, device)
@@ -100,10 +107,13 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["grouped_mm", "moe_fp4_fp8", "moe_fp4"])
     p.add_argument("--compile", action="store_true",
                    help="torch.compile(fullgraph=True) the model in every variant (the baseline compiled too)")
+    p.add_argument("--compile-mode", default=None, choices=["reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode (implies --compile); reduce-overhead replays each step as CUDA graphs")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N training steps per variant (the table goes to --json)")
     a = p.parse_args(argv)
     a.layers = a.layers or DEFAULT_LAYERS[a.shape]
+    a.compile = a.compile or a.compile_mode is not None
     return bench_main("hf_experts.py", a, f"Qwen3-MoE {a.shape} x {a.layers} layers", a.impls, run, bf16="grouped_mm")
 
 

@@ -90,6 +90,11 @@ def profile_kernels(step, n: int, top: int = 25) -> dict:
 
 
 def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device, profile: int = 0) -> dict:
+    # Each shape compiles from scratch, as a program with one model does: recompiling the layer at a second
+    # shape in one process makes its sizes dynamic, which this benchmark does not measure (and torch 2.11's
+    # value-range analysis fails on at the small shape after dsv3: "'BooleanTrue' object has no attribute
+    # 'as_coeff_Mul'").
+    torch._dynamo.reset()
     runs, errors, breaks = {}, {}, {}
     for precision in precisions:
         for mode in modes:
