@@ -4,11 +4,16 @@
     python bench/moe_compile.py --shape small --precisions fp8 --modes eager compiled
     python bench/moe_compile.py --json moe_compile.json
     python bench/moe_compile.py --shape dsv3 --modes eager compiled --profile 3   # + each variant's kernels
+    python bench/moe_compile.py --shape dsv3 --optimizer   # a training step: the weights change every step
 
 Modes: ``eager`` (the layer as users call it: counts read on the host once a layer), ``eager-device`` (device
 counts: no host sync, the experts' buffers at the static bound of rows), ``compiled`` (``torch.compile`` of the
 layer, default mode: device counts, the experts as the moe_fp4::experts_forward / _backward op pair),
-``graphs`` (``torch.compile(mode="reduce-overhead")``: the compiled step replayed as a CUDA graph). Every
+``graphs`` (``torch.compile(mode="reduce-overhead")``: the compiled step replayed as a CUDA graph), and
+``compiled-pinned`` / ``graphs-pinned``, the same with ``MoE.pin_fp8_weights()``: the graph reads the pinned FP8
+weights instead of quantizing them every step. No optimizer runs here, so the weights never change: the eager
+layer's cache hits every step and a pinned graph's copies stay valid (in training both are made once per
+optimizer step, outside the graph); unpinned, the compiled graph quantizes W every step. Every
 variant of a shape runs interleaved with the others (bench/harness.py), and ratios are taken against compiled
 bf16 of the same run, the baseline users who compile would run. A variant that fails reports its error. Each
 compiled variant reports the graph breaks its first step made (torch._dynamo's counters). ``--profile N``:
@@ -38,30 +43,42 @@ SHAPES = {
     "small": (dict(hidden=1024, ffn=512, num_experts=16, top_k=4), 16384),
     "tiny": (dict(hidden=256, ffn=128, num_experts=4, top_k=2), 256),
 }
-MODES = ("eager", "eager-device", "compiled", "graphs")
+MODES = ("eager", "eager-device", "compiled", "compiled-pinned", "graphs", "graphs-pinned")
 PRECISIONS = ("bf16", "fp8", "fp4")
 
 
-def _variant(shape: str, precision: str, mode: str, device):
-    """-> (step function, layer) of one variant: a fresh layer (same seed, same weights in every variant)."""
+def _variant(shape: str, precision: str, mode: str, device, optimizer: bool = False):
+    """-> (step function, layer) of one variant: a fresh layer (same seed, same weights in every variant);
+    ``optimizer``: each step ends with an AdamW step (AdamWFP8Weights in fp8 / fp4, which makes the FP8 copies
+    in its update pass; torch's fused AdamW in bf16), outside the compiled region."""
     kw, tokens = SHAPES[shape]
     torch.manual_seed(0)
     layer = MoE(MoEConfig(**kw), precision, device=device)
     layer.host_counts = {"eager": None, "eager-device": False}.get(mode)
     fn = layer
-    if mode == "compiled":
+    if mode.endswith("-pinned") and precision != "bf16":
+        layer.pin_fp8_weights()
+    if mode.startswith("compiled"):
         fn = torch.compile(layer)
-    elif mode == "graphs":
+    elif mode.startswith("graphs"):
         fn = torch.compile(layer, mode="reduce-overhead")
     x = torch.randn(tokens, kw["hidden"], dtype=torch.bfloat16, device=device).requires_grad_()
     dy = torch.randn(tokens, kw["hidden"], dtype=torch.bfloat16, device=device)
+    opt = None
+    if optimizer:
+        from moe_fp4.model.optim import AdamWFP8Weights
+
+        opt = (torch.optim.AdamW(layer.parameters(), lr=1e-5, fused=device.type == "cuda") if precision == "bf16"
+               else AdamWFP8Weights(layer.parameters(), lr=1e-5))
 
     def step():
-        if mode == "graphs":
+        if mode.startswith("graphs"):
             torch.compiler.cudagraph_mark_step_begin()
         layer.zero_grad(set_to_none=True)
         x.grad = None
         fn(x).backward(dy)
+        if opt is not None:
+            opt.step()
 
     return step, layer
 
@@ -89,7 +106,8 @@ def profile_kernels(step, n: int, top: int = 25) -> dict:
             "top": [[name[:120], us / n, calls / n] for name, (us, calls) in rows[:top]]}
 
 
-def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device, profile: int = 0) -> dict:
+def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: int, device, profile: int = 0,
+              optimizer: bool = False) -> dict:
     # Each shape compiles from scratch, as a program with one model does: recompiling the layer at a second
     # shape in one process makes its sizes dynamic, which this benchmark does not measure (and torch 2.11's
     # value-range analysis fails on at the small shape after dsv3: "'BooleanTrue' object has no attribute
@@ -100,11 +118,11 @@ def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: in
         for mode in modes:
             name = f"{precision} {mode}"
             try:
-                step, _ = _variant(shape, precision, mode, device)
+                step, _ = _variant(shape, precision, mode, device, optimizer)
                 log(f"[{shape}] {name}: first step (compiles where it compiles)")
                 before = _graph_breaks()
                 step()
-                if mode in ("compiled", "graphs"):
+                if mode != "eager" and mode != "eager-device":
                     breaks[name] = _graph_breaks() - before
                     log(f"[{shape}] {name}: {breaks[name]} graph breaks")
                 runs[name] = step
@@ -114,7 +132,8 @@ def run_shape(shape: str, precisions, modes, warmup: int, iters: int, rounds: in
     times = interleaved(runs, warmup, iters, rounds, device=device) if runs else {}
     ms = {name: statistics.median(t for r in rounds_ for t in r) for name, rounds_ in times.items()}
     base = ms.get("bf16 compiled")
-    out = {"shape": shape, "config": SHAPES[shape][0], "tokens": SHAPES[shape][1], "median_ms": ms, "errors": errors,
+    out = {"shape": shape, "config": SHAPES[shape][0], "tokens": SHAPES[shape][1], "optimizer": optimizer,
+           "median_ms": ms, "errors": errors,
            "graph_breaks": breaks, "vs_bf16_compiled": {n: v / base for n, v in ms.items()} if base else {}}
     for name, v in ms.items():
         log(f"[{shape}] {name:>20}: {v:8.3f} ms" + (f"  ({v / base:.3f}x bf16 compiled)" if base else ""))
@@ -136,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 12; CPU 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; CPU 0)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; CPU 1)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="each step ends with an AdamW step (AdamWFP8Weights in fp8 / fp4): the weights change")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N more steps of each variant (GPU only): GPU time per kernel name")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -143,13 +164,14 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shapes = a.shape or (["dsv3", "small"] if cuda else ["tiny"])
-    modes = a.modes if cuda else [m for m in a.modes if m != "graphs"]
+    modes = a.modes if cuda else [m for m in a.modes if not m.startswith("graphs")]
     warmup = a.warmup if a.warmup is not None else (3 if cuda else 0)
     iters = a.iters if a.iters is not None else (12 if cuda else 1)
     rounds = a.rounds if a.rounds is not None else (3 if cuda else 1)
     doc = {"run": run_record(device), "results": []}
     for shape in shapes:
-        doc["results"].append(run_shape(shape, a.precisions, modes, warmup, iters, rounds, device, a.profile))
+        doc["results"].append(run_shape(shape, a.precisions, modes, warmup, iters, rounds, device, a.profile,
+                                          a.optimizer))
         write_json(a.json, doc)
     return 0
 

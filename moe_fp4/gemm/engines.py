@@ -200,6 +200,12 @@ class FP8WeightCache:
     whatever the optimizer and however the weights are sharded. Code that writes
     weights any other way (``w.data.copy_(...)``, its own fused kernels) must call :meth:`clear` after it,
     or set ``enabled = False``.
+
+    A *pinned* copy (:meth:`pin`) keeps one storage for the weight's life: every refresh writes the new codes and
+    scales into the same two tensors, so a compiled graph or a CUDA graph that takes them as inputs reads the
+    current W without a lookup. A pinned copy is refreshed where an unpinned one would be dropped: after each
+    torch.optim step that steps its weight (AdamWFP8Weights hands its fused step's W over, which is copied in),
+    and at the next :meth:`weight` or :meth:`pin` of a changed weight.
     """
 
     def __init__(self):
@@ -221,21 +227,72 @@ class FP8WeightCache:
         self._hook = register_optimizer_step_post_hook(after_step)
 
     def _after_step(self, optimizer) -> None:
-        """Drop every copy when the optimizer steps a DTensor (FSDP2, expert parallelism: the tensors the
-        experts read are not the ones it steps, and their versions do not move; see the class docstring), else
-        the copies of the parameters it stepped, unless it keeps this cache itself (``optimizer.fp8_weight_cache
-        is self``: moe_fp4.model.optim.AdamWFP8Weights puts the copies its step made and drops the others)."""
+        """Drop every unpinned copy when the optimizer steps a DTensor (FSDP2, expert parallelism: the tensors
+        the experts read are not the ones it steps, and their versions do not move; see the class docstring),
+        else the copies of the parameters it stepped, unless it keeps this cache itself
+        (``optimizer.fp8_weight_cache is self``: moe_fp4.model.optim.AdamWFP8Weights puts the copies its step
+        made and drops the others). Pinned copies of stepped parameters are refreshed in place instead."""
         if not self._entries:
             return
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        owned = getattr(optimizer, "fp8_weight_cache", None) is self
         if any(isinstance(p, DTensor) for p in params):
             # also after AdamWFP8Weights: it fuses only the parameters the cache holds, never a DTensor
-            self._entries.clear()
-        elif getattr(optimizer, "fp8_weight_cache", None) is not self:
-            for p in params:
-                self._entries.pop(p, None)
+            for w in [w for w, entry in self._entries.items() if not entry[2]]:
+                del self._entries[w]
+            return
+        for p in params:
+            entry = self._entries.get(p)
+            if entry is None:
+                continue
+            if entry[2]:
+                # pinned: AdamWFP8Weights put its fresh W (the key matches) or took torch's step (discarded:
+                # no key); any other optimizer may have changed p behind its version (fused steps)
+                if entry[0] is None or not owned and p.grad is not None:
+                    self._refresh(p, entry[1])
+            elif not owned:
+                del self._entries[p]
+
+    @staticmethod
+    def _key(w: torch.Tensor):
+        return (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+
+    def _refresh(self, w: torch.Tensor, q: FP8WeightTensor, new: FP8WeightTensor | None = None) -> None:
+        """Write W of w as it is now (or ``new``, made from it) into the pinned copy q's own tensors."""
+        with torch.no_grad():
+            new = quantize_fp8_weight(w.detach()) if new is None else new
+            q.data.copy_(new.data)
+            q.scale.copy_(new.scale)
+        self._entries[w] = (self._key(w), q, True)
+
+    def pin(self, w: torch.Tensor) -> FP8WeightTensor:
+        """w: a plain (not DTensor) [N, K] or [E, N, K] weight -> its pinned W: the same two tensors on every
+        call for as long as w keeps its shape, dtype and device, holding W of w's current version (refreshed in
+        place when w changed). Not under torch.compile: pin outside the compiled region and pass the result in.
+        Pinning works whether or not ``enabled`` is set (it is the caller's explicit request)."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(w, DTensor) or in_graph_region(w):
+            raise RuntimeError("FP8WeightCache.pin: pin a plain weight outside torch.compile (the compiled region "
+                               "takes the pinned tensors as inputs); a DTensor's local tensors change under FSDP2")
+        entry = self._entries.get(w)
+        if entry is not None and entry[2]:
+            q = entry[1]
+            if q.data.device == w.device and tuple(q.data.shape) == tuple(w.shape):
+                if entry[0] != self._key(w):
+                    self._refresh(w, q)
+                return q
+        with torch.no_grad():
+            q = quantize_fp8_weight(w.detach())
+        self._entries.pop(w, None)
+        self._entries[w] = (self._key(w), q, True)
+        return q
+
+    def is_pinned(self, w: torch.Tensor) -> bool:
+        entry = self._entries.get(w)
+        return entry is not None and entry[2]
 
     def weight(self, w: torch.Tensor) -> FP8WeightTensor:
         """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before."""
@@ -243,15 +300,19 @@ class FP8WeightCache:
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on
             key = None
-        if not self.enabled or key is None or in_graph_region(w):
+        if key is None or in_graph_region(w):
             return quantize_fp8_weight(w)
         entry = self._entries.get(w)
+        if entry is not None and entry[2]:
+            return self.pin(w)
+        if not self.enabled:
+            return quantize_fp8_weight(w)
         if entry is not None and entry[0] == key:
             self.hits += 1
             return entry[1]
         self._entries.pop(w, None)   # the stale copy goes before the new one is made
         q = quantize_fp8_weight(w)
-        self._entries[w] = (key, q)
+        self._entries[w] = (key, q, False)
         self.misses += 1
         return q
 
@@ -267,22 +328,35 @@ class FP8WeightCache:
     def put(self, w: torch.Tensor, q: FP8WeightTensor) -> None:
         """Hold ``q`` (W), made by the caller from w as it is now, for w's current version: what an optimizer
         that quantizes while it updates (adamw_step_fp8_weight_pair's W) hands over."""
+        entry = self._entries.get(w)
+        if entry is not None and entry[2]:
+            self._refresh(w, entry[1], q)   # the pinned tensors take the new codes
+            return
         if not self.enabled:
             return
         self._entries.pop(w, None)
-        self._entries[w] = ((w._version, w.data_ptr(), tuple(w.shape), w.dtype), q)
+        self._entries[w] = (self._key(w), q, False)
 
     def discard(self, w: torch.Tensor) -> None:
-        """Drop w's copy, if any (w is about to change)."""
-        self._entries.pop(w, None)
+        """Drop w's copy, if any (w is about to change); a pinned copy stays, marked stale until refreshed."""
+        entry = self._entries.get(w)
+        if entry is not None and entry[2]:
+            self._entries[w] = (None, entry[1], True)
+        else:
+            self._entries.pop(w, None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cached FP8 copies now."""
-        return sum(q.nbytes for _, q in self._entries.values())
+        """Bytes held by the cached FP8 copies now, pinned ones included."""
+        return sum(q.nbytes for _, q, _ in self._entries.values())
 
     def clear(self) -> None:
-        self._entries.clear()
+        """Drop every unpinned copy and mark every pinned one stale (refreshed at its next use)."""
+        for w, (_, q, pinned) in list(self._entries.items()):
+            if pinned:
+                self._entries[w] = (None, q, True)
+            else:
+                del self._entries[w]
 
 
 def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

@@ -28,7 +28,7 @@ from moe_fp4.exchange.recipes import WireRecipe, default_recipe
 from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
 from moe_fp4.exchange.wire import WireFormat
 from moe_fp4.formats.choices import Choice
-from moe_fp4.gemm.engines import WEIGHT_BLOCK
+from moe_fp4.gemm.engines import FP8_WEIGHTS, WEIGHT_BLOCK, FP8WeightTensor, in_graph_region
 from moe_fp4.model.experts import (
     TOKEN_ALIGN,
     Precision,
@@ -152,7 +152,12 @@ class MoE(nn.Module):
     their gradients over the data-parallel replicas as usual. Without ``ep``, E_local = E; with
     ``EPConfig(simulate=True)`` too, and each exchange's wire round trip is applied where EP would send
     it (no process group).
+
+    :meth:`pin_fp8_weights` holds the expert weights' FP8 copies as buffers of the layer, which a compiled or
+    CUDA-graph-captured forward reads instead of quantizing the weights in its graph every step.
     """
+
+    _PINNED = ("w13", "w2", "shared_w13", "shared_w2")
 
     def __init__(self, config: MoEConfig, precision: str | Precision = "fp8", dtype=torch.bfloat16,
                  device=None, ep: EPConfig | None = None, recompute: str | Recompute = "none",
@@ -186,6 +191,54 @@ class MoE(nn.Module):
         else:
             self.shared_w13 = self.shared_w2 = None
         self.reset_parameters()
+        self._pinned = False
+        self.register_load_state_dict_post_hook(MoE._repin_after_load)
+
+    def pin_fp8_weights(self) -> "MoE":
+        """fp8 / fp4: hold W, the FP8 copy (128x128 blocks, 1 byte a parameter) of each expert weight (routed
+        and shared), pinned (:meth:`moe_fp4.gemm.engines.FP8WeightCache.pin`: one storage each for the weight's
+        life, refreshed in place) and registered as non-persistent buffers ``fp8_<name>`` / ``fp8_<name>_scale``,
+        which forward passes to the experts. Under torch.compile the graph takes them as inputs (static ones
+        for CUDA graphs) instead of quantizing W every step. -> self.
+
+        Call it outside the compiled region, once the layer is on its device and in its dtype (again after a
+        ``.to()``). The copies follow the weights after every torch.optim step (AdamWFP8Weights' fused W copied
+        in), after ``load_state_dict``, and at every forward outside torch.compile that finds a weight changed.
+        A compiled forward cannot check: a weight written any other way (``w.data.copy_``, a custom update) must
+        be followed by ``pin_fp8_weights()`` before the next compiled forward, or that forward reads the old W.
+        Not with expert parallelism's DTensors (FSDP2): their local tensors change under the module."""
+        self._pinned = self.precision is not Precision.BF16
+        if self._pinned:
+            self._sync_pinned()
+        return self
+
+    def _sync_pinned(self) -> None:
+        """The pinned copies refreshed where a weight changed, and (re)registered where the buffers are not the
+        cache's tensors (the first pin, or a weight moved or cast)."""
+        for name in self._PINNED:
+            w = getattr(self, name)
+            if w is None:
+                continue
+            q = FP8_WEIGHTS.pin(w)
+            if getattr(self, f"fp8_{name}", None) is not q.data:
+                self.register_buffer(f"fp8_{name}", q.data, persistent=False)
+                self.register_buffer(f"fp8_{name}_scale", q.scale, persistent=False)
+
+    @staticmethod
+    def _repin_after_load(module: "MoE", _incompatible) -> None:
+        if module._pinned:
+            module._sync_pinned()
+
+    def _fp8_weights(self, w13: str, w2: str):
+        """-> ((W13, None), (W2, None)) from the pinned buffers, for grouped_swiglu_experts' fp8_weights (its
+        backward transposes W), or None when not pinned (the experts then use the process's cache, or under
+        torch.compile or CUDA-graph capture quantize in the graph)."""
+        if not self._pinned or self.precision is Precision.BF16:
+            return None
+        if not in_graph_region(self.w13):   # a compiled or captured graph reads the buffers as they are
+            self._sync_pinned()
+        return tuple((FP8WeightTensor(getattr(self, f"fp8_{n}"), getattr(self, f"fp8_{n}_scale")), None)
+                     for n in (w13, w2))
 
     @property
     def precision(self) -> Precision:
@@ -258,7 +311,7 @@ class MoE(nn.Module):
     def _prefetch_fp8_weights(self, fc1: bool = True, fc2: bool = True) -> None:
         """fp8 / fp4: the FP8 pairs of the FC1 (w13) and / or FC2 (w2) weights, routed and shared, made now
         (:func:`moe_fp4.model.experts.prefetch_fp8_weights`), where the GPU would otherwise wait for the host."""
-        if self.precision is not Precision.BF16:
+        if self.precision is not Precision.BF16 and not self._pinned:
             prefetch_fp8_weights(*((self.w13, self.shared_w13) if fc1 else ()),
                                  *((self.w2, self.shared_w2) if fc2 else ()))
 
@@ -283,7 +336,7 @@ class MoE(nn.Module):
         slot = GradSlot() if FUSE_COMBINE_GRAD else None    # y goes to the combine alone
         y = grouped_swiglu_experts(sent.x, self.w13, self.w2, plan.padded_counts, self.precision, x_q=sent.x_q,
                                    row_weights=sent.row_weights(), recompute_swiglu=self._swiglu_recompute,
-                                   storage=self.storage, grad_slot=slot)
+                                   storage=self.storage, grad_slot=slot, fp8_weights=self._fp8_weights("w13", "w2"))
         out = once(lambda: _Recorded(combine(y, sent, plan, wire.combine, wire.combine_grad,
                                              rule=rules.get("combine_grad"), slot=slot)))
         return out.take()
@@ -297,7 +350,8 @@ class MoE(nn.Module):
         rows = -(-t // TOKEN_ALIGN) * TOKEN_ALIGN
         xp = torch.nn.functional.pad(x, (0, 0, 0, rows - t))
         return grouped_swiglu_experts(xp, self.shared_w13, self.shared_w2, (rows,), self.precision,
-                                      recompute_swiglu=self._swiglu_recompute, storage=self.storage)[:t]
+                                      recompute_swiglu=self._swiglu_recompute, storage=self.storage,
+                                      fp8_weights=self._fp8_weights("shared_w13", "shared_w2"))[:t]
 
     def _route_prefetching(self, x2: torch.Tensor, while_waiting=None) -> Routing:
         """x2: [T, H] -> :meth:`route`'s Routing, with the GPU work that needs no routing queued where the
@@ -339,7 +393,8 @@ class MoE(nn.Module):
         y_perm = grouped_swiglu_experts(permute(x2, routing, values=x_q is None), self.w13, self.w2,
                                         routing.padded_counts, self.precision, x_q=x_q,
                                         row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
-                                        storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows)
+                                        storage=self.storage, x_saved=x_saved, x_saved_rows=x_saved_rows,
+                                        fp8_weights=self._fp8_weights("w13", "w2"))
         return unpermute(y_perm, routing)
 
     def _routed_simulated(self, x2: torch.Tensor, sim: WireRecipe) -> torch.Tensor:
@@ -358,7 +413,8 @@ class MoE(nn.Module):
         y_perm = grouped_swiglu_experts(permute(xd, routing, values=x_q is None), self.w13, self.w2,
                                         routing.padded_counts, self.precision, x_q=x_q,
                                         row_weights=row_weights(routing), recompute_swiglu=self._swiglu_recompute,
-                                        storage=self.storage, grad_slot=slot)
+                                        storage=self.storage, grad_slot=slot,
+                                        fp8_weights=self._fp8_weights("w13", "w2"))
         y = unpermute(y_perm, routing)
         return simulate_exchange(y, sim.combine, sim.combine_grad, c_rule, slot,
                                  None if slot is None else routing.src_row)

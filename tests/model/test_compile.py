@@ -213,3 +213,83 @@ def test_layer_compiles_with_dynamic_rows(precision, references):
         for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, got):
             assert not a.isnan().any() and torch.equal(a, b), (tokens, name)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _quantize_counter(monkeypatch):
+    """Counts the weight quantizations the experts' op path makes (at trace time under compile: each one is a
+    quantization inside the graph, run every step)."""
+    from moe_fp4.model import experts_op
+
+    calls = []
+    real = experts_op.quantize_fp8_weight
+
+    def counted(w, *args, **kwargs):
+        calls.append(tuple(w.shape))
+        return real(w, *args, **kwargs)
+
+    monkeypatch.setattr(experts_op, "quantize_fp8_weight", counted)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_pinned_fp8_weights_enter_the_graph_as_inputs_and_follow_the_optimizer(monkeypatch, precision, references):
+    # pin_fp8_weights: the compiled step takes the pinned W as inputs (no quantization traced into the graph) and
+    # gives the eager bits; after optimizer steps (torch's AdamW, fused or not, and AdamWFP8Weights) and a
+    # load_state_dict, the compiled step reads the new weights' W, as a fresh unpinned eager layer does.
+    from moe_fp4.gemm.engines import FP8_WEIGHTS
+    from moe_fp4.model.optim import AdamWFP8Weights
+
+    torch.manual_seed(2)
+    layer = MoE(CONFIG, precision)
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    dy = torch.randn(40, 128, dtype=torch.bfloat16)
+    plain = MoE(CONFIG, precision)
+
+    def eager_reference():
+        plain.load_state_dict(layer.state_dict())
+        return _step(plain, plain, x, dy)
+
+    calls = _quantize_counter(monkeypatch)
+    assert layer.pin_fp8_weights() is layer
+    assert "fp8_w13" not in layer.state_dict()                        # checkpoints never hold FP8
+    pinned = layer.fp8_w13
+    assert pinned.dtype == torch.float8_e4m3fn and FP8_WEIGHTS.is_pinned(layer.w13)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got, want = _step(compiled, layer, x, dy), eager_reference()
+    assert calls == [], f"the compiled step quantized weights in its graph: {calls}"
+    for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), got, want):
+        assert not a.isnan().any() and torch.equal(a, b), name
+    for opt in (torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=True),
+                torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True),
+                AdamWFP8Weights(layer.parameters(), lr=1e-2)):
+        _step(compiled, layer, x, dy)
+        before = layer.fp8_w13.clone()
+        opt.step()
+        assert layer.fp8_w13 is pinned                                 # refreshed in place: the graph's input
+        assert not torch.equal(before.view(torch.uint8), pinned.view(torch.uint8)), type(opt).__name__
+        got, want = _step(compiled, layer, x, dy), eager_reference()
+        for name, a, b in zip(("y", "dx", "dw13", "dw2"), got, want):
+            assert torch.equal(a, b), (type(opt).__name__, name)
+    other = MoE(CONFIG, precision)
+    layer.load_state_dict(other.state_dict())
+    got, want = _step(compiled, layer, x, dy), eager_reference()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), "load_state_dict"
+    assert calls == []
+
+
+def test_pinned_fp8_weights_refuse_under_compile_and_follow_in_place_writes_in_eager():
+    from moe_fp4.gemm.engines import FP8_WEIGHTS, quantize_fp8_weight
+
+    torch.manual_seed(3)
+    layer = MoE(CONFIG, "fp8").pin_fp8_weights()
+    pinned = layer.fp8_w2
+    with torch.no_grad():
+        layer.w2.mul_(2)                                               # bumps _version: eager sees it
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    layer(x)
+    assert layer.fp8_w2 is pinned
+    assert torch.equal(pinned.view(torch.uint8), quantize_fp8_weight(layer.w2.detach()).data.view(torch.uint8))
+    assert MoE(CONFIG, "bf16").pin_fp8_weights()._pinned is False      # nothing to pin in bf16
+    with pytest.raises(RuntimeError, match="outside torch.compile"):
+        torch.compile(lambda w: FP8_WEIGHTS.pin(w), fullgraph=True, backend="aot_eager")(layer.w13)

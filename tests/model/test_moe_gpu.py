@@ -166,3 +166,44 @@ def test_moe_step_replays_as_a_cuda_graph(precision):
         for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, replayed):
             assert not a.isnan().any(), name
             assert torch.equal(a, b), f"{name}: replay differs from eager (weights changed: {change})"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_pinned_moe_step_replays_as_a_cuda_graph_across_optimizer_steps(precision):
+    """MoE.pin_fp8_weights(): the captured step reads the pinned FP8 weights (no quantization in the graph), and
+    AdamWFP8Weights' steps refresh them in place, so each replay after a step gives the eager step's bits."""
+    from moe_fp4.model.optim import AdamWFP8Weights
+
+    cfg = MoEConfig(hidden=1024, ffn=512, num_experts=16, top_k=4, shared_ffn=512)
+    torch.manual_seed(0)
+    layer = MoE(cfg, precision, device="cuda").pin_fp8_weights()
+    opt = AdamWFP8Weights(layer.parameters(), lr=1e-3)
+    layer.host_counts = False
+    x = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    dy = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _graph_step(layer, x, dy)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.host_counts = None
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        y.backward(dy)
+    static = _graph_results(layer, x, y)
+    pinned = layer.fp8_w13
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in static]
+        layer.host_counts = False
+        eager = [t.clone() for t in _graph_results(layer, x, _graph_step(layer, x, dy))]
+        layer.host_counts = None
+        for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, replayed):
+            assert not a.isnan().any() and torch.equal(a, b), name
+        opt.step()          # the graph's weight gradients are the eager step's: the same update either way
+        assert layer.fp8_w13 is pinned
