@@ -295,7 +295,11 @@ class FP8WeightCache:
         return entry is not None and entry[2]
 
     def weight(self, w: torch.Tensor) -> FP8WeightTensor:
-        """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before."""
+        """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before; w's own
+        FP8 codes when w is an FSDP2 parameter gathered in FP8 (moe_fp4.gemm.fsdp.GatheredFP8Weight)."""
+        fp8 = getattr(type(w), "fp8_weight", None)
+        if fp8 is not None:
+            return w.fp8_weight
         try:
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on

@@ -233,8 +233,8 @@ class MoE(nn.Module):
         """-> ((W13, None), (W2, None)) from the pinned buffers, for grouped_swiglu_experts' fp8_weights (its
         backward transposes W), or None when not pinned (the experts then use the process's cache, or under
         torch.compile or CUDA-graph capture quantize in the graph)."""
-        if not self._pinned or self.precision is Precision.BF16:
-            return None
+        if not self._pinned or self.precision is Precision.BF16 or hasattr(type(self.w13), "fp8_weight"):
+            return None   # not pinned, or FSDP2 gathered the weights in FP8 (the experts read those codes)
         if not in_graph_region(self.w13):   # a compiled or captured graph reads the buffers as they are
             self._sync_pinned()
         return tuple((FP8WeightTensor(getattr(self, f"fp8_{n}"), getattr(self, f"fp8_{n}_scale")), None)
