@@ -92,9 +92,9 @@ def _store_rne(ptr, offs, x):
 def _adamw_fp8_weight_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
                              decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
                              MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                             ASM: tl.constexpr):
+                             ASM: tl.constexpr, WRITE_T: tl.constexpr):
     # One program per 128x128 block (bn, bk) of matrix e: the block's AdamW update, then its FP8
-    # codes for W [N, K] and W^T [K, N] and its scale (the math of quantize_fp8_weight_128x128).
+    # codes for W [N, K] (and W^T [K, N] with WRITE_T) and its scale (the math of quantize_fp8_weight_128x128).
     # The update runs over CHUNK-row slices (a loop, not unrolled): four whole float32 tiles in
     # registers spilled (sm_90a, 16 warps: 128 registers, 204 local loads and stores). The quantizer
     # then reads the new block back; this program has just written it, so that read is served by L2.
@@ -125,7 +125,8 @@ def _adamw_fp8_weight_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, qt_ptr, s_ptr, N
     offs = base + rows[:, None].to(tl.int64) * K + cols[None, :]
     q, S = fp8_weight_block(tl.load(p_ptr + offs).to(tl.float32), ASM)
     tl.store(q_ptr + offs, q)
-    tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
+    if WRITE_T:
+        tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
     tl.store(s_ptr + (e * NB + bn) * KB + bk, pow2_f32(S))
 
 
@@ -147,33 +148,36 @@ def _check(p, g, m, v, fn):
             raise ValueError(f"{fn}: {name} must be contiguous")
 
 
-def _outputs(p):
+def _outputs(p, write_t: bool):
     e, n, k = p.shape
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=p.device)
-    qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=p.device)
+    qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=p.device) if write_t else None
     scale = torch.empty(e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, dtype=torch.float32, device=p.device)
     return q, qt, scale
 
 
 def adamw_fp8_weight_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                          c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None):
+                          c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None,
+                          write_t: bool = True):
     """p: float32/bf16/fp16 [E, N, K] (N, K multiples of 128), g / m / v: float [E, N, K], all contiguous
-    -> (data float8_e4m3fn [E, N, K], data_t float8_e4m3fn [E, K, N], scale float32 [E, N/128, K/128]):
-    p, m and v updated in place by one AdamW step with the constants c, and the FP8 pair of the new p
-    (quantize_fp8_weight_128x128 with write_q and write_t). Bit-identical to adamw_fp8_weight_step_ref
-    under the interpreter. asm: None = the PTX rounding on sm_90+ outside the interpreter."""
+    -> (data float8_e4m3fn [E, N, K], data_t float8_e4m3fn [E, K, N] or None without write_t, scale float32
+    [E, N/128, K/128]): p, m and v updated in place by one AdamW step with the constants c, and the FP8 pair
+    of the new p (quantize_fp8_weight_128x128 with write_q and write_t). Bit-identical to
+    adamw_fp8_weight_step_ref under the interpreter. asm: None = the PTX rounding on sm_90+ outside the
+    interpreter."""
     _check(p, g, m, v, "adamw_fp8_weight_step")
     if chunk < 1 or chunk & (chunk - 1) or WEIGHT_BLOCK % chunk:
         raise ValueError(f"adamw_fp8_weight_step: chunk (rows per slice) must be a power of two dividing "
                          f"{WEIGHT_BLOCK}, got {chunk}")
-    q, qt, scale = _outputs(p)
+    q, qt, scale = _outputs(p, write_t)
     e, n, k = p.shape
     if p.numel():
+        q8 = q.view(torch.uint8)
         _adamw_fp8_weight_kernel[(n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, e)](
-            p, g, m, v, q.view(torch.uint8), qt.view(torch.uint8), scale, n, k, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK,
-            c.decay, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2, c.step_size, c.bc2_sqrt, c.eps,
-            MAXIMIZE=c.maximize, BLOCK=WEIGHT_BLOCK, CHUNK=chunk, ASM=use_asm(p) if asm is None else asm,
-            num_warps=num_warps)
+            p, g, m, v, q8, q8 if qt is None else qt.view(torch.uint8), scale, n, k, n // WEIGHT_BLOCK,
+            k // WEIGHT_BLOCK, c.decay, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2, c.step_size,
+            c.bc2_sqrt, c.eps, MAXIMIZE=c.maximize, BLOCK=WEIGHT_BLOCK, CHUNK=chunk,
+            ASM=use_asm(p) if asm is None else asm, WRITE_T=qt is not None, num_warps=num_warps)
     return q, qt, scale
 
 
@@ -189,7 +193,8 @@ def _sqrt_rn(a: torch.Tensor) -> torch.Tensor:
 
 
 def adamw_fp8_weight_step_ref(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                              c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None):
+                              c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None,
+                              write_t: bool = True):
     """Pure-torch twin of adamw_fp8_weight_step (num_warps, chunk and asm are ignored): the same float32
     operations in the same order, then quantize_fp8_weight_128x128_ref of the stored new p."""
     _check(p, g, m, v, "adamw_fp8_weight_step_ref")
@@ -205,4 +210,4 @@ def adamw_fp8_weight_step_ref(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     p.copy_(pf)
     m.copy_(mf)
     v.copy_(vf)
-    return quantize_fp8_weight_128x128_ref(p, write_q=True, write_t=True)
+    return quantize_fp8_weight_128x128_ref(p, write_q=True, write_t=write_t)

@@ -363,6 +363,13 @@ class FP8WeightCache:
                 del self._entries[w]
 
 
+def adamw_step_fp8_weight(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                          scalars) -> FP8WeightTensor:
+    """:func:`adamw_step_fp8_weight_pair`'s step, making W alone (the pass writes no W^T): what the FP8 weight
+    cache holds, W^T being made in backward from W's codes."""
+    return _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, False)[0]
+
+
 def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                                exp_avg_sq: torch.Tensor, scalars) -> tuple[FP8WeightTensor, FP8WeightTensor]:
     """p: float32/bf16/fp16 [N, K] or [E, N, K] (N, K multiples of 128); grad, exp_avg, exp_avg_sq: float
@@ -371,6 +378,10 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     the same pass quantizes the new p: equal to quantize_fp8_weight_pair(p) after the update, without
     reading p again. One Triton pass on CUDA (or under TRITON_INTERPRET=1), the pure-torch twin
     elsewhere. p's ``_version`` is bumped (the kernel writes it behind autograd's back)."""
+    return _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, True)
+
+
+def _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, write_t: bool):
     from moe_fp4.formats.conversions import _use_triton
 
     if not isinstance(p, torch.Tensor) or p.dim() not in (2, 3):
@@ -385,8 +396,10 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     n, k = p.shape[-2:]
     views = [t.detach().view(-1, n, k) for t in (p, grad, exp_avg, exp_avg_sq)]
     step = adamw_kernels.adamw_fp8_weight_step if _use_triton(p) else adamw_kernels.adamw_fp8_weight_step_ref
-    q, qt, scale = step(*views, scalars)
+    q, qt, scale = step(*views, scalars, write_t=write_t)
     torch.autograd.graph.increment_version(p)
+    if not write_t:
+        return _stacked(q, scale, p.shape[:-2]), None
     return _pair(q, qt, scale, p.shape[:-2])
 
 
@@ -646,6 +659,7 @@ __all__ = [
     "FP8WeightCache",
     "FP8WeightTensor",
     "GemmBackend",
+    "adamw_step_fp8_weight",
     "adamw_step_fp8_weight_pair",
     "fp8_mm_nt",
     "gemm_backend",

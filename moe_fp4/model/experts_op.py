@@ -159,8 +159,8 @@ _forward_op = torch.library.custom_op(
 _forward_op.register_fake(_forward_impl)
 _backward_op = torch.library.custom_op(
     "moe_fp4::experts_backward", _backward_impl, mutates_args=(),
-    schema="(Tensor dy, Tensor w13, Tensor w2, Tensor w13q, Tensor w13q_scale, Tensor? w13t, Tensor? w13t_scale, "
-           "Tensor w2q, Tensor w2q_scale, Tensor? w2t, Tensor? w2t_scale, Tensor counts, Tensor[] kept, str recipe, "
+    schema="(Tensor dy, Tensor w13, Tensor w2, Tensor? w13q, Tensor? w13q_scale, Tensor? w13t, Tensor? w13t_scale, "
+           "Tensor? w2q, Tensor? w2q_scale, Tensor? w2t, Tensor? w2t_scale, Tensor counts, Tensor[] kept, str recipe, "
            "bool[] needs) -> Tensor[]")
 _backward_op.register_fake(_backward_impl)
 
@@ -169,6 +169,11 @@ def _setup_context(ctx, inputs, output):
     (x, w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale, w2t, w2t_scale, row_w, counts, *_,
      recipe) = inputs
     ctx.recipe, ctx.n_kept, ctx.has_row_w = recipe, len(output) - 1, row_w is not None
+    # Backward reads W only where W^T was not given (it transposes W's codes then): W is not kept otherwise.
+    if w13t is not None:
+        w13q = w13q_scale = None
+    if w2t is not None:
+        w2q = w2q_scale = None
     ctx.save_for_backward(w13, w2, w13q, w13q_scale, w13t, w13t_scale, w2q, w2q_scale, w2t, w2t_scale, counts,
                           *output[1:])
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightCache, adamw_step_fp8_weight_pair
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightCache, adamw_step_fp8_weight
 from moe_fp4.kernels.adamw import AdamWScalars
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,7 +135,7 @@ class AdamWFP8Weights(torch.optim.AdamW):
         scalars = AdamWScalars.at(int(step.item()), float(group["lr"]), float(beta1), float(beta2),
                                   float(group["eps"]), float(group["weight_decay"]), bool(group["maximize"]))
         self.fp8_weight_cache.discard(p)   # the old copy goes before the new one is allocated
-        q, _ = adamw_step_fp8_weight_pair(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+        q = adamw_step_fp8_weight(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
         self.fp8_weight_cache.put(p, q)
 
 

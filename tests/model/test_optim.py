@@ -254,3 +254,18 @@ def test_gpu_experts_train_on_the_optimizer_pairs(monkeypatch, precision):
             for a, b in zip(got, want):
                 assert torch.equal(_u8(a.data), _u8(b.data)) and torch.equal(a.scale, b.scale)
     assert cache.misses == 2
+
+
+def test_kernel_without_the_transpose_writes_the_same_weight_codes():
+    # write_t=False (what AdamWFP8Weights runs: the cache holds W alone): the same update, codes and scales as the
+    # pair step, no W^T; kernel and twin alike.
+    p, g, m, v = _state((2, 128, 256), torch.bfloat16, torch.float32, seed=3)
+    c = AdamWScalars.at(3, 1e-3, 0.9, 0.95, 1e-8, 0.1)
+    for step in (adamw_fp8_weight_step, adamw_fp8_weight_step_ref):
+        pair_state, w_state = [t.clone() for t in (p, g, m, v)], [t.clone() for t in (p, g, m, v)]
+        q, qt, s = step(*pair_state, c)
+        q1, qt1, s1 = step(*w_state, c, write_t=False)
+        assert qt is not None and qt1 is None
+        assert torch.equal(_u8(q), _u8(q1)) and torch.equal(s, s1)
+        for a, b in zip(pair_state, w_state):
+            assert torch.equal(_u8(a), _u8(b))
