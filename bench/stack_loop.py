@@ -94,12 +94,20 @@ def train_variant(name: str, model, loss_of, data: torch.Tensor, warmup: int, st
         if progress and (step + 1) % 50 == 0:
             print(f"  {name}: step {step + 1}, loss {losses[-1]:.4f}", flush=True)
     step_s = sum(times) / len(times)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt_state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor))
     saved = saved_bytes(model, lambda: loss_of(data[0]))
     opt.zero_grad(set_to_none=True)
     tokens = tokens_per_step or data.shape[1] * data.shape[2]
     return {"impl": name, "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s, "peak_gib": peak / GiB,
             "static_gib": before / GiB, "fwd_bwd_gib": act / GiB, "saved_gib": saved / GiB,
-            "fp8_weight_copies_gib": copies / GiB, "loss_first": losses[0], "loss_last": losses[-1],
+            "fp8_weight_copies_gib": copies / GiB,
+            # the peak split: weights, AdamW's state, FP8 weight copies, saved activations, and the rest
+            # (gradients, temporaries, workspaces): what each GiB of the peak is
+            "weights_gib": weights / GiB, "optimizer_state_gib": opt_state / GiB,
+            "rest_gib": (peak - weights - opt_state - copies - saved) / GiB if cuda else None,
+            "loss_first": losses[0], "loss_last": losses[-1],
             "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "loss_curve": losses}
 
 
@@ -155,6 +163,12 @@ def print_table(rows: list[dict], bf16: str, fp8: str = "moe_fp4_fp8") -> None:
               f"{ratio(r, f, 'tokens_per_s'):>6.3f}x {r['peak_gib']:>9.2f} {r['fwd_bwd_gib']:>8.2f} "
               f"{r['saved_gib']:>7.2f} {ratio(r, f, 'saved_gib'):>8.3f}x {r['fp8_weight_copies_gib']:>6.2f} "
               f"{r['loss_first']:>8.4f} {r['loss_last10']:>8.4f}")
+    print("peak split, GiB: weights + AdamW state + FP8 weight copies + saved activations + the rest (gradients, "
+          "temporaries)")
+    for r in rows:
+        if "skipped" not in r and r.get("rest_gib") is not None:
+            print(f"{r['impl']:<14} {r['peak_gib']:>7.2f} = {r['weights_gib']:.2f} + {r['optimizer_state_gib']:.2f} + "
+                  f"{r['fp8_weight_copies_gib']:.2f} + {r['saved_gib']:.2f} + {r['rest_gib']:.2f}")
 
 
 def add_common_args(p, shapes) -> None:

@@ -40,6 +40,12 @@ def test_hf_experts_tiny(tmp_path):
     assert list(rows) == ["grouped_mm", "moe_fp4_fp8", "moe_fp4"], rows.keys()
     _follows(rows, "grouped_mm")
     assert "moe_fp4_fp8" in stdout and "vs bf16" in stdout
+    # the peak's split: the same weights in every variant, AdamW's state twice them (exp_avg and exp_avg_sq in the
+    # weights' dtype) plus its step counters; on CPU no peak, so no rest
+    weights = {r["weights_gib"] for r in rows.values()}
+    assert len(weights) == 1 and weights.pop() > 0, rows
+    for r in rows.values():
+        assert 2 * r["weights_gib"] <= r["optimizer_state_gib"] <= 2 * r["weights_gib"] * 1.01 and r["rest_gib"] is None
 
 
 def test_torchtitan_experts_tiny(tmp_path):
