@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, quantize_fp8_weight_128x128_ref
+from moe_fp4.kernels.fp8 import WEIGHT_BLOCK, quantize_fp8_weight_128x128_ref, weight_block
 from moe_fp4.kernels.triton_numerics import f32_to_bf16_rne, fp8_weight_block, pow2_f32, use_asm
 
 
@@ -121,12 +121,11 @@ def _adamw_fp8_weight_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, qt_ptr, s_ptr, N
         _store_rne(m_ptr, offs, m)
         _store_rne(v_ptr, offs, v)
     tl.debug_barrier()   # the block's new values, written by all of this program's threads, visible to all
-    rows = bn * BLOCK + tl.arange(0, BLOCK)
-    offs = base + rows[:, None].to(tl.int64) * K + cols[None, :]
+    _, _, _, offs, offs_t = weight_block(N, K, BLOCK)
     q, S = fp8_weight_block(tl.load(p_ptr + offs).to(tl.float32), ASM)
     tl.store(q_ptr + offs, q)
     if WRITE_T:
-        tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
+        tl.store(qt_ptr + offs_t, tl.trans(q))
     tl.store(s_ptr + (e * NB + bn) * KB + bk, pow2_f32(S))
 
 

@@ -282,6 +282,21 @@ WEIGHT_BLOCK = 128
 
 
 @triton.jit
+def weight_block(N, K, BLOCK: tl.constexpr):
+    """This program's BLOCK x BLOCK block (bn, bk) of matrix e in an [E, N, K] stack (grid (N/BLOCK, K/BLOCK, E))
+    -> (bn, bk, e, the block's int64 offsets in W [N, K], and in W^T [K, N] transposed: offs_t[c, r] is the
+    element offs[r, c] moves to)."""
+    bn = tl.program_id(0)
+    bk = tl.program_id(1)
+    e = tl.program_id(2)
+    rows = bn * BLOCK + tl.arange(0, BLOCK)
+    cols = bk * BLOCK + tl.arange(0, BLOCK)
+    base = e.to(tl.int64) * N * K
+    return (bn, bk, e, base + rows[:, None].to(tl.int64) * K + cols[None, :],
+            base + cols[:, None].to(tl.int64) * N + rows[None, :])
+
+
+@triton.jit
 def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
                                 WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, BLOCK: tl.constexpr,
                                 ASM: tl.constexpr):
@@ -290,18 +305,12 @@ def _quantize_fp8_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, NB, KB,
     # about 15 integer operations per element: the kernel was instruction-bound at ~1/3 of copy speed).
     # W^T's codes are stored from the transposed tile (tl.trans, through shared memory), so that both
     # stores run along contiguous 128-byte rows.
-    bn = tl.program_id(0)
-    bk = tl.program_id(1)
-    e = tl.program_id(2)
-    rows = bn * BLOCK + tl.arange(0, BLOCK)
-    cols = bk * BLOCK + tl.arange(0, BLOCK)
-    base = e.to(tl.int64) * N * K
-    v = tl.load(w_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
-    q, S = fp8_weight_block(v, ASM)
+    bn, bk, e, offs, offs_t = weight_block(N, K, BLOCK)
+    q, S = fp8_weight_block(tl.load(w_ptr + offs).to(tl.float32), ASM)
     if WRITE_Q:
-        tl.store(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :], q)
+        tl.store(q_ptr + offs, q)
     if WRITE_T:
-        tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
+        tl.store(qt_ptr + offs_t, tl.trans(q))
     tl.store(s_ptr + (e * NB + bn) * KB + bk, pow2_f32(S))
 
 
@@ -342,14 +351,8 @@ def quantize_fp8_weight_128x128_ref(w: torch.Tensor, write_q: bool = True, write
 def _transpose_fp8_weight_kernel(q_ptr, qt_ptr, N, K, BLOCK: tl.constexpr):
     # One program per 128x128 block (bn, bk) of matrix e: codes [N, K] -> codes [K, N]. The tile goes through
     # shared memory (tl.trans), so that the load and the store both run along contiguous 128-byte rows.
-    bn = tl.program_id(0)
-    bk = tl.program_id(1)
-    e = tl.program_id(2)
-    rows = bn * BLOCK + tl.arange(0, BLOCK)
-    cols = bk * BLOCK + tl.arange(0, BLOCK)
-    base = e.to(tl.int64) * N * K
-    q = tl.load(q_ptr + base + rows[:, None].to(tl.int64) * K + cols[None, :])
-    tl.store(qt_ptr + base + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
+    _, _, _, offs, offs_t = weight_block(N, K, BLOCK)
+    tl.store(qt_ptr + offs_t, tl.trans(tl.load(q_ptr + offs)))
 
 
 def transpose_fp8_weight_128x128(q: torch.Tensor, num_warps: int = 8) -> torch.Tensor:

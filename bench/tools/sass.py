@@ -130,7 +130,7 @@ KERNELS = {
                               s_ptr="*fp32", N=I32, K=I32, NB=I32, KB=I32, decay="fp32", beta1="fp32",
                               one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", step_size="fp32",
                               bc2_sqrt="fp32", eps="fp32"),
-                         dict(MAXIMIZE=False, BLOCK=128, CHUNK=32, ASM=True), 16, 128 * 128, None),
+                         dict(MAXIMIZE=False, BLOCK=128, CHUNK=32, ASM=True, WRITE_T=False), 16, 128 * 128, None),
 }
 # Integer arguments at the shape bench/tools/instructions.py profiles (32768 x 7168). A launch specializes
 # an integer divisible by 16 (and the compiler then proves wider vector stores, e.g. the column
