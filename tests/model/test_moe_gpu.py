@@ -127,58 +127,16 @@ def _graph_results(layer, x, y):
     return [y, x.grad, layer.w13.grad, layer.w2.grad, layer.router.weight.grad, layer.shared_w13.grad]
 
 
-@pytest.mark.parametrize("precision", ["fp8", "fp4"])
-def test_moe_step_replays_as_a_cuda_graph(precision):
-    """The one-GPU step (forward + backward, shared expert) captured in a torch.cuda.CUDAGraph: the capture takes
-    device counts (nothing waits for the host) and quantizes the FP8 weights in the graph (no cache lookup), so a
-    replay gives the eager step's bits, also after the weights change in place (an optimizer step)."""
+def _captured_layer(precision, pinned=False):
+    """-> (layer, x, dy, graph, the graph's outputs): a MoE step at the small shape, warmed up off the capture stream
+    (Triton compiles, the allocator settles) on device counts, then captured in a torch.cuda.CUDAGraph with
+    host_counts as users leave it (device counts because the stream is capturing)."""
     cfg = MoEConfig(hidden=1024, ffn=512, num_experts=16, top_k=4, shared_ffn=512)
     torch.manual_seed(0)
     layer = MoE(cfg, precision, device="cuda")
+    if pinned:
+        layer.pin_fp8_weights()
     layer.host_counts = False   # the eager reference on the device-count path, as the capture takes it
-    x = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda").requires_grad_()
-    dy = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up off the capture stream: Triton compiles, the allocator settles
-        for _ in range(2):
-            _graph_step(layer, x, dy)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.host_counts = None        # as users leave it: device counts because the stream is capturing
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = layer(x)
-        y.backward(dy)
-    static = _graph_results(layer, x, y)   # the graph's outputs: each replay writes these tensors
-    for change in (False, True):
-        if change:
-            with torch.no_grad():
-                layer.w13.mul_(1.5)
-                layer.w2.add_(0.01)
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = [t.clone() for t in static]
-        layer.host_counts = False
-        eager = [t.clone() for t in _graph_results(layer, x, _graph_step(layer, x, dy))]
-        layer.host_counts = None
-        for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, replayed):
-            assert not a.isnan().any(), name
-            assert torch.equal(a, b), f"{name}: replay differs from eager (weights changed: {change})"
-
-
-@pytest.mark.parametrize("precision", ["fp8", "fp4"])
-def test_pinned_moe_step_replays_as_a_cuda_graph_across_optimizer_steps(precision):
-    """MoE.pin_fp8_weights(): the captured step reads the pinned FP8 weights (no quantization in the graph), and
-    AdamWFP8Weights' steps refresh them in place, so each replay after a step gives the eager step's bits."""
-    from moe_fp4.model.optim import AdamWFP8Weights
-
-    cfg = MoEConfig(hidden=1024, ffn=512, num_experts=16, top_k=4, shared_ffn=512)
-    torch.manual_seed(0)
-    layer = MoE(cfg, precision, device="cuda").pin_fp8_weights()
-    opt = AdamWFP8Weights(layer.parameters(), lr=1e-3)
-    layer.host_counts = False
     x = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda").requires_grad_()
     dy = torch.randn(2048, cfg.hidden, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
@@ -194,16 +152,45 @@ def test_pinned_moe_step_replays_as_a_cuda_graph_across_optimizer_steps(precisio
     with torch.cuda.graph(graph):
         y = layer(x)
         y.backward(dy)
-    static = _graph_results(layer, x, y)
+    return layer, x, dy, graph, _graph_results(layer, x, y)   # each replay writes these outputs
+
+
+def _replay_equals_eager(layer, x, dy, graph, static, what):
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.clone() for t in static]
+    layer.host_counts = False
+    eager = [t.clone() for t in _graph_results(layer, x, _graph_step(layer, x, dy))]
+    layer.host_counts = None
+    for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, replayed):
+        assert not a.isnan().any(), name
+        assert torch.equal(a, b), f"{name}: replay differs from eager ({what})"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_moe_step_replays_as_a_cuda_graph(precision):
+    """The one-GPU step (forward + backward, shared expert) captured in a torch.cuda.CUDAGraph: the capture takes
+    device counts (nothing waits for the host) and quantizes the FP8 weights in the graph (no cache lookup), so a
+    replay gives the eager step's bits, also after the weights change in place (an optimizer step)."""
+    layer, x, dy, graph, static = _captured_layer(precision)
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                layer.w13.mul_(1.5)
+                layer.w2.add_(0.01)
+        _replay_equals_eager(layer, x, dy, graph, static, f"weights changed: {change}")
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_pinned_moe_step_replays_as_a_cuda_graph_across_optimizer_steps(precision):
+    """MoE.pin_fp8_weights(): the captured step reads the pinned FP8 weights (no quantization in the graph), and
+    AdamWFP8Weights' steps refresh them in place, so each replay after a step gives the eager step's bits."""
+    from moe_fp4.model.optim import AdamWFP8Weights
+
+    layer, x, dy, graph, static = _captured_layer(precision, pinned=True)
+    opt = AdamWFP8Weights(layer.parameters(), lr=1e-3)
     pinned = layer.fp8_w13
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = [t.clone() for t in static]
-        layer.host_counts = False
-        eager = [t.clone() for t in _graph_results(layer, x, _graph_step(layer, x, dy))]
-        layer.host_counts = None
-        for name, a, b in zip(("y", "dx", "dw13", "dw2", "drouter", "dshared"), eager, replayed):
-            assert not a.isnan().any() and torch.equal(a, b), name
+    for step in range(2):
+        _replay_equals_eager(layer, x, dy, graph, static, f"after {step} optimizer steps")
         opt.step()          # the graph's weight gradients are the eager step's: the same update either way
         assert layer.fp8_w13 is pinned
