@@ -70,6 +70,11 @@ class FP8GatherWeight(torch.Tensor):
             return out
         return pytree.tree_map_only(torch.Tensor, FP8GatherWeight, out)
 
+    def __reduce_ex__(self, protocol):
+        # Saved (torch.save, DCP) as the plain tensor it wraps: a checkpoint holds the master weights alone, loads
+        # without moe_fp4 and under weights_only, and loads back into a wrapped parameter through copy_.
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_tensor"], None
 

@@ -139,3 +139,64 @@ def test_gathered_weight_gives_its_codes_and_refuses_reading_values():
     with pytest.raises(RuntimeError, match="pinned"):
         fp8_all_gather(layer.pin_fp8_weights())
     del moe_fp4
+
+
+def _checkpoints(rank, world, path):
+    """After one training step of the FP8-gathered sharded layer: its full state dict (plain tensors, the masters'
+    dtype, nothing FP8) loads into an unsharded layer; a DCP checkpoint of its shards loads into a fresh sharded
+    one; a plain unsharded checkpoint loads into a sharded FP8-gathered one. Each continues with the unsharded
+    reference's forward, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from moe_fp4.model.fsdp import fp8_all_gather
+    from moe_fp4.model.moe import MoE, MoEConfig
+
+    config = MoEConfig(**CONFIG)
+
+    def sharded_layer(state=None):
+        m = MoE(config, "fp8")
+        if state is not None:
+            m.load_state_dict(state)
+        fp8_all_gather(m)
+        fully_shard(m)
+        return m
+
+    torch.manual_seed(0)
+    ref = MoE(config, "fp8")
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    model = sharded_layer(start)
+    x, dy = (torch.randn(40, config.hidden, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(s))
+             for s in (1, 2))
+    for m in (ref, model):
+        m(x).backward(dy)
+        torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False).step()
+    with torch.no_grad():
+        want = ref(x)
+    out = {}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out["plain"] = all(type(v) is torch.Tensor and v.dtype == ref.state_dict()[k].dtype for k, v in full.items())
+    out["same_keys"] = sorted(full) == sorted(ref.state_dict())
+    out["full_equals_ref"] = all(torch.equal(v, ref.state_dict()[k]) for k, v in full.items())
+    unsharded = MoE(config, "fp8")
+    unsharded.load_state_dict(full)
+    with torch.no_grad():
+        out["unsharded_continues"] = torch.equal(unsharded(x), want)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    fresh = sharded_layer()
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state)
+    with torch.no_grad():
+        out["dcp_continues"] = torch.equal(fresh(x), want)
+    other = sharded_layer()
+    set_model_state_dict(other, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        out["plain_into_sharded"] = torch.equal(other(x), want)
+    return out
+
+
+def test_checkpoints_of_the_fp8_gathered_layer_hold_plain_weights_and_round_trip(tmp_path):
+    for rank, r in enumerate(run_ranks(_checkpoints, 2, str(tmp_path / "dcp"))):
+        assert all(r.values()), (rank, r)
