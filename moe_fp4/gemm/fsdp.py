@@ -166,4 +166,22 @@ class GatheredFP8Weight(torch.Tensor):
         return GatheredFP8Weight(inner["_data"], inner["_scale"], dtype)
 
 
-__all__ = ["FP8GatherWeight", "GatheredFP8Weight"]
+def gather_in_fp8(module: torch.nn.Module, names, where: str = "") -> list[str]:
+    """module's parameters ``names`` (those it has, not None, not yet wrapped) made FP8GatherWeight parameters, for
+    FSDP2 to all-gather in FP8 -> the names wrapped (prefixed with ``where``). Call it before ``fully_shard``: a
+    parameter that is already a DTensor raises."""
+    from torch.distributed.tensor import DTensor
+
+    done = []
+    for name in names:
+        p = getattr(module, name, None)
+        if p is None or isinstance(p, FP8GatherWeight):
+            continue
+        if isinstance(p, DTensor):
+            raise RuntimeError(f"gather_in_fp8: call it before fully_shard ({where}{name} is already a DTensor)")
+        setattr(module, name, torch.nn.Parameter(FP8GatherWeight(p.data), requires_grad=p.requires_grad))
+        done.append(where + name)
+    return done
+
+
+__all__ = ["FP8GatherWeight", "GatheredFP8Weight", "gather_in_fp8"]

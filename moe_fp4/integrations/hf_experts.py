@@ -32,6 +32,7 @@ from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
 from moe_fp4.gemm.engines import WEIGHT_BLOCK
+from moe_fp4.gemm.fsdp import gather_in_fp8
 from moe_fp4.model.experts import Precision
 from moe_fp4.model.routing import routed_swiglu_experts
 
@@ -118,6 +119,23 @@ def _forward(name: str, precision: Precision):
     return experts_forward
 
 
+def fp8_all_gather(model: nn.Module) -> list[str]:
+    """model: a transformers model on ``experts_implementation="moe_fp4"`` or ``"moe_fp4_fp8"``, not yet sharded ->
+    the names of the expert weights (``gate_up_proj``, ``down_proj`` of every experts module moe_fp4 runs) made
+    :class:`moe_fp4.gemm.fsdp.FP8GatherWeight`: under FSDP2's ``fully_shard`` their all-gathers then send W's FP8
+    codes and block scales, which the experts read directly. Call it before ``fully_shard``."""
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"fp8_all_gather: the model's experts_implementation is {impl!r}, not one of moe_fp4's "
+                         f"({', '.join(IMPLEMENTATIONS)}): only those read FP8-gathered weights")
+    done = []
+    for prefix, m in model.named_modules():
+        if hasattr(m, "gate_up_proj"):
+            _check_module(m, impl)
+            done += gather_in_fp8(m, ("gate_up_proj", "down_proj"), f"{prefix}.")
+    return done
+
+
 def register(interface: ExpertsInterface = ALL_EXPERTS_FUNCTIONS) -> tuple[str, ...]:
     """Register :data:`IMPLEMENTATIONS` in transformers' experts registry (idempotent) -> their names."""
     for name, precision in IMPLEMENTATIONS.items():
@@ -127,4 +145,4 @@ def register(interface: ExpertsInterface = ALL_EXPERTS_FUNCTIONS) -> tuple[str, 
 
 register()
 
-__all__ = ["IMPLEMENTATIONS", "check_experts", "register", "unfit_reason"]
+__all__ = ["IMPLEMENTATIONS", "check_experts", "fp8_all_gather", "register", "unfit_reason"]

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_fp4.gemm.fsdp import FP8GatherWeight
+from moe_fp4.gemm.fsdp import gather_in_fp8
 from moe_fp4.model.experts import Precision
 from moe_fp4.model.moe import MoE
 
 
 def fp8_all_gather(module: nn.Module) -> list[str]:
     """module: a model (or one MoE layer) not yet sharded -> the names of the parameters made FP8-gathered.
-    Raises if ``fully_shard`` already ran on it (its parameters are DTensors then)."""
-    from torch.distributed.tensor import DTensor
-
+    Raises if ``fully_shard`` already ran on it (its parameters are DTensors then), or on a layer with pinned FP8
+    weights (the gathered codes take their place)."""
     done = []
     for prefix, m in module.named_modules():
         if not isinstance(m, MoE) or m.precision is Precision.BF16:
@@ -34,15 +33,7 @@ def fp8_all_gather(module: nn.Module) -> list[str]:
         if m._pinned:
             raise RuntimeError(f"fp8_all_gather: {prefix or 'the MoE layer'} has pinned FP8 weights "
                                f"(pin_fp8_weights): under FSDP2 the gathered FP8 codes replace them; do not pin")
-        for name in MoE._PINNED:
-            p = getattr(m, name)
-            if p is None or isinstance(p, FP8GatherWeight):
-                continue
-            if isinstance(p, DTensor):
-                raise RuntimeError(f"fp8_all_gather: call it before fully_shard ({prefix}.{name} is already a "
-                                   f"DTensor)")
-            setattr(m, name, nn.Parameter(FP8GatherWeight(p.data), requires_grad=p.requires_grad))
-            done.append(f"{prefix}.{name}" if prefix else name)
+        done += gather_in_fp8(m, MoE._PINNED, f"{prefix}." if prefix else "")
     return done
 
 

@@ -103,3 +103,52 @@ def test_composes_with_expert_parallelism():
             assert len(idx) == E // EP_WORLD and db >= EP_SHARD_FLOOR_DB, (rank, n, idx, db)
     for n in out[0]["shards"]:
         assert sorted(out[0]["shards"][n][0] + out[1]["shards"][n][0]) == list(range(E)), n   # each expert once
+
+
+def _fsdp_fp8_worker(rank, world, impl):
+    """A Qwen3-MoE on moe_fp4's experts under FSDP2 (each decoder layer and the root fully_shard-ed), its expert
+    weights all-gathered in FP8 (hf_experts.fp8_all_gather) -> whether loss and every gradient equal the
+    unsharded model's, and what the experts read while unsharded."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    import moe_fp4  # noqa: F401 - registers the experts implementations
+    from moe_fp4.gemm.fsdp import GatheredFP8Weight
+    from moe_fp4.integrations.hf_experts import fp8_all_gather
+
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**MODEL), dtype=torch.float32,
+                                                          experts_implementation=impl)
+        return m.to(torch.bfloat16)
+
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))   # the same on every rank
+    ref = build()
+    want = ref(ids, labels=ids)
+    want.loss.backward()
+    model = build()
+    names = fp8_all_gather(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    seen = []
+    experts = model.model.layers[0].mlp.experts
+    experts.register_forward_pre_hook(lambda m, _args: seen.append(type(m.gate_up_proj).__name__))
+    got = model(ids, labels=ids)
+    got.loss.backward()
+    ref_p = dict(ref.named_parameters())
+    grads = {n: torch.equal(ref_p[n].grad, p.grad.full_tensor()) for n, p in model.named_parameters()}
+    return {"names": names, "loss": torch.equal(want.loss, got.loss), "grads": grads, "seen": seen,
+            "gathered": GatheredFP8Weight.__name__}
+
+
+@pytest.mark.parametrize("impl", ["moe_fp4_fp8", "moe_fp4"])
+def test_fsdp2_gathers_the_experts_in_fp8_with_the_unsharded_bits(impl):
+    from distributed import run_ranks
+
+    for rank, r in enumerate(run_ranks(_fsdp_fp8_worker, 2, impl)):
+        assert len(r["names"]) == 2 * MODEL["num_hidden_layers"], r["names"]
+        assert r["seen"] == [r["gathered"]], r["seen"]
+        assert r["loss"] and all(r["grads"].values()), (rank, {n: ok for n, ok in r["grads"].items() if not ok})
