@@ -97,10 +97,10 @@ class FP8GatherWeight(torch.Tensor):
                       f"count (the placement must be Shard(0) with E divisible by the shards)")
         if reason is not None:
             _warn_once(reason)
-            # FSDP pads dim 0 to equal shards; a short (or empty) shard sends its padded size
+            # FSDP pads dim 0 to equal shards; a short (or empty) dim-0 shard sends its padded size
             rows = -(-outer_size[0] // mesh.size())
             w = w.to(dtype)
-            if w.dim() >= 1 and w.shape[0] != rows:
+            if w.dim() == len(outer_size) and tuple(w.shape[1:]) == tuple(outer_size[1:]) and w.shape[0] != rows:
                 padded = w.new_zeros((rows, *outer_size[1:]))
                 padded[:w.shape[0]] = w
                 w = padded

@@ -100,6 +100,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, in_graph_region, quantize_fp8_weight
+from moe_fp4.gemm.fsdp import gather_in_fp8
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.model.routing import routed_swiglu_experts
 from moe_fp4.saved.hook import StorageFormat
@@ -133,6 +134,8 @@ class _FP8Pairs:
     def get(self, module: torch.nn.Module, name: str, params, weights) -> tuple[FP8WeightTensor, None]:
         """params: the module's parameters (their ``_version`` is the one in-place writes bump, DTensors
         included); weights: their local [E, N_i, K] tensors -> (W of cat(weights, dim=1), None)."""
+        if any(hasattr(type(w), "fp8_weight") for w in weights):
+            return concatenated_weight(weights), None   # FSDP2 gathered their FP8 codes: nothing to make or keep
         key = (tuple(p._version for p in params), tuple(w.data_ptr() for w in weights),
                tuple(tuple(w.shape) for w in weights), weights[0].dtype)
         slots = self._entries.setdefault(module, {})
@@ -158,8 +161,9 @@ class _FP8Pairs:
 
 def concatenated_weight(weights) -> FP8WeightTensor:
     """weights: [E, N_i, K] tensors (N_i multiples of 128) -> W of cat(weights, dim=1), each weight quantized
-    apart and the codes and block scales concatenated along N (no 128x128 block straddles two weights)."""
-    qs = [quantize_fp8_weight(w) for w in weights]
+    apart and the codes and block scales concatenated along N (no 128x128 block straddles two weights); a weight
+    FSDP2 gathered in FP8 (moe_fp4.gemm.fsdp.GatheredFP8Weight) gives its own codes."""
+    qs = [w.fp8_weight if hasattr(type(w), "fp8_weight") else quantize_fp8_weight(w) for w in weights]
     if len(qs) == 1:
         return qs[0]
     return FP8WeightTensor(torch.cat([q.data for q in qs], 1), torch.cat([q.scale for q in qs], 1))
@@ -178,7 +182,7 @@ class _StandIn(torch.autograd.Function):
     def forward(ctx, *weights):
         ctx.sizes = [w.shape[1] for w in weights]
         e, _, k = weights[0].shape
-        return weights[0].new_zeros(()).expand(e, sum(ctx.sizes), k)
+        return torch.zeros((), dtype=weights[0].dtype, device=weights[0].device).expand(e, sum(ctx.sizes), k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -272,6 +276,20 @@ class MoEFP4GroupedExperts(GroupedExperts):
         y = grouped_swiglu_experts(x_RD.to(torch.bfloat16), w13, w2, counts_E.to(x_RD.device), self.precision,
                                    storage=self.storage, fp8_weights=pairs)
         return y.type_as(x_RD)
+
+
+def fp8_all_gather(model: torch.nn.Module) -> list[str]:
+    """model: a torchtitan model converted by :class:`GroupedExpertsConverter`, not yet sharded -> the names of the
+    expert weights (w1, w2, w3 of every fp8 / fp4 :class:`MoEFP4GroupedExperts`) made
+    :class:`moe_fp4.gemm.fsdp.FP8GatherWeight`: under FSDP2's ``fully_shard`` their all-gathers send W's FP8 codes
+    and block scales, which the experts read directly, with ``Shard(0)`` over whole experts; other placements
+    (torchtitan's ``Shard(1)``, used when its efsdp mesh outnumbers the experts: untested) gather in the weights'
+    dtype with a warning. Call it before ``fully_shard``."""
+    done = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, MoEFP4GroupedExperts) and m.precision is not Precision.BF16:
+            done += gather_in_fp8(m, ("w1_EFD", "w2_EDF", "w3_EFD"), f"{prefix}.")
+    return done
 
 
 class MoEFP4RoutedExperts(RoutedExperts):
@@ -486,5 +504,5 @@ def deepseek_v3_debugmodel_fp4_experts():
     return _debugmodel_with_experts("fp4")
 
 
-__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "MoEFP4GroupedExperts", "MoEFP4RoutedExperts",
+__all__ = ["FP8_PAIRS", "GroupedExpertsConverter", "fp8_all_gather", "MoEFP4GroupedExperts", "MoEFP4RoutedExperts",
            "PaddedTokenDispatcher", "deepseek_v3_debugmodel_fp4_experts", "deepseek_v3_debugmodel_fp8_experts"]
