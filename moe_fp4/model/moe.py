@@ -206,7 +206,9 @@ class MoE(nn.Module):
         in), after ``load_state_dict``, and at every forward outside torch.compile that finds a weight changed.
         A compiled forward cannot check: a weight written any other way (``w.data.copy_``, a custom update) must
         be followed by ``pin_fp8_weights()`` before the next compiled forward, or that forward reads the old W.
-        Not with expert parallelism's DTensors (FSDP2): their local tensors change under the module."""
+        Not under FSDP2, whose DTensor parameters change their local tensors under the module: there
+        :func:`moe_fp4.model.fsdp.fp8_all_gather` gathers the FP8 codes instead. A copy of the layer (``deepcopy``)
+        is pinned again by its first forward outside torch.compile, or by calling this."""
         self._pinned = self.precision is not Precision.BF16
         if self._pinned:
             self._sync_pinned()
@@ -226,14 +228,15 @@ class MoE(nn.Module):
 
     @staticmethod
     def _repin_after_load(module: "MoE", _incompatible) -> None:
-        if module._pinned:
+        if getattr(module, "_pinned", False):
             module._sync_pinned()
 
     def _fp8_weights(self, w13: str, w2: str):
         """-> ((W13, None), (W2, None)) from the pinned buffers, for grouped_swiglu_experts' fp8_weights (its
         backward transposes W), or None when not pinned (the experts then use the process's cache, or under
         torch.compile or CUDA-graph capture quantize in the graph)."""
-        if not self._pinned or self.precision is Precision.BF16 or hasattr(type(self.w13), "fp8_weight"):
+        if not getattr(self, "_pinned", False) or self.precision is Precision.BF16 \
+                or hasattr(type(self.w13), "fp8_weight"):
             return None   # not pinned, or FSDP2 gathered the weights in FP8 (the experts read those codes)
         if not in_graph_region(self.w13):   # a compiled or captured graph reads the buffers as they are
             self._sync_pinned()
@@ -311,7 +314,7 @@ class MoE(nn.Module):
     def _prefetch_fp8_weights(self, fc1: bool = True, fc2: bool = True) -> None:
         """fp8 / fp4: the FP8 pairs of the FC1 (w13) and / or FC2 (w2) weights, routed and shared, made now
         (:func:`moe_fp4.model.experts.prefetch_fp8_weights`), where the GPU would otherwise wait for the host."""
-        if self.precision is not Precision.BF16 and not self._pinned:
+        if self.precision is not Precision.BF16 and not getattr(self, "_pinned", False):
             prefetch_fp8_weights(*((self.w13, self.shared_w13) if fc1 else ()),
                                  *((self.w2, self.shared_w2) if fc2 else ()))
 
