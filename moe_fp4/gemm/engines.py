@@ -170,6 +170,12 @@ def _stacked(data: torch.Tensor, scale: torch.Tensor, lead) -> FP8WeightTensor:
     return FP8WeightTensor(data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]))
 
 
+def gathered_fp8(w: torch.Tensor) -> FP8WeightTensor | None:
+    """w's own W (codes and scales) when w is an expert weight FSDP2 gathered in FP8 (moe_fp4.gemm.fsdp.
+    GatheredFP8Weight, which holds nothing else), else None."""
+    return w.fp8_weight if hasattr(type(w), "fp8_weight") else None
+
+
 def in_graph_region(t: torch.Tensor) -> bool:
     """Whether work on ``t`` is being recorded rather than run: under torch.compile or CUDA-graph capture. There
     nothing may wait for the host, and nothing may be cached across calls by storage address (a compiled graph
@@ -297,9 +303,9 @@ class FP8WeightCache:
     def weight(self, w: torch.Tensor) -> FP8WeightTensor:
         """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before; w's own
         FP8 codes when w is an FSDP2 parameter gathered in FP8 (moe_fp4.gemm.fsdp.GatheredFP8Weight)."""
-        fp8 = getattr(type(w), "fp8_weight", None)
+        fp8 = gathered_fp8(w)
         if fp8 is not None:
-            return w.fp8_weight
+            return fp8
         try:
             key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         except RuntimeError:   # a tensor subclass without a plain storage: no identity to cache on
@@ -655,6 +661,7 @@ def _column_slice(t: FP8BlockTensor, start: int, stop: int) -> FP8BlockTensor:
 
 __all__ = [
     "FP8_WEIGHTS",
+    "gathered_fp8",
     "in_graph_region",
     "FP8WeightCache",
     "FP8WeightTensor",

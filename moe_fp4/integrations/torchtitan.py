@@ -99,7 +99,7 @@ from torchtitan.models.common.token_dispatcher import (
     TorchAOTokenDispatcher,
 )
 
-from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, in_graph_region, quantize_fp8_weight
+from moe_fp4.gemm.engines import FP8_WEIGHTS, FP8WeightTensor, gathered_fp8, in_graph_region, quantize_fp8_weight
 from moe_fp4.gemm.fsdp import gather_in_fp8
 from moe_fp4.model.experts import TOKEN_ALIGN, Precision, grouped_swiglu_experts
 from moe_fp4.model.routing import routed_swiglu_experts
@@ -134,7 +134,7 @@ class _FP8Pairs:
     def get(self, module: torch.nn.Module, name: str, params, weights) -> tuple[FP8WeightTensor, None]:
         """params: the module's parameters (their ``_version`` is the one in-place writes bump, DTensors
         included); weights: their local [E, N_i, K] tensors -> (W of cat(weights, dim=1), None)."""
-        if any(hasattr(type(w), "fp8_weight") for w in weights):
+        if any(gathered_fp8(w) is not None for w in weights):
             return concatenated_weight(weights), None   # FSDP2 gathered their FP8 codes: nothing to make or keep
         key = (tuple(p._version for p in params), tuple(w.data_ptr() for w in weights),
                tuple(tuple(w.shape) for w in weights), weights[0].dtype)
@@ -163,7 +163,7 @@ def concatenated_weight(weights) -> FP8WeightTensor:
     """weights: [E, N_i, K] tensors (N_i multiples of 128) -> W of cat(weights, dim=1), each weight quantized
     apart and the codes and block scales concatenated along N (no 128x128 block straddles two weights); a weight
     FSDP2 gathered in FP8 (moe_fp4.gemm.fsdp.GatheredFP8Weight) gives its own codes."""
-    qs = [w.fp8_weight if hasattr(type(w), "fp8_weight") else quantize_fp8_weight(w) for w in weights]
+    qs = [gathered_fp8(w) or quantize_fp8_weight(w) for w in weights]
     if len(qs) == 1:
         return qs[0]
     return FP8WeightTensor(torch.cat([q.data for q in qs], 1), torch.cat([q.scale for q in qs], 1))

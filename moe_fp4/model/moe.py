@@ -28,7 +28,7 @@ from moe_fp4.exchange.recipes import WireRecipe, default_recipe
 from moe_fp4.exchange.simulate import simulate_dispatch_rows, simulate_exchange
 from moe_fp4.exchange.wire import WireFormat
 from moe_fp4.formats.choices import Choice
-from moe_fp4.gemm.engines import FP8_WEIGHTS, WEIGHT_BLOCK, FP8WeightTensor, in_graph_region
+from moe_fp4.gemm.engines import FP8_WEIGHTS, WEIGHT_BLOCK, FP8WeightTensor, gathered_fp8, in_graph_region
 from moe_fp4.model.experts import (
     TOKEN_ALIGN,
     Precision,
@@ -214,10 +214,10 @@ class MoE(nn.Module):
             self._sync_pinned()
         return self
 
-    def _sync_pinned(self) -> None:
-        """The pinned copies refreshed where a weight changed, and (re)registered where the buffers are not the
-        cache's tensors (the first pin, or a weight moved or cast)."""
-        for name in self._PINNED:
+    def _sync_pinned(self, names=_PINNED) -> None:
+        """The pinned copies of ``names`` refreshed where a weight changed, and (re)registered where the buffers
+        are not the cache's tensors (the first pin, or a weight moved or cast)."""
+        for name in names:
             w = getattr(self, name)
             if w is None:
                 continue
@@ -236,10 +236,10 @@ class MoE(nn.Module):
         backward transposes W), or None when not pinned (the experts then use the process's cache, or under
         torch.compile or CUDA-graph capture quantize in the graph)."""
         if not getattr(self, "_pinned", False) or self.precision is Precision.BF16 \
-                or hasattr(type(self.w13), "fp8_weight"):
+                or gathered_fp8(self.w13) is not None:
             return None   # not pinned, or FSDP2 gathered the weights in FP8 (the experts read those codes)
         if not in_graph_region(self.w13):   # a compiled or captured graph reads the buffers as they are
-            self._sync_pinned()
+            self._sync_pinned((w13, w2))
         return tuple((FP8WeightTensor(getattr(self, f"fp8_{n}"), getattr(self, f"fp8_{n}_scale")), None)
                      for n in (w13, w2))
 
