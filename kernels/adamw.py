@@ -147,28 +147,36 @@ def _check(p, g, m, v, fn):
             raise ValueError(f"{fn}: {name} must be contiguous")
 
 
-def _outputs(p, write_t: bool):
+def _outputs(p, write_t: bool, out=None):
     e, n, k = p.shape
-    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=p.device)
+    shapes = ((e, n, k), (e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK))
+    if out is not None:
+        q, scale = out
+        if (q.dtype, scale.dtype) != (torch.float8_e4m3fn, torch.float32) or \
+                (tuple(q.shape), tuple(scale.shape)) != shapes or not (q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError(f"adamw_fp8_weight_step: out must be contiguous float8_e4m3fn {shapes[0]} and float32 "
+                             f"{shapes[1]}, got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    else:
+        q = torch.empty(shapes[0], dtype=torch.float8_e4m3fn, device=p.device)
+        scale = torch.empty(shapes[1], dtype=torch.float32, device=p.device)
     qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=p.device) if write_t else None
-    scale = torch.empty(e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, dtype=torch.float32, device=p.device)
     return q, qt, scale
 
 
 def adamw_fp8_weight_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                           c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None,
-                          write_t: bool = True):
+                          write_t: bool = True, out=None):
     """p: float32/bf16/fp16 [E, N, K] (N, K multiples of 128), g / m / v: float [E, N, K], all contiguous
     -> (data float8_e4m3fn [E, N, K], data_t float8_e4m3fn [E, K, N] or None without write_t, scale float32
     [E, N/128, K/128]): p, m and v updated in place by one AdamW step with the constants c, and the FP8 pair
-    of the new p (quantize_fp8_weight_128x128 with write_q and write_t). Bit-identical to
-    adamw_fp8_weight_step_ref under the interpreter. asm: None = the PTX rounding on sm_90+ outside the
-    interpreter."""
+    of the new p (quantize_fp8_weight_128x128 with write_q and write_t). ``out``: (data, scale) tensors of
+    those shapes to write W into (and return) instead of new ones. Bit-identical to adamw_fp8_weight_step_ref
+    under the interpreter. asm: None = the PTX rounding on sm_90+ outside the interpreter."""
     _check(p, g, m, v, "adamw_fp8_weight_step")
     if chunk < 1 or chunk & (chunk - 1) or WEIGHT_BLOCK % chunk:
         raise ValueError(f"adamw_fp8_weight_step: chunk (rows per slice) must be a power of two dividing "
                          f"{WEIGHT_BLOCK}, got {chunk}")
-    q, qt, scale = _outputs(p, write_t)
+    q, qt, scale = _outputs(p, write_t, out)
     e, n, k = p.shape
     if p.numel():
         q8 = q.view(torch.uint8)
@@ -193,7 +201,7 @@ def _sqrt_rn(a: torch.Tensor) -> torch.Tensor:
 
 def adamw_fp8_weight_step_ref(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                               c: AdamWScalars, num_warps: int = 16, chunk: int = 32, asm: bool | None = None,
-                              write_t: bool = True):
+                              write_t: bool = True, out=None):
     """Pure-torch twin of adamw_fp8_weight_step (num_warps, chunk and asm are ignored): the same float32
     operations in the same order, then quantize_fp8_weight_128x128_ref of the stored new p."""
     _check(p, g, m, v, "adamw_fp8_weight_step_ref")
@@ -209,4 +217,10 @@ def adamw_fp8_weight_step_ref(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     p.copy_(pf)
     m.copy_(mf)
     v.copy_(vf)
-    return quantize_fp8_weight_128x128_ref(p, write_q=True, write_t=write_t)
+    q, qt, scale = quantize_fp8_weight_128x128_ref(p, write_q=True, write_t=write_t)
+    if out is None:
+        return q, qt, scale
+    dq, ds = _outputs(p, False, out)[::2]
+    dq.copy_(q)
+    ds.copy_(scale)
+    return dq, qt, ds

@@ -210,7 +210,7 @@ class FP8WeightCache:
     A *pinned* copy (:meth:`pin`) keeps one storage for the weight's life: every refresh writes the new codes and
     scales into the same two tensors, so a compiled graph or a CUDA graph that takes them as inputs reads the
     current W without a lookup. A pinned copy is refreshed where an unpinned one would be dropped: after each
-    torch.optim step that steps its weight (AdamWFP8Weights hands its fused step's W over, which is copied in),
+    torch.optim step that steps its weight (AdamWFP8Weights' fused step writes W into it: pinned_copy),
     and at the next :meth:`weight` or :meth:`pin` of a changed weight.
     """
 
@@ -300,6 +300,15 @@ class FP8WeightCache:
         entry = self._entries.get(w)
         return entry is not None and entry[2]
 
+    def pinned_copy(self, w: torch.Tensor) -> FP8WeightTensor | None:
+        """w's pinned copy (its tensors, whatever their freshness) for an optimizer to write W into before
+        :meth:`put`, or None when w is not pinned or its copy no longer matches w's shape and device."""
+        entry = self._entries.get(w)
+        if entry is None or not entry[2]:
+            return None
+        q = entry[1]
+        return q if q.data.device == w.device and tuple(q.data.shape) == tuple(w.shape) else None
+
     def weight(self, w: torch.Tensor) -> FP8WeightTensor:
         """w: [N, K] or [E, N, K] -> W in 128x128 blocks, quantized now or at the same version of w before; w's own
         FP8 codes when w is an FSDP2 parameter gathered in FP8 (moe_fp4.gemm.fsdp.GatheredFP8Weight)."""
@@ -340,7 +349,10 @@ class FP8WeightCache:
         that quantizes while it updates (adamw_step_fp8_weight_pair's W) hands over."""
         entry = self._entries.get(w)
         if entry is not None and entry[2]:
-            self._refresh(w, entry[1], q)   # the pinned tensors take the new codes
+            if q.data is entry[1].data and q.scale is entry[1].scale:   # written in place (pinned_copy)
+                self._entries[w] = (self._key(w), q, True)
+            else:
+                self._refresh(w, entry[1], q)   # the pinned tensors take the new codes
             return
         if not self.enabled:
             return
@@ -370,10 +382,12 @@ class FP8WeightCache:
 
 
 def adamw_step_fp8_weight(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                          scalars) -> FP8WeightTensor:
+                          scalars, out: FP8WeightTensor | None = None) -> FP8WeightTensor:
     """:func:`adamw_step_fp8_weight_pair`'s step, making W alone (the pass writes no W^T): what the FP8 weight
-    cache holds, W^T being made in backward from W's codes."""
-    return _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, False)[0]
+    cache holds, W^T being made in backward from W's codes. ``out``: an FP8WeightTensor of p's W to write into
+    and return (a pinned copy, :meth:`FP8WeightCache.pinned_copy`) instead of new tensors."""
+    q = _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, False, out)[0]
+    return q if out is None else out
 
 
 def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -387,7 +401,7 @@ def adamw_step_fp8_weight_pair(p: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     return _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, True)
 
 
-def _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, write_t: bool):
+def _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, write_t: bool, out: FP8WeightTensor | None = None):
     from moe_fp4.formats.conversions import _use_triton
 
     if not isinstance(p, torch.Tensor) or p.dim() not in (2, 3):
@@ -402,7 +416,9 @@ def _adamw_step(p, grad, exp_avg, exp_avg_sq, scalars, write_t: bool):
     n, k = p.shape[-2:]
     views = [t.detach().view(-1, n, k) for t in (p, grad, exp_avg, exp_avg_sq)]
     step = adamw_kernels.adamw_fp8_weight_step if _use_triton(p) else adamw_kernels.adamw_fp8_weight_step_ref
-    q, qt, scale = step(*views, scalars, write_t=write_t)
+    if out is not None:
+        out = (out.data.view(-1, n, k), out.scale.view(-1, *out.scale.shape[-2:]))
+    q, qt, scale = step(*views, scalars, write_t=write_t, out=out)
     torch.autograd.graph.increment_version(p)
     if not write_t:
         return _stacked(q, scale, p.shape[:-2]), None

@@ -202,8 +202,9 @@ class MoE(nn.Module):
         for CUDA graphs) instead of quantizing W every step. -> self.
 
         Call it outside the compiled region, once the layer is on its device and in its dtype (again after a
-        ``.to()``). The copies follow the weights after every torch.optim step (AdamWFP8Weights' fused W copied
-        in), after ``load_state_dict``, and at every forward outside torch.compile that finds a weight changed.
+        ``.to()``). The copies follow the weights after every torch.optim step (AdamWFP8Weights' fused step
+        writes them in place), after ``load_state_dict``, and at every forward outside torch.compile that finds a
+        weight changed.
         A compiled forward cannot check: a weight written any other way (``w.data.copy_``, a custom update) must
         be followed by ``pin_fp8_weights()`` before the next compiled forward, or that forward reads the old W.
         Not under FSDP2, whose DTensor parameters change their local tensors under the module: there

@@ -134,9 +134,11 @@ class AdamWFP8Weights(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         scalars = AdamWScalars.at(int(step.item()), float(group["lr"]), float(beta1), float(beta2),
                                   float(group["eps"]), float(group["weight_decay"]), bool(group["maximize"]))
-        self.fp8_weight_cache.discard(p)   # the old copy goes before the new one is allocated
-        q = adamw_step_fp8_weight(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
-        self.fp8_weight_cache.put(p, q)
+        cache = self.fp8_weight_cache
+        cache.discard(p)   # the old copy goes before the new one is allocated (a pinned one is written in place)
+        q = adamw_step_fp8_weight(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars,
+                                  out=cache.pinned_copy(p))
+        cache.put(p, q)
 
 
 __all__ = ["AdamWFP8Weights"]

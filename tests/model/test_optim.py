@@ -269,3 +269,10 @@ def test_kernel_without_the_transpose_writes_the_same_weight_codes():
         assert torch.equal(_u8(q), _u8(q1)) and torch.equal(s, s1)
         for a, b in zip(pair_state, w_state):
             assert torch.equal(_u8(a), _u8(b))
+        # out=: W written into the caller's tensors (a pinned copy), returned as they are
+        out_state = [t.clone() for t in (p, g, m, v)]
+        out = (torch.full_like(q, float("nan")), torch.zeros_like(s))
+        q2, _, s2 = step(*out_state, c, write_t=False, out=out)
+        assert q2 is out[0] and s2 is out[1] and torch.equal(_u8(q2), _u8(q)) and torch.equal(s2, s)
+        with pytest.raises(ValueError, match="out must be"):
+            step(*[t.clone() for t in (p, g, m, v)], c, write_t=False, out=(out[0][:1], out[1]))
